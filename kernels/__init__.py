@@ -1,0 +1,1 @@
+"""Fused sequence log-likelihood kernels (public import: moe_gspo.kernels)."""

@@ -1,0 +1,1 @@
+"""moe_gspo.losses"""

@@ -36,6 +36,7 @@ class LayerRouting:
 
     topk_idx: torch.Tensor  # (N, k) int64 expert ids, sorted ascending per token
     topk_weights: torch.Tensor  # (N, k) float32 combine weights (renormalized top-k probabilities), detached
+    live_idx: torch.Tensor | None = None  # (N, k) what the live router would have chosen, when replay overrode it
 
 
 @dataclass
@@ -49,9 +50,16 @@ class RoutingCapture:
     def replay_indices(self, layer: int) -> torch.Tensor | None:
         return None if self.replay is None else self.replay.indices(layer)
 
-    def put(self, layer: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    def put(self, layer: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+            live_idx: torch.Tensor | None = None) -> None:
         if self.record:
-            self.layers[layer] = LayerRouting(topk_idx.detach(), topk_weights.detach().float())
+            live = None if live_idx is None else live_idx.detach()
+            self.layers[layer] = LayerRouting(topk_idx.detach(), topk_weights.detach().float(), live)
+
+    def live_stacked(self) -> torch.Tensor:
+        """(N, L, k): the experts the live router chose (equal to stacked() unless replay overrode them)."""
+        return torch.stack([(r.live_idx if r.live_idx is not None else r.topk_idx)
+                            for _, r in sorted(self.layers.items())], dim=1)
 
     def stacked(self) -> torch.Tensor:
         """All layers' indices as (N, L, k) int64, layers in increasing order."""

@@ -1,0 +1,345 @@
+"""Typed configuration: dataclasses with a docstring per field, values from YAML plus `a.b=value` overrides.
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["train.lr=1e-3", "parallel.ep=2"])
+
+Every check names the field and the bad value; unknown keys and wrong types fail before anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or out of range (the message names the field)."""
+
+
+@dataclass
+class ModelConfig:
+    """Qwen3-MoE architecture (names follow transformers' Qwen3MoeConfig)."""
+
+    vocab_size: int = 128
+    """Vocabulary size (rows of the embedding and of the LM head)."""
+    hidden_size: int = 128
+    """Model width H."""
+    num_hidden_layers: int = 4
+    """Number of decoder layers; every layer is an MoE layer."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide num_attention_heads."""
+    head_dim: int = 32
+    """Per-head width (Qwen3 decouples it from hidden_size / heads)."""
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    num_experts_per_tok: int = 2
+    """Top-k experts per token."""
+    moe_intermediate_size: int = 256
+    """Hidden width of each SwiGLU expert."""
+    norm_topk_prob: bool = True
+    """Renormalize the top-k router probabilities to sum to 1 (Qwen3-MoE: true)."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon (must match the checkpoint: megatron's 1e-5 default flips experts)."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base."""
+    max_position_embeddings: int = 512
+    """Longest sequence the model is configured for."""
+    tie_word_embeddings: bool = False
+    """Share the embedding and the LM head."""
+    initializer_range: float = 0.02
+    """Std of the normal init for a fresh model."""
+    params_dtype: str = "float32"
+    """Parameter dtype: float32 or bfloat16."""
+    attention: str = "sdpa"
+    """Core attention: 'sdpa' (torch scaled_dot_product_attention) or 'megatron' (megatron's local unfused one)."""
+    init_from: str | None = None
+    """A Hugging Face Qwen3-MoE checkpoint directory to load weights from (architecture fields then come from it)."""
+
+    def __post_init__(self):
+        _positive(self, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"model.num_key_value_heads={self.num_key_value_heads} must divide "
+                              f"model.num_attention_heads={self.num_attention_heads}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                              f"model.num_experts={self.num_experts}")
+        _choice(self, "params_dtype", ("float32", "bfloat16"))
+        _choice(self, "attention", ("sdpa", "megatron"))
+
+
+@dataclass
+class ParallelConfig:
+    """How the policy is split over ranks (world = tp * ep * dp for the dense part's data parallelism)."""
+
+    tp: int = 1
+    """Tensor-parallel size (attention heads, expert-free dense weights, vocab). TP>1 turns on sequence parallelism."""
+    ep: int = 1
+    """Expert-parallel size: experts are divided among ep ranks."""
+    backend: str = "auto"
+    """torch.distributed backend: 'auto' (nccl with CUDA, else gloo), 'gloo' or 'nccl'."""
+    dispatcher: str = "allgather"
+    """MoE token dispatcher: 'allgather' (works on gloo) or 'alltoall'."""
+
+    def __post_init__(self):
+        _positive(self, "tp", "ep")
+        _choice(self, "backend", ("auto", "gloo", "nccl"))
+        _choice(self, "dispatcher", ("allgather", "alltoall"))
+
+
+@dataclass
+class AlgorithmConfig:
+    """The policy-optimization algorithm."""
+
+    loss: str = "gspo"
+    """Policy loss by registered name: 'gspo', 'gspo_token' or 'grpo'."""
+    advantage: str = "grpo"
+    """Advantage estimator by registered name (group-relative by default)."""
+    clip_low: float | None = None
+    """Lower clip epsilon; None takes the loss's paper default (grpo 0.2, gspo 3e-4)."""
+    clip_high: float | None = None
+    """Upper clip epsilon; None takes the loss's paper default (grpo 0.27, gspo 4e-4)."""
+    kl_beta: float = 0.0
+    """Coefficient of the k3 KL penalty to the reference policy (0 as in the paper)."""
+    routing_replay: str = "off"
+    """Routing Replay mode: 'off', 'r2' (old policy's training routing) or 'r3' (rollout engine's routing)."""
+    use_engine_logprobs: bool = False
+    """Use the rollout engine's log-probs as pi_old instead of recomputing them (sound for GSPO only)."""
+    track_flips: bool = True
+    """Measure the expert-flip rate after each gradient step."""
+
+    def __post_init__(self):
+        _choice(self, "routing_replay", ("off", "r2", "r3"))
+        if self.kl_beta < 0:
+            raise ConfigError(f"algorithm.kl_beta={self.kl_beta} must be >= 0")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling responses from the current policy."""
+
+    engine: str = "hf"
+    """Rollout engine: 'hf' (transformers generate, CPU) or 'sglang' (GPU)."""
+    task: str = "addition"
+    """Built-in task name or 'jsonl'/'parquet' for a dataset file."""
+    dataset_path: str | None = None
+    """Prompt file for dataset tasks."""
+    prompts_per_step: int = 8
+    """Prompts per rollout batch."""
+    group_size: int = 8
+    """Responses sampled per prompt (G)."""
+    max_new_tokens: int = 16
+    """Longest response."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    return_routing: bool = True
+    """Ask the engine for the experts each response token was routed to (needed for R3 and mismatch metrics)."""
+
+    def __post_init__(self):
+        _positive(self, "prompts_per_step", "group_size", "max_new_tokens")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        if self.temperature <= 0:
+            raise ConfigError(f"rollout.temperature={self.temperature} must be > 0")
+
+
+@dataclass
+class TrainConfig:
+    """Optimization and the loop."""
+
+    seed: int = 0
+    """Seed for weights, data and sampling."""
+    steps: int = 20
+    """Rollout steps (RL) or optimizer steps (plain training)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables)."""
+    minibatches: int = 4
+    """Optimizer steps per rollout batch (the paper uses 4)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward inside a minibatch."""
+    seq_len: int = 64
+    """Sequence length for plain training runs."""
+    batch_size: int = 16
+    """Sequences per optimizer step for plain training runs."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every N steps (0: never)."""
+    keep_checkpoints: int = 2
+    """How many complete checkpoints to keep."""
+    out_dir: str = "runs/tiny"
+    """Where metrics and checkpoints go."""
+
+    def __post_init__(self):
+        _positive(self, "steps", "minibatches", "micro_batch_size", "seq_len", "batch_size", "keep_checkpoints")
+        if self.lr < 0:
+            raise ConfigError(f"train.lr={self.lr} must be >= 0")
+
+
+@dataclass
+class LoggingConfig:
+    """Where and how metrics are reported."""
+
+    jsonl: bool = True
+    """Write metrics.jsonl in the run directory."""
+    tensorboard: bool = True
+    """Write tensorboard event files in the run directory."""
+    progress: bool = True
+    """Show a rich progress bar."""
+    every: int = 1
+    """Log every N steps."""
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy architecture."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor/expert parallelism."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Loss, advantages, routing replay."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimization."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+def _positive(obj, *names):
+    section = _SECTION.get(type(obj), type(obj).__name__)
+    for n in names:
+        v = getattr(obj, n)
+        if v <= 0:
+            raise ConfigError(f"{section}.{n}={v!r} must be > 0")
+
+
+def _choice(obj, name, choices):
+    section = _SECTION.get(type(obj), type(obj).__name__)
+    v = getattr(obj, name)
+    if v not in choices:
+        raise ConfigError(f"{section}.{name}={v!r} is not one of {list(choices)}")
+
+
+_SECTION = {ModelConfig: "model", ParallelConfig: "parallel", AlgorithmConfig: "algorithm",
+            RolloutConfig: "rollout", TrainConfig: "train", LoggingConfig: "logging"}
+
+
+def _coerce(value, tp, where: str):
+    """Check/convert a YAML or override value to the annotated type `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}={value!r} must be a bool (true/false)")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}={value!r} must be an int")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}={value!r} must be a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}={value!r} must be a string")
+    raise ConfigError(f"{where}: unsupported type {tp}")
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            raise ConfigError(f"unknown config key '{path}'; valid keys under '{where or 'config'}': {sorted(names)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, path)
+        else:
+            kwargs[key] = _coerce(value, tp, path)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict) -> Config:
+    """Build a validated Config from a nested dict (unknown keys and wrong types raise ConfigError)."""
+    return _build(Config, data or {}, "")
+
+
+def _parse_scalar(text: str):
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` strings (values parsed as YAML scalars) to a nested dict."""
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} is not of the form section.key=value")
+        key, text = ov.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {ov!r}: '{p}' is not a section")
+        node[parts[-1]] = _parse_scalar(text)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML file (or nothing: defaults), apply overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        return config_from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)

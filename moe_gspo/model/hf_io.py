@@ -1,0 +1,298 @@
+"""Hugging Face Qwen3-MoE checkpoints <-> megatron-core parameter names, sharding for TP/EP, safetensors I/O.
+
+Layouts (transformers 5.x; megatron-core 0.16.1):
+    q/k/v_proj           -> self_attention.linear_qkv: per query group, its q heads, then its k head, then its v head
+    experts (fused)      gate_up_proj (E, 2I, H), down_proj (E, H, I)  -> local_experts.e.linear_fc1 / linear_fc2
+    experts (per expert) experts.e.gate_proj / up_proj / down_proj     (original Qwen3 layout; also read)
+save_pretrained writes the per-expert layout (what Qwen3-MoE checkpoints ship with and what transformers,
+SGLang and vLLM all read); load accepts both, single-file or sharded (model.safetensors.index.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from moe_gspo.config import ConfigError, ModelConfig
+
+HF_ARCH = "Qwen3MoeForCausalLM"
+
+
+# ---------------------------------------------------------------- config.json
+def hf_config_dict(mc: ModelConfig) -> dict:
+    return {
+        "architectures": [HF_ARCH], "model_type": "qwen3_moe",
+        "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
+        "num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
+        "head_dim": mc.head_dim, "num_experts": mc.num_experts, "num_experts_per_tok": mc.num_experts_per_tok,
+        "moe_intermediate_size": mc.moe_intermediate_size, "intermediate_size": mc.moe_intermediate_size,
+        "norm_topk_prob": mc.norm_topk_prob, "rms_norm_eps": mc.rms_norm_eps, "rope_theta": mc.rope_theta,
+        "rope_scaling": None, "max_position_embeddings": mc.max_position_embeddings,
+        "tie_word_embeddings": mc.tie_word_embeddings, "initializer_range": mc.initializer_range,
+        "hidden_act": "silu", "attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "shared_expert_intermediate_size": 0, "router_aux_loss_coef": 0.0, "output_router_logits": False,
+        "torch_dtype": mc.params_dtype, "use_sliding_window": False,
+    }
+
+
+def model_config_from_hf(path: Path, overrides: ModelConfig | None = None) -> ModelConfig:
+    """Read config.json; refuse other architectures and MoE features this policy does not implement."""
+    f = path / "config.json"
+    if not f.is_file():
+        raise ConfigError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
+    try:
+        c = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f}: invalid JSON ({e})") from None
+    mt = c.get("model_type")
+    if mt != "qwen3_moe":
+        raise ConfigError(f"{f}: model_type={mt!r}, architectures={c.get('architectures')}; "
+                          f"moe-gspo loads Qwen3-MoE checkpoints (model_type 'qwen3_moe') only")
+    if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"{f}: dense layers (mlp_only_layers / decoder_sparse_step) are not supported")
+    rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+    base = overrides or ModelConfig()
+    try:
+        return ModelConfig(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_hidden_layers"],
+            num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            num_experts=c.get("num_experts") or c["num_local_experts"],
+            num_experts_per_tok=c["num_experts_per_tok"], moe_intermediate_size=c["moe_intermediate_size"],
+            norm_topk_prob=bool(c.get("norm_topk_prob", False)), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope), max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            initializer_range=c.get("initializer_range", 0.02), params_dtype=base.params_dtype,
+            attention=base.attention, init_from=str(path))
+    except KeyError as e:
+        raise ConfigError(f"{f}: missing field {e.args[0]!r}") from None
+
+
+# ---------------------------------------------------------------- names (full, unsharded tensors)
+def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full HF state dict -> full megatron state dict (single-process names and shapes)."""
+    L, E, H = mc.num_hidden_layers, mc.num_experts, mc.hidden_size
+    nq, ng, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    out: dict[str, torch.Tensor] = {}
+
+    def take(name):
+        if name not in hf:
+            raise ConfigError(f"checkpoint is missing tensor {name!r}")
+        return hf.pop(name)
+
+    out["embedding.word_embeddings.weight"] = take("model.embed_tokens.weight")
+    for i in range(L):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[m + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        q = take(p + "self_attn.q_proj.weight").view(ng, nq // ng * d, H)
+        k = take(p + "self_attn.k_proj.weight").view(ng, d, H)
+        v = take(p + "self_attn.v_proj.weight").view(ng, d, H)
+        out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, H)
+        out[m + "self_attention.linear_proj.weight"] = take(p + "self_attn.o_proj.weight")
+        out[m + "self_attention.q_layernorm.weight"] = take(p + "self_attn.q_norm.weight")
+        out[m + "self_attention.k_layernorm.weight"] = take(p + "self_attn.k_norm.weight")
+        out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+        out[m + "mlp.router.weight"] = take(p + "mlp.gate.weight")
+        fused = p + "mlp.experts.gate_up_proj"
+        for e in range(E):
+            x = f"{m}mlp.experts.local_experts.{e}."
+            if fused in hf:
+                out[x + "linear_fc1.weight"] = hf[fused][e]
+                out[x + "linear_fc2.weight"] = hf[p + "mlp.experts.down_proj"][e]
+            else:
+                pe = f"{p}mlp.experts.{e}."
+                out[x + "linear_fc1.weight"] = torch.cat([take(pe + "gate_proj.weight"), take(pe + "up_proj.weight")])
+                out[x + "linear_fc2.weight"] = take(pe + "down_proj.weight")
+        hf.pop(fused, None)
+        hf.pop(p + "mlp.experts.down_proj", None)
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+    if not mc.tie_word_embeddings:
+        out["output_layer.weight"] = take("lm_head.weight")
+    else:
+        hf.pop("lm_head.weight", None)
+    if hf:
+        raise ConfigError(f"checkpoint has tensors this architecture does not use: {sorted(hf)[:5]}")
+    return out
+
+
+def megatron_to_hf(mg: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full megatron state dict -> HF state dict in the per-expert Qwen3-MoE layout."""
+    L, E, H = mc.num_hidden_layers, mc.num_experts, mc.hidden_size
+    nq, ng, d, inter = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.moe_intermediate_size
+    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"]}
+    for i in range(L):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[p + "input_layernorm.weight"] = mg[m + "input_layernorm.weight"]
+        qkv = mg[m + "self_attention.linear_qkv.weight"].view(ng, (nq // ng + 2) * d, H)
+        q, k, v = qkv.split([nq // ng * d, d, d], dim=1)
+        out[p + "self_attn.q_proj.weight"] = q.reshape(nq * d, H)
+        out[p + "self_attn.k_proj.weight"] = k.reshape(ng * d, H)
+        out[p + "self_attn.v_proj.weight"] = v.reshape(ng * d, H)
+        out[p + "self_attn.o_proj.weight"] = mg[m + "self_attention.linear_proj.weight"]
+        out[p + "self_attn.q_norm.weight"] = mg[m + "self_attention.q_layernorm.weight"]
+        out[p + "self_attn.k_norm.weight"] = mg[m + "self_attention.k_layernorm.weight"]
+        out[p + "post_attention_layernorm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
+        out[p + "mlp.gate.weight"] = mg[m + "mlp.router.weight"]
+        for e in range(E):
+            x, pe = f"{m}mlp.experts.local_experts.{e}.", f"{p}mlp.experts.{e}."
+            gate, up = mg[x + "linear_fc1.weight"].split([inter, inter])
+            out[pe + "gate_proj.weight"], out[pe + "up_proj.weight"] = gate, up
+            out[pe + "down_proj.weight"] = mg[x + "linear_fc2.weight"]
+    out["model.norm.weight"] = mg["decoder.final_layernorm.weight"]
+    out["lm_head.weight"] = mg["output_layer.weight" if not mc.tie_word_embeddings else
+                               "embedding.word_embeddings.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# ---------------------------------------------------------------- sharding (tp, ep)
+def _expert_of(name: str) -> tuple[str, int, str] | None:
+    key = ".mlp.experts.local_experts."
+    if key not in name:
+        return None
+    head, tail = name.split(key)
+    e, rest = tail.split(".", 1)
+    return head + key, int(e), rest
+
+
+def tp_dim(name: str) -> int | None:
+    """The dimension megatron splits over TP for a (non-expert) parameter, or None if replicated."""
+    if name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+        return 0
+    if name.endswith("linear_proj.weight"):
+        return 1
+    return None
+
+
+def shard_state(full: dict[str, torch.Tensor], mc: ModelConfig, tp: int, tp_rank: int, ep: int,
+                ep_rank: int) -> dict[str, torch.Tensor]:
+    """This rank's slice of a full megatron state dict (experts renumbered locally; ETP = 1)."""
+    e_local = mc.num_experts // ep
+    out = {}
+    for name, t in full.items():
+        ex = _expert_of(name)
+        if ex is not None:
+            head, e, rest = ex
+            if e // e_local == ep_rank:
+                out[f"{head}{e % e_local}.{rest}"] = t
+            continue
+        dim = tp_dim(name)
+        if dim is not None and tp > 1:
+            if name.endswith("linear_qkv.weight"):  # split whole query groups
+                g = t.view(mc.num_key_value_heads, -1, t.shape[-1])
+                t = g.chunk(tp, dim=0)[tp_rank].reshape(-1, t.shape[-1])
+            else:
+                t = t.chunk(tp, dim=dim)[tp_rank]
+        out[name] = t
+    return out
+
+
+def gather_state(local: dict[str, torch.Tensor], mc: ModelConfig, tp_group, ep_group) -> dict[str, torch.Tensor]:
+    """Inverse of shard_state: every rank returns the full megatron state dict (collective over TP and EP)."""
+    import torch.distributed as dist
+
+    tp, ep = dist.get_world_size(tp_group), dist.get_world_size(ep_group)
+    e_local = mc.num_experts // ep
+    full = {}
+    for name, t in local.items():
+        t = t.detach()
+        ex = _expert_of(name)
+        if ex is not None:
+            head, e, rest = ex
+            parts = [torch.empty_like(t) for _ in range(ep)]
+            dist.all_gather(parts, t.contiguous(), group=ep_group)
+            for r, p in enumerate(parts):
+                full[f"{head}{r * e_local + e}.{rest}"] = p
+            continue
+        dim = tp_dim(name)
+        if dim is not None and tp > 1:
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=tp_group)
+            if name.endswith("linear_qkv.weight"):
+                t = torch.cat([p.view(mc.num_key_value_heads // tp, -1, p.shape[-1]) for p in parts]).reshape(
+                    -1, t.shape[-1])
+            else:
+                t = torch.cat(parts, dim=dim)
+        full[name] = t
+    return full
+
+
+# ---------------------------------------------------------------- files
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint dir (model.safetensors or an index of shards), each file checked."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ConfigError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"{path}: no *.safetensors weights found")
+    out: dict[str, torch.Tensor] = {}
+    for fn in files:
+        f = path / fn
+        if not f.is_file():
+            raise ConfigError(f"{f}: listed in the index but missing")
+        try:
+            out.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConfigError(f"{f}: unreadable or truncated safetensors file ({e})") from None
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_hf_dir(path: Path, config: dict, tensors: dict[str, torch.Tensor], max_shard_bytes: int = 2 * 2**30):
+    """Write config.json + safetensors (sharded with an index past max_shard_bytes) atomically: everything goes
+    to a temp dir beside `path`, is fsynced, then renamed into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    shards, cur, size = [], {}, 0
+    for k in sorted(tensors):
+        t = tensors[k].detach().contiguous().cpu()
+        nb = t.numel() * t.element_size()
+        if cur and size + nb > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k], size = t, size + nb
+    shards.append(cur)
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    for n, s in zip(names, shards):
+        save_file(s, str(tmp / n), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.rename(path, old)
+        os.rename(tmp, path)
+        import shutil
+
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    return path

@@ -1,0 +1,127 @@
+"""The modules the Qwen3-MoE layer spec plugs into megatron-core: SDPA core attention, an RMSNorm that allows
+sequence parallelism, and a softmax top-k router that exposes and can replay its routing.
+
+Single-device code: tensor/expert parallel sizes come in through megatron's process groups, never from here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm with megatron's norm constructor signature; marks its weight `sequence_parallel` so that
+    megatron's finalize_model_grads all-reduces its gradient over the TP group when SP is on (megatron's
+    WrappedTorchNorm refuses SP)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+
+class SDPAttention(MegatronModule):
+    """Causal core attention through torch's scaled_dot_product_attention (GQA without repeating k/v).
+
+    Replaces megatron's local DotProductAttention (unfused baddbmm + masked softmax + bmm), which spends about
+    half of a CPU step in copies. Inputs/outputs use megatron's layout: q (sq, b, np, hn), k/v (sk, b, ng, hn)
+    -> context (sq, b, np * hn). Only causal self-attention over right-padded or full sequences is supported:
+    the explicit mask megatron passes is ignored in favour of is_causal.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        tp = pg_collection.tp.size() if pg_collection is not None else 1
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups, tp)
+        self.head_dim = config.kv_channels
+        self.scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        assert packed_seq_params is None and attention_bias is None, "SDPAttention: causal, unpacked only"
+        q = query.permute(1, 2, 0, 3)  # (b, np, sq, hn)
+        k = key.permute(1, 2, 0, 3)  # (b, ng, sk, hn)
+        v = value.permute(1, 2, 0, 3)
+        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                             dropout_p=self.dropout if self.training else 0.0,
+                                             enable_gqa=self.groups != self.heads)
+        sq, b = query.shape[0], query.shape[1]
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)  # (sq, b, np*hn)
+
+
+class RoutingContext:
+    """Per-forward bridge between megatron's token order and the caller's RoutingCapture.
+
+    Built by the policy for one forward. `local_pos` (N_local,) gives, for each token this rank's router sees
+    (megatron's sequence-major order, this rank's sequence-parallel shard), its batch-major position b*T + t.
+    `gather` (when TP > 1 with SP) collects (N_local, k) tensors from the TP group into (B*T, k).
+    """
+
+    def __init__(self, capture, local_pos: torch.Tensor, num_tokens: int,
+                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None, full_pos: torch.Tensor | None = None):
+        self.capture = capture
+        self.local_pos = local_pos
+        self.num_tokens = num_tokens
+        self.gather = gather
+        self.full_pos = full_pos if full_pos is not None else local_pos
+
+    def replay(self, layer: int) -> torch.Tensor | None:
+        idx = self.capture.replay_indices(layer)
+        if idx is None:
+            return None
+        if idx.dim() != 2 or idx.shape[0] != self.num_tokens:
+            raise ValueError(f"routing replay for MoE layer {layer}: expected indices of shape (B*T={self.num_tokens}, k), "
+                             f"got {tuple(idx.shape)}")
+        return idx.to(self.local_pos.device, torch.long)[self.local_pos]
+
+    def record(self, layer: int, idx: torch.Tensor, weights: torch.Tensor, live: torch.Tensor | None):
+        if not self.capture.record:
+            return
+        if self.gather is not None:
+            idx, weights = self.gather(idx), self.gather(weights)
+            live = None if live is None else self.gather(live)
+        order = torch.empty_like(self.full_pos)
+        order[self.full_pos] = torch.arange(self.full_pos.numel(), device=self.full_pos.device)
+        self.capture.put(layer, idx[order], weights[order], None if live is None else live[order])
+
+
+class Qwen3Router(TopKRouter):
+    """Qwen3-MoE routing: softmax over experts, top-k, renormalize the k weights (norm_topk_prob), fp32.
+
+    Softmax over the top-k logits equals Qwen's softmax -> top-k -> renormalize. With a RoutingContext set
+    (`self.routing_context`, managed by the policy per forward), it replays given expert indices (the live scores
+    still give the weights, so the router keeps its gradient) and records what it used.
+    """
+
+    norm_topk_prob: bool = True
+    routing_context: RoutingContext | None = None
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        logits_NE = logits.reshape(-1, self.config.num_moe_experts).float()
+        live_idx_NK = torch.topk(logits_NE, k=self.topk, dim=1).indices
+        idx_NK, ctx = live_idx_NK, self.routing_context
+        layer = self.layer_number - 1
+        replayed = ctx.replay(layer) if ctx is not None else None
+        if replayed is not None:
+            idx_NK = torch.where(replayed < 0, live_idx_NK, replayed)
+        if self.norm_topk_prob:
+            w_NK = torch.softmax(logits_NE.gather(1, idx_NK), dim=-1)
+        else:
+            w_NK = torch.softmax(logits_NE, dim=-1).gather(1, idx_NK)
+        probs_NE = torch.zeros_like(logits_NE).scatter(1, idx_NK, w_NK)
+        routing_map_NE = torch.zeros_like(logits_NE, dtype=torch.bool).scatter(1, idx_NK, True)
+        if ctx is not None:
+            sorted_idx, perm = torch.sort(idx_NK, dim=1)
+            live = None if replayed is None else torch.sort(live_idx_NK, dim=1).values
+            ctx.record(layer, sorted_idx, w_NK.detach().gather(1, perm), live)
+        return probs_NE, routing_map_NE

@@ -1,0 +1,188 @@
+"""The MoE policy: megatron-core GPTModel in the Qwen3-MoE architecture, behind a batch-first interface.
+
+    policy = moe_gspo.load_policy("configs/tiny_cpu.yaml")      # or a Config, or a HF checkpoint dir
+    logits_BTV = policy(input_ids_BT)                             # full vocab, float32
+    hidden_BTH = policy(input_ids_BT, return_hidden=True)         # after the final norm (feeds token_logprobs)
+    cap = RoutingCapture(); policy(input_ids_BT, routing=cap)     # per-layer top-k experts, batch-major
+    policy.save_pretrained("out/hf")                               # HF Qwen3-MoE checkpoint
+
+The module itself runs on one device; TP/EP enter only through megatron's process groups, initialized by
+moe_gspo.parallel before the model is built. Under TP the policy's forward gathers the vocab-sharded logits
+(or returns sharded hidden-state inputs for the fused log-prob op via `lm_head_weight()`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from moe_gspo.config import ModelConfig, ParallelConfig
+from moe_gspo.model import hf_io
+from moe_gspo.model.layers import Qwen3Router, RMSNorm, RoutingContext
+from moe_gspo.model.routing_capture import RoutingCapture
+from moe_gspo.model.spec import layer_spec, transformer_config
+
+
+class MoEPolicy(torch.nn.Module):
+    """A Qwen3-MoE causal LM (megatron-core) with batch-first inputs and explicit routing exposure."""
+
+    def __init__(self, mc: ModelConfig, pc: ParallelConfig):
+        super().__init__()
+        self.model_config, self.parallel_config = mc, pc
+        self.config = transformer_config(mc, pc)
+        spec = layer_spec(mc)
+        block = TransformerBlockSubmodules(layer_specs=[spec] * mc.num_hidden_layers, layer_norm=RMSNorm)
+        self.gpt = GPTModel(
+            config=self.config, transformer_layer_spec=block, vocab_size=mc.vocab_size,
+            max_sequence_length=mc.max_position_embeddings, pre_process=True, post_process=True,
+            parallel_output=True, share_embeddings_and_output_weights=mc.tie_word_embeddings,
+            position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(mc.rope_theta),
+        )
+        self.routers: list[Qwen3Router] = [m for m in self.gpt.modules() if isinstance(m, Qwen3Router)]
+        for r in self.routers:
+            r.norm_topk_prob = mc.norm_topk_prob
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, routing: RoutingCapture | None = None,
+                return_hidden: bool = False, gather_logits: bool = True) -> torch.Tensor:
+        """input_ids (B, T) int64 -> logits (B, T, V) float32, or hidden (B, T, H) with return_hidden.
+
+        gather_logits=False keeps TP's vocab shard (B, T, V/tp)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if T > self.model_config.max_position_embeddings:
+            raise ValueError(f"sequence length {T} exceeds model.max_position_embeddings="
+                             f"{self.model_config.max_position_embeddings}")
+        pad = (-T) % self.tp  # sequence parallelism splits the sequence evenly over TP ranks
+        if pad:
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+        Tp = T + pad
+        dev = input_ids.device
+        position_ids = torch.arange(Tp, device=dev).unsqueeze(0).expand(B, Tp)
+        mask = torch.triu(torch.ones(Tp, Tp, dtype=torch.bool, device=dev), 1).view(1, 1, Tp, Tp)
+        ctx = self._routing_context(routing, B, T, Tp, dev) if routing is not None else None
+        for r in self.routers:
+            r.routing_context = ctx
+        try:
+            if return_hidden:
+                self.gpt.post_process = False  # GPTModel returns the decoder output (after the final norm)
+                try:
+                    h = self.gpt(input_ids, position_ids, mask)  # (T/tp, B, H) under SP
+                finally:
+                    self.gpt.post_process = True
+                if self.tp > 1:
+                    h = tensor_parallel.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
+                return h.transpose(0, 1)[:, :T]  # (B, T, H)
+            logits = self.gpt(input_ids, position_ids, mask)  # (B, Tp, V/tp)
+        finally:
+            for r in self.routers:
+                r.routing_context = None
+        if self.tp > 1 and gather_logits:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return logits[:, :T]
+
+    def _routing_context(self, capture, B, T, Tp, dev) -> RoutingContext:
+        # Megatron's router sees (s, b) sequence-major tokens; under SP this rank holds s in [r*S, (r+1)*S).
+        S = Tp // self.tp
+        s = torch.arange(self.tp_rank * S, (self.tp_rank + 1) * S, device=dev)
+        b = torch.arange(B, device=dev)
+        local_pos = (b.view(1, B) * T + s.view(S, 1)).reshape(-1)  # (S*B,), index into (B*T) for t < T
+        valid = (s < T).view(S, 1).expand(S, B).reshape(-1)
+        # padded positions (t >= T) map past the end; give them a scratch slot so shapes stay simple
+        local_pos = torch.where(valid, local_pos, B * T + torch.arange(local_pos.numel(), device=dev))
+        all_s = torch.arange(Tp, device=dev)
+        full_pos = (b.view(1, B) * T + all_s.view(Tp, 1)).reshape(-1)
+        full_pos = torch.where((all_s < T).view(Tp, 1).expand(Tp, B).reshape(-1), full_pos,
+                               B * T + torch.arange(full_pos.numel(), device=dev))
+        gather = None
+        if self.tp > 1:
+            group = ps.get_tensor_model_parallel_group()
+
+            def gather(x):
+                parts = [torch.empty_like(x) for _ in range(self.tp)]
+                dist.all_gather(parts, x.contiguous(), group=group)
+                return torch.cat(parts)
+        return _TrimmedContext(capture, local_pos, B * T, gather, full_pos)
+
+    # ------------------------------------------------------------------ weights
+    def lm_head_weight(self) -> torch.Tensor:
+        """(V/tp, H): this rank's vocab shard of the output layer (the embedding when tied)."""
+        if self.model_config.tie_word_embeddings:
+            return self.gpt.shared_embedding_or_output_weight()
+        return self.gpt.output_layer.weight
+
+    def megatron_state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters under megatron's names (no extra state)."""
+        return {k: v for k, v in self.gpt.state_dict().items() if "_extra_state" not in k}
+
+    def full_megatron_state(self) -> dict[str, torch.Tensor]:
+        """All parameters, unsharded (a collective over TP and EP when they are > 1)."""
+        local = self.megatron_state()
+        if self.tp == 1 and ps.get_expert_model_parallel_world_size() == 1:
+            return {k: v.detach() for k, v in local.items()}
+        return hf_io.gather_state(local, self.model_config, ps.get_tensor_model_parallel_group(),
+                                  ps.get_expert_model_parallel_group())
+
+    def export_hf(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(config.json dict, HF-named full state dict) in memory: what save_pretrained writes."""
+        return hf_io.hf_config_dict(self.model_config), hf_io.megatron_to_hf(self.full_megatron_state(),
+                                                                              self.model_config)
+
+    def load_full_megatron_state(self, full: dict[str, torch.Tensor]) -> None:
+        ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+        local = hf_io.shard_state(full, self.model_config, self.tp, self.tp_rank, ep, ep_rank)
+        own = self.megatron_state()
+        missing = sorted(set(own) - set(local))
+        if missing:
+            raise ValueError(f"weights missing for {missing[:5]}")
+        with torch.no_grad():
+            for k, p in own.items():
+                if p.shape != local[k].shape:
+                    raise ValueError(f"weight {k}: checkpoint shape {tuple(local[k].shape)} != model {tuple(p.shape)}")
+                p.copy_(local[k])
+
+    def load_hf_state(self, hf: dict[str, torch.Tensor]) -> None:
+        self.load_full_megatron_state(hf_io.hf_to_megatron(dict(hf), self.model_config))
+
+    def save_pretrained(self, path: str | Path, max_shard_bytes: int = 2 * 2**30) -> Path | None:
+        """Write a HF Qwen3-MoE checkpoint (config.json + safetensors), atomically, from global rank 0."""
+        config, tensors = self.export_hf()
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        return hf_io.write_hf_dir(Path(path), config, tensors, max_shard_bytes)
+
+
+class _TrimmedContext(RoutingContext):
+    """RoutingContext whose padded (t >= T) tokens replay live and are dropped from the record."""
+
+    def replay(self, layer):
+        idx = self.capture.replay_indices(layer)
+        if idx is None:
+            return None
+        if idx.dim() != 2 or idx.shape[0] != self.num_tokens:
+            raise ValueError(f"routing replay for MoE layer {layer}: expected indices of shape "
+                             f"(B*T={self.num_tokens}, k), got {tuple(idx.shape)}")
+        idx = idx.to(self.local_pos.device, torch.long)
+        ext = torch.cat([idx, idx.new_full((self.local_pos.numel(), idx.shape[1]), -1)])
+        return ext[self.local_pos]
+
+    def record(self, layer, idx, weights, live):
+        if not self.capture.record:
+            return
+        if self.gather is not None:
+            idx, weights = self.gather(idx), self.gather(weights)
+            live = None if live is None else self.gather(live)
+        keep = self.full_pos < self.num_tokens
+        pos = self.full_pos[keep]
+        order = torch.argsort(pos)
+        sel = keep.nonzero().squeeze(1)[order]
+        self.capture.put(layer, idx[sel], weights[sel], None if live is None else live[sel])

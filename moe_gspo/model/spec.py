@@ -1,0 +1,92 @@
+"""Qwen3-MoE as a megatron-core TransformerConfig and layer spec (local torch spec on CPU, TE spec on GPU)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from moe_gspo.config import ModelConfig, ParallelConfig
+from moe_gspo.model.layers import Qwen3Router, RMSNorm, SDPAttention
+
+
+def te_available() -> bool:
+    """Transformer Engine importable and CUDA present (TE is CUDA-only)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig:
+    """Megatron's config for the Qwen3-MoE architecture (see docs/architecture.md for each choice)."""
+    dtype = torch.bfloat16 if mc.params_dtype == "bfloat16" else torch.float32
+    return TransformerConfig(
+        num_layers=mc.num_hidden_layers,
+        hidden_size=mc.hidden_size,
+        num_attention_heads=mc.num_attention_heads,
+        num_query_groups=mc.num_key_value_heads,
+        kv_channels=mc.head_dim,
+        ffn_hidden_size=mc.moe_intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=mc.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=mc.initializer_range,
+        num_moe_experts=mc.num_experts,
+        moe_router_topk=mc.num_experts_per_tok,
+        moe_ffn_hidden_size=mc.moe_intermediate_size,
+        moe_router_dtype="fp32",
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=False,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type=pc.dispatcher,
+        moe_grouped_gemm=False,
+        tensor_model_parallel_size=pc.tp,
+        expert_model_parallel_size=pc.ep,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=pc.tp > 1,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        rotary_interleaved=False,
+    )
+
+
+def layer_spec(mc: ModelConfig, use_te: bool | None = None) -> ModuleSpec:
+    """The decoder layer spec: megatron's local (or TE) spec with Qwen3's router, an SP-capable RMSNorm, and
+    SDPA attention when configured."""
+    use_te = te_available() if use_te is None else use_te
+    if use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=mc.num_experts, qk_layernorm=True)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=mc.num_experts, qk_layernorm=True, normalization="RMSNorm")
+        sub = spec.submodules
+        sub.input_layernorm = RMSNorm
+        sub.pre_mlp_layernorm = RMSNorm
+        sub.self_attention.submodules.q_layernorm = RMSNorm
+        sub.self_attention.submodules.k_layernorm = RMSNorm
+        if mc.attention == "sdpa":
+            sub.self_attention.submodules.core_attention = SDPAttention
+    spec.submodules.mlp.submodules.router = Qwen3Router
+    return spec

@@ -1,0 +1,101 @@
+"""Process groups for TP x EP x DP: torchrun environment (or a single process), validation, megatron init.
+
+    init_parallel(ParallelConfig(tp=2, ep=2), num_experts=8, seed=0)   # under torchrun --nproc-per-node 4
+
+Sizes are checked before any group or model is built; every error names the field and the world size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_gspo.config import ConfigError, ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """This rank's place in the mesh."""
+
+    world: int
+    rank: int
+    tp: int
+    tp_rank: int
+    ep: int
+    ep_rank: int
+    dp: int
+    dp_rank: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def validate_sizes(pc: ParallelConfig, world: int, num_experts: int, num_kv_heads: int | None = None,
+                   vocab_size: int | None = None) -> None:
+    """Raise ConfigError naming the field when TP/EP do not fit the world size or the model."""
+    if world % pc.tp:
+        raise ConfigError(f"parallel.tp={pc.tp} does not divide the world size {world}")
+    if world % pc.ep:
+        raise ConfigError(f"parallel.ep={pc.ep} does not divide the world size {world}")
+    if num_experts % pc.ep:
+        raise ConfigError(f"model.num_experts={num_experts} is not divisible by parallel.ep={pc.ep}")
+    if num_kv_heads is not None and num_kv_heads % pc.tp:
+        raise ConfigError(f"model.num_key_value_heads={num_kv_heads} is not divisible by parallel.tp={pc.tp}")
+    if vocab_size is not None and vocab_size % pc.tp:
+        raise ConfigError(f"model.vocab_size={vocab_size} is not divisible by parallel.tp={pc.tp}")
+
+
+def init_distributed(backend: str = "auto") -> None:
+    """Join the torchrun job (RANK/WORLD_SIZE/MASTER_* set) or start a one-process group."""
+    if dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+
+
+def init_parallel(pc: ParallelConfig, num_experts: int, seed: int = 0, num_kv_heads: int | None = None,
+                  vocab_size: int | None = None) -> ParallelInfo:
+    """Initialize torch.distributed and megatron's model-parallel groups (re-initialized if sizes changed)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from moe_gspo.model import cpu_compat
+
+    cpu_compat.apply()
+    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    validate_sizes(pc, world, num_experts, num_kv_heads, vocab_size)
+    init_distributed(pc.backend)
+    if ps.model_parallel_is_initialized():
+        if (ps.get_tensor_model_parallel_world_size() != pc.tp
+                or ps.get_expert_model_parallel_world_size() != pc.ep):
+            ps.destroy_model_parallel()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=pc.tp, expert_model_parallel_size=pc.ep,
+                                     expert_tensor_parallel_size=1)
+    mrandom.model_parallel_cuda_manual_seed(seed)
+    return current_info()
+
+
+def current_info() -> ParallelInfo:
+    from megatron.core import parallel_state as ps
+
+    return ParallelInfo(
+        world=dist.get_world_size(), rank=dist.get_rank(),
+        tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
+        dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+    )

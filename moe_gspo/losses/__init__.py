@@ -1,1 +1,35 @@
-"""moe_gspo.losses"""
+"""moe_gspo.losses: GRPO / GSPO / GSPO-token policy losses and group advantages, registered by name.
+
+    from moe_gspo.losses import get_policy_loss, get_advantage_estimator, DEFAULT_CLIP
+    adv = get_advantage_estimator("grpo")(rewards, group_ids)                  # (N,)
+    loss, metrics = get_policy_loss("gspo")(logp, old_logp, adv, mask)          # clip defaults (3e-4, 4e-4)
+
+Formulas, defaults and aggregation pitfalls: docs/losses.md.
+"""
+
+from moe_gspo.losses import policy as _policy  # noqa: F401  (registers grpo, gspo, gspo_token)
+from moe_gspo.losses.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    get_advantage_estimator,
+    group_stats,
+    register_advantage_estimator,
+)
+from moe_gspo.losses.aggregation import AGG_MODES, agg_loss, agg_seq_loss, loss_denominator
+from moe_gspo.losses.packed import pad_packed, unpad_to_packed
+from moe_gspo.losses.policy import gspo_loss, gspo_token_loss, grpo_loss, sequence_log_ratio
+from moe_gspo.losses.registry import (
+    DEFAULT_AGG_MODE,
+    DEFAULT_CLIP,
+    LOG_RATIO_CLAMP,
+    POLICY_LOSSES,
+    get_policy_loss,
+    kl_k3,
+    register_policy_loss,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "AGG_MODES", "DEFAULT_AGG_MODE", "DEFAULT_CLIP", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
+    "agg_loss", "agg_seq_loss", "get_advantage_estimator", "get_policy_loss", "group_stats", "grpo_loss",
+    "gspo_loss", "gspo_token_loss", "kl_k3", "loss_denominator", "pad_packed", "register_advantage_estimator",
+    "register_policy_loss", "sequence_log_ratio", "unpad_to_packed",
+]

@@ -1,0 +1,185 @@
+"""GRPO, GSPO and GSPO-token policy losses (arXiv:2402.03300, arXiv:2507.18071).
+
+Each loss is a small pure function registered by name (see registry.py, which validates inputs, handles the
+packed layout and the optional KL term before calling it). Called through `get_policy_loss(name)`:
+
+    loss, metrics = fn(logp, old_logp, advantages, mask, *, clip_low=None, clip_high=None, **options)
+
+Shapes after the registry's handling: logp, old_logp, mask [B, T] (mask bool, True on response tokens;
+logp and old_logp are 0 off the mask and old_logp is detached); advantages [B] or [B, T].
+`loss` is the scalar to minimize (minus the clipped surrogate objective). The ratio is
+exp(clamp(log-ratio, -log_ratio_clamp, log_ratio_clamp)); the default clamp 20 keeps exp finite in
+float32 and is far outside any clip range (an in-range ratio is never changed by it).
+
+Metrics (0-dim detached tensors, computed over this call's tokens):
+    pg_loss            the policy-gradient term of the loss (without KL)
+    pg_clipfrac        fraction of response tokens whose term takes the clipped branch (zero gradient);
+                       for gspo: the fraction of tokens carried by clipped sequences
+    pg_clipfrac_lower  fraction of response tokens held by GRPO's dual-clip bound (0 without dual-clip)
+    ppo_kl             token mean of old_logp - logp (k1 estimate of KL(pi_old || pi_theta))
+    ratio_mean/min/max token ratios w_{i,t} (grpo) or sequence ratios s_i (gspo, gspo_token)
+    seq_clipfrac       (gspo, gspo_token) fraction of non-empty sequences with a clipped term
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moe_gspo.losses.aggregation import agg_loss, agg_seq_loss
+from moe_gspo.losses.registry import register_policy_loss
+
+
+def _frac(flag: Tensor, valid: Tensor) -> Tensor:
+    """Fraction of `valid` entries where `flag` holds (0 when none is valid), detached."""
+    return ((flag & valid).sum() / valid.sum().clamp(min=1)).detach()  # default float dtype
+
+
+def _stats(values: Tensor, valid: Tensor, prefix: str) -> dict[str, Tensor]:
+    """Mean/min/max of values over valid entries (1.0 when none is valid), detached."""
+    values = values.detach()
+    any_valid = valid.any()
+    one = values.new_ones(())
+    mean = torch.where(valid, values, 0).sum() / valid.sum().clamp(min=1)
+    vmin = torch.where(valid, values, torch.inf).amin()
+    vmax = torch.where(valid, values, -torch.inf).amax()
+    return {
+        f"{prefix}_mean": torch.where(any_valid, mean, one),
+        f"{prefix}_min": torch.where(any_valid, vmin, one),
+        f"{prefix}_max": torch.where(any_valid, vmax, one),
+    }
+
+
+def _ppo_kl(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    return (torch.where(mask, old_logp - logp, 0).sum() / mask.sum().clamp(min=1)).detach()
+
+
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's length-normalized log-ratio: 1/|y_i| sum_t mask (logp - old_logp) -> [B] (0 for an empty row)."""
+    diff = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+    return diff.sum(-1) / mask.sum(-1).clamp(min=1).to(logp.dtype)
+
+
+@register_policy_loss("grpo", default_clip=(0.2, 0.27))
+def grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    loss_agg_mode: str,
+    loss_denominator: Tensor | float | None,
+    log_ratio_clamp: float,
+    clip_ratio_c: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO / PPO token-level clipped surrogate; optional dual-clip bound clip_ratio_c (> 1) for A < 0.
+
+    w_{i,t} = exp(logp - old_logp); l_{i,t} = max(-A w, -A clip(w, 1 - clip_low, 1 + clip_high)),
+    and with dual-clip, for A < 0: l_{i,t} = min(l_{i,t}, -A clip_ratio_c). advantages: [B] or [B, T].
+    """
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip bound), got {clip_ratio_c}")
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]  # (B, T) or (B, 1)
+    log_ratio = (logp - old_logp).clamp(-log_ratio_clamp, log_ratio_clamp)  # (B, T)
+    ratio = torch.exp(log_ratio)
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_losses = torch.maximum(pg1, pg2)
+    clipped = pg2 > pg1
+    dual = torch.zeros_like(mask)
+    if clip_ratio_c is not None:
+        pg3 = -adv * clip_ratio_c
+        dual = (adv < 0) & (pg_losses > pg3)
+        pg_losses = torch.where(dual, pg3.expand_as(pg_losses), pg_losses)
+    pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, loss_denominator)
+    metrics = {
+        "pg_loss": pg_loss.detach(),
+        "pg_clipfrac": _frac(clipped, mask),
+        "pg_clipfrac_lower": _frac(dual, mask),
+        "ppo_kl": _ppo_kl(logp, old_logp, mask),
+        **_stats(ratio, mask, "ratio"),
+    }
+    return pg_loss, metrics
+
+
+@register_policy_loss("gspo", default_clip=(3e-4, 4e-4))
+def gspo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    loss_agg_mode: str,
+    loss_denominator: Tensor | float | None,
+    log_ratio_clamp: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO sequence-level clipped surrogate; advantages [B] (one per sequence).
+
+    s_i = exp(clamp(1/|y_i| sum_t (logp - old_logp))); J_i = max(-A_i s_i, -A_i clip(s_i, 1 - clip_low, 1 + clip_high)).
+    Aggregated per sequence (agg_seq_loss): the default seq-mean-token-mean is the paper's 1/G sum_i J_i.
+    """
+    if advantages.dim() != 1:
+        raise ValueError(
+            f"gspo needs one advantage per sequence, advantages [B]; got shape {tuple(advantages.shape)} "
+            "(use gspo_token for per-token advantages)"
+        )
+    lengths_B = mask.sum(-1)
+    nonempty_B = lengths_B > 0
+    seq_ratio = torch.exp(sequence_log_ratio(logp, old_logp, mask).clamp(-log_ratio_clamp, log_ratio_clamp))  # (B,)
+    pg1 = -advantages * seq_ratio
+    pg2 = -advantages * seq_ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    seq_losses = torch.maximum(pg1, pg2)  # (B,)
+    clipped_B = (pg2 > pg1) & nonempty_B
+    pg_loss = agg_seq_loss(seq_losses, lengths_B, loss_agg_mode, loss_denominator)
+    metrics = {
+        "pg_loss": pg_loss.detach(),
+        "pg_clipfrac": _frac(clipped_B[:, None].expand_as(mask), mask),
+        "pg_clipfrac_lower": torch.zeros((), device=mask.device),
+        "ppo_kl": _ppo_kl(logp, old_logp, mask),
+        "seq_clipfrac": _frac(clipped_B, nonempty_B),
+        **_stats(seq_ratio, nonempty_B, "ratio"),
+    }
+    return pg_loss, metrics
+
+
+@register_policy_loss("gspo_token", default_clip=(3e-4, 4e-4))
+def gspo_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    loss_agg_mode: str,
+    loss_denominator: Tensor | float | None,
+    log_ratio_clamp: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO-token: s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)], per-token advantages [B, T] (or [B], broadcast).
+
+    Value of s_{i,t} is s_i; its gradient is s_i * grad logp_{i,t}. With A_{i,t} = A_i this equals gspo in value,
+    clipping and gradient (clamping aside: the clamp acts on the detached s_i here).
+    """
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
+    lengths_B = mask.sum(-1)
+    nonempty_B = lengths_B > 0
+    seq_log_ratio = sequence_log_ratio(logp, old_logp, mask).clamp(-log_ratio_clamp, log_ratio_clamp).detach()
+    tok_ratio = torch.exp(seq_log_ratio[:, None] + logp - logp.detach())  # (B, T), value s_i
+    pg1 = -adv * tok_ratio
+    pg2 = -adv * tok_ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_losses = torch.maximum(pg1, pg2)
+    clipped = (pg2 > pg1) & mask
+    pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, loss_denominator)
+    metrics = {
+        "pg_loss": pg_loss.detach(),
+        "pg_clipfrac": _frac(clipped, mask),
+        "pg_clipfrac_lower": torch.zeros((), device=mask.device),
+        "ppo_kl": _ppo_kl(logp, old_logp, mask),
+        "seq_clipfrac": _frac(clipped.any(-1), nonempty_B),
+        **_stats(torch.exp(seq_log_ratio), nonempty_B, "ratio"),
+    }
+    return pg_loss, metrics

@@ -1,0 +1,40 @@
+"""Shared test utilities: random tiny transformers Qwen3-MoE checkpoints, free ports, tiny configs."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_hf_model(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, experts=4, topk=2, inter=16,
+                  seed=0, norm_topk_prob=True, std=0.2):
+    """A random transformers Qwen3MoeForCausalLM with weights large enough that routing is decisive."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim, num_experts=experts,
+                         num_experts_per_tok=topk, moe_intermediate_size=inter, intermediate_size=inter,
+                         norm_topk_prob=norm_topk_prob, rope_theta=10000.0, max_position_embeddings=256)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def make_hf_checkpoint(path: Path, **kw) -> Path:
+    tiny_hf_model(**kw).save_pretrained(str(path))
+    return Path(path)

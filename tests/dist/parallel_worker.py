@@ -1,0 +1,99 @@
+"""torchrun worker for tests/test_parallel.py: logits, grads and 3 SGD steps under TP x EP x DP.
+
+    torchrun --nproc-per-node 4 tests/dist/parallel_worker.py --ckpt DIR --tp 2 --ep 2 --out OUT.pt
+
+Loads the same HF checkpoint on every rank, feeds each data-parallel rank its contiguous slice of one fixed
+global batch, and on global rank 0 saves the full logits, the full (unsharded) gradients after megatron's DDP
+reduction, and the losses of three optimizer steps.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+import moe_gspo
+from moe_gspo.config import ParallelConfig
+from moe_gspo.model.routing_capture import RoutingCapture
+from moe_gspo.parallel.ddp import reduce_grads, wrap_ddp, zero_grads
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=12)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    policy = moe_gspo.load_policy(args.ckpt, parallel=ParallelConfig(tp=args.tp, ep=args.ep))
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    g = torch.Generator().manual_seed(1234)
+    V = policy.model_config.vocab_size
+    ids = torch.randint(0, V, (args.batch, args.seq + 1), generator=g)
+    per = args.batch // dp
+    local = ids[dp_rank * per:(dp_rank + 1) * per]
+    x, y = local[:, :-1], local[:, 1:]
+
+    ddp = wrap_ddp(policy)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.5)
+
+    def loss_fn(routing=None):
+        logits = policy(x, routing=routing)  # (b, T, V) gathered over TP
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), y.reshape(-1)), logits
+
+    zero_grads(ddp, opt)
+    cap = RoutingCapture()
+    loss, logits = loss_fn(cap)
+    loss.backward()
+    reduce_grads(ddp, policy)
+    grads = {k: p.grad.detach().clone() for k, p in policy.gpt.named_parameters()}
+    full_grads = policy_full(policy, grads)
+    full_logits = gather_by_dp(logits.detach(), dp, dp_rank)
+    full_routing = gather_by_dp(cap.stacked().view(per, args.seq, -1), dp, dp_rank)
+
+    losses = []
+    for _ in range(3):
+        opt.step()
+        zero_grads(ddp, opt)
+        loss, _ = loss_fn()
+        loss.backward()
+        reduce_grads(ddp, policy)
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append((t / dist.get_world_size()).item())
+    if dist.get_rank() == 0:
+        torch.save({"logits": full_logits, "grads": full_grads, "losses": losses, "routing": full_routing},
+                   args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def gather_by_dp(t, dp, dp_rank):
+    """(b_local, ...) on every rank -> (B, ...) in global batch order (one copy per data-parallel rank)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    ranks = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(ranks, torch.tensor([dp_rank]))
+    first = {}
+    for r, d in enumerate(ranks):
+        first.setdefault(int(d), parts[r])
+    return torch.cat([first[d] for d in range(dp)])
+
+
+def policy_full(policy, grads):
+    from megatron.core import parallel_state as ps
+    from moe_gspo.model import hf_io
+
+    if policy.tp == 1 and ps.get_expert_model_parallel_world_size() == 1:
+        return grads
+    return hf_io.gather_state(grads, policy.model_config, ps.get_tensor_model_parallel_group(),
+                              ps.get_expert_model_parallel_group())
+
+
+if __name__ == "__main__":
+    main()

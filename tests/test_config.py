@@ -1,0 +1,55 @@
+"""Typed config: YAML + overrides, and one clear error per bad input, before any model is built."""
+
+import pytest
+
+from moe_gspo.config import ConfigError, load_config
+from moe_gspo.config import ParallelConfig
+from moe_gspo.parallel.state import validate_sizes
+
+
+def test_yaml_and_overrides():
+    c = load_config("configs/tiny_cpu.yaml", ["train.lr=3e-4", "parallel.ep=2", "algorithm.loss=grpo"])
+    assert c.train.lr == 3e-4 and c.parallel.ep == 2 and c.algorithm.loss == "grpo"
+    assert c.model.num_experts == 8 and c.model.num_experts_per_tok == 2
+
+
+@pytest.mark.parametrize("override,match", [
+    (["train.foo=1"], "unknown config key 'train.foo'"),
+    (["nosuch.x=1"], "unknown config key 'nosuch'"),
+    (["train.steps=abc"], "train.steps='abc' must be an int"),
+    (["model.norm_topk_prob=3"], "model.norm_topk_prob=3 must be a bool"),
+    (["parallel.tp=0"], "parallel.tp=0 must be > 0"),
+    (["algorithm.routing_replay=r5"], "algorithm.routing_replay='r5' is not one of"),
+    (["model.num_key_value_heads=3"], "model.num_key_value_heads=3 must divide"),
+    (["trainlr"], "not of the form"),
+])
+def test_bad_values_name_the_field(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("configs/tiny_cpu.yaml", override)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="bad.yaml: invalid YAML"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("tp,ep,world,experts,match", [
+    (3, 1, 4, 8, "parallel.tp=3 does not divide the world size 4"),
+    (1, 3, 4, 8, "parallel.ep=3 does not divide the world size 4"),
+    (1, 4, 4, 6, "model.num_experts=6 is not divisible by parallel.ep=4"),
+])
+def test_parallel_sizes_checked_before_build(tp, ep, world, experts, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_sizes(ParallelConfig(tp=tp, ep=ep), world, experts)
+
+
+def test_load_policy_rejects_ep_not_dividing_experts():
+    import moe_gspo
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["parallel.ep=3", "model.num_experts=8"])
+    with pytest.raises(ConfigError, match="does not divide the world size 1|not divisible by parallel.ep=3"):
+        moe_gspo.load_policy(cfg)

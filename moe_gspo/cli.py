@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    for cat in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=cat, module=r"megatron\..*")
     args = build_parser().parse_args(argv)
     from moe_gspo.config import ConfigError
 

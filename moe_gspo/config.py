@@ -113,9 +113,12 @@ class AlgorithmConfig:
     """Use the rollout engine's log-probs as pi_old instead of recomputing them (sound for GSPO only)."""
     track_flips: bool = True
     """Measure the expert-flip rate after each gradient step."""
+    loss_agg_mode: str = "seq-mean-token-mean"
+    """How per-token terms become one loss: 'seq-mean-token-mean' (the paper's), 'token-mean' or 'seq-mean-token-sum'."""
 
     def __post_init__(self):
         _choice(self, "routing_replay", ("off", "r2", "r3"))
+        _choice(self, "loss_agg_mode", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
         if self.kl_beta < 0:
             raise ConfigError(f"algorithm.kl_beta={self.kl_beta} must be >= 0")
 
@@ -142,9 +145,14 @@ class RolloutConfig:
     """Nucleus sampling threshold."""
     return_routing: bool = True
     """Ask the engine for the experts each response token was routed to (needed for R3 and mismatch metrics)."""
+    task_args: str = ""
+    """Difficulty knobs of a built-in task as 'key=value,key=value' (e.g. 'max_digits=1,num_operands=3')."""
+    bad_reward: str = "error"
+    """A NaN/inf or failed reward: 'error' (stop, naming the sample) or 'skip' (drop the sample, count it)."""
 
     def __post_init__(self):
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens")
+        _choice(self, "bad_reward", ("error", "skip"))
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.temperature <= 0:
@@ -179,9 +187,22 @@ class TrainConfig:
     """How many complete checkpoints to keep."""
     out_dir: str = "runs/tiny"
     """Where metrics and checkpoints go."""
+    logprob_impl: str = "fused"
+    """Training log-probs: 'fused' (moe_gspo.kernels.token_logprobs on hidden states) or 'eager' (logits)."""
+    cold_start_steps: int = 0
+    """Supervised steps on task demonstrations before RL (0: none), so that groups have reward variance."""
+    cold_start_lr: float = 3e-3
+    """AdamW learning rate of the cold-start stage."""
+    cold_start_batch_size: int = 32
+    """Demonstrations per cold-start step (split over data-parallel ranks)."""
 
     def __post_init__(self):
-        _positive(self, "steps", "minibatches", "micro_batch_size", "seq_len", "batch_size", "keep_checkpoints")
+        _positive(self, "steps", "minibatches", "micro_batch_size", "seq_len", "batch_size", "keep_checkpoints",
+                  "cold_start_batch_size")
+        _choice(self, "logprob_impl", ("fused", "eager"))
+        if self.cold_start_steps < 0 or self.checkpoint_every < 0:
+            raise ConfigError(f"train.cold_start_steps={self.cold_start_steps} and train.checkpoint_every="
+                              f"{self.checkpoint_every} must be >= 0")
         if self.lr < 0:
             raise ConfigError(f"train.lr={self.lr} must be >= 0")
 

@@ -44,3 +44,15 @@ def test_rng_tracker_fork_is_reproducible():
     with tracker.fork():
         c = torch.rand(3)
     assert torch.equal(b, c)
+
+
+def test_transformers_imports_after_patches():
+    """A patched torch.cuda must not break libraries that inspect it at import time (e.g. `Stream | None`)."""
+    import subprocess
+    import sys
+
+    code = ("import moe_gspo; from moe_gspo.config import load_config; "
+            "moe_gspo.load_policy(load_config('configs/tiny_cpu.yaml')); "
+            "from transformers import Qwen3MoeForCausalLM; print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -24,7 +24,12 @@ def _cpu_current_device():
 
 
 class _NullStream:
-    """Stands in for torch.cuda.Stream / current_stream() where megatron only orders work on a side stream."""
+    """Stands in for torch.cuda.Stream / current_stream() where megatron only orders work on a side stream.
+
+    A class (not a lambda): libraries test `torch.cuda.Stream | None` in annotations at import time."""
+
+    def __init__(self, *args, **kwargs):
+        pass
 
     def wait_stream(self, other):
         return None
@@ -103,7 +108,7 @@ def apply() -> None:
     PATCHED["moe.moe_utils.te_general_gemm"] = "None (plain torch.mm path)"
     # 4. MoEAlltoAllTokenDispatcher's CUDA side stream for the device-to-host sync of token counts,
     #    and DDP's torch.cuda.current_stream()/Stream: CPU work is already ordered.
-    torch.cuda.Stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    torch.cuda.Stream = _NullStream  # type: ignore[assignment]
     torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None

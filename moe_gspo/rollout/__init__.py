@@ -1,1 +1,16 @@
-"""moe_gspo.rollout"""
+"""Rollout engines behind one interface, and the batch of sampled responses they return.
+
+    engine = build_engine("hf", policy, tokenizer=CharTokenizer())      # or "sglang" on a GPU
+    batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(temperature=1.0, seed=0))
+    pb = batch.to_padded()                                              # (B, T) training tensors
+    rollout_probs_diff(pb.old_logprobs, recomputed_logp, pb.response_mask)
+"""
+
+from __future__ import annotations
+
+from moe_gspo.rollout.base import RolloutEngine, SamplingParams, build_engine
+from moe_gspo.rollout.batch import (PaddedRollout, RolloutBatch, RoutingReplay, rollout_probs_diff,
+                                    token_logprobs_from_logits)
+
+__all__ = ["PaddedRollout", "RolloutBatch", "RolloutEngine", "RoutingReplay", "SamplingParams", "build_engine",
+           "rollout_probs_diff", "token_logprobs_from_logits"]

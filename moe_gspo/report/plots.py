@@ -1,0 +1,159 @@
+"""Reading run metrics (RUN_DIR/metrics.jsonl) and drawing the report figures with matplotlib (Agg, PNG).
+
+Every function takes several runs at once so that comparison reports reuse them:
+    runs = [load_run(d) for d in run_dirs]
+    line_plot(out / "x.png", [(r.label, *r.series("moe/flip_rate")) for r in runs], "flip rate", "fraction")
+
+metrics.jsonl: one JSON object per line with an integer "step" and flat metric keys (floats). Several lines with
+the same step are merged (later values win); lines without "step" get the previous step + 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+@dataclass
+class Run:
+    """One run's metrics, merged per step and sorted by step."""
+
+    dir: Path
+    label: str
+    records: list[dict]
+
+    @property
+    def steps(self) -> list[int]:
+        return [r["step"] for r in self.records]
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values) of the records that carry a finite number under `key`."""
+        pts = [(r["step"], float(r[key])) for r in self.records
+               if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))]
+        return np.array([p[0] for p in pts], dtype=float), np.array([p[1] for p in pts], dtype=float)
+
+    def indexed(self, prefix: str) -> list[int]:
+        """Sorted i such that some record has key f'{prefix}{i}' (e.g. prefix 'moe/flip_rate/layer_')."""
+        pat = re.compile(re.escape(prefix) + r"(\d+)$")
+        return sorted({int(m.group(1)) for r in self.records for k in r if (m := pat.match(k))})
+
+    def matrix(self, prefix: str) -> tuple[np.ndarray, list[int], np.ndarray]:
+        """(steps, ids, M) with M[i, j] = record j's f'{prefix}{ids[i]}' (nan where missing), records having any."""
+        ids = self.indexed(prefix)
+        recs = [r for r in self.records if any(f"{prefix}{i}" in r for i in ids)]
+        M = np.full((len(ids), len(recs)), np.nan)
+        for j, r in enumerate(recs):
+            for i, e in enumerate(ids):
+                v = r.get(f"{prefix}{e}")
+                if isinstance(v, (int, float)):
+                    M[i, j] = float(v)
+        return np.array([r["step"] for r in recs], dtype=float), ids, M
+
+
+def load_metrics(run_dir: str | Path) -> list[dict]:
+    """Records of RUN_DIR/metrics.jsonl merged per step, sorted by step. Bad lines raise naming file:line."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file {path} (is {run_dir} a run directory?)")
+    by_step: dict[int, dict] = {}
+    step = -1
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+        step = int(rec.get("step", step + 1))
+        by_step.setdefault(step, {"step": step}).update({k: v for k, v in rec.items() if k != "step"})
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def load_runs(run_dirs: Sequence[str | Path]) -> list[Run]:
+    """Runs labelled by directory name (parent/name where names collide)."""
+    dirs = [Path(d) for d in run_dirs]
+    names = [d.resolve().name for d in dirs]
+    labels = [f"{d.resolve().parent.name}/{n}" if names.count(n) > 1 else n for d, n in zip(dirs, names)]
+    return [Run(d, lab, load_metrics(d)) for d, lab in zip(dirs, labels)]
+
+
+def colors(n: int) -> list:
+    cmap = plt.get_cmap("tab10")
+    return [cmap(i % 10) for i in range(n)]
+
+
+def line_plot(path: Path, lines: Sequence[tuple], title: str, ylabel: str, xlabel: str = "step",
+              dashed: Sequence[tuple] = ()) -> Path:
+    """One line per (label, x, y); optional `dashed` (label, x, y) lines drawn in the same color order."""
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    cs = colors(max(len(lines), len(dashed), 1))
+    for (label, x, y), c in zip(lines, cs):
+        ax.plot(x, y, color=c, lw=1.6, marker="o" if len(x) < 30 else None, ms=3, label=label)
+    for (label, x, y), c in zip(dashed, cs):
+        ax.plot(x, y, color=c, lw=1.2, ls="--", label=label)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    if lines or dashed:
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def heatmap_panels(path: Path, panels: Sequence[tuple], title: str, ylabel: str, cbar: str) -> Path:
+    """One heatmap per (label, steps (S,), row ids (R,), M (R, S)), stacked vertically with a shared color scale."""
+    vmax = max([np.nanmax(M) for *_, M in panels if M.size and np.isfinite(M).any()] + [1e-12])
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.35 * max(len(p[2]) for p in panels) * len(panels)
+                                                       + 0.8 * len(panels)), squeeze=False)
+    for ax, (label, steps, ids, M) in zip(axes[:, 0], panels):
+        mesh = ax.pcolormesh(_edges(steps), np.arange(len(ids) + 1) - 0.5, np.ma.masked_invalid(M),
+                             cmap="magma", vmin=0, vmax=vmax, shading="flat")
+        ax.set(title=f"{title}: {label}", xlabel="step", ylabel=ylabel)
+        ax.set_yticks(range(len(ids)), [str(i) for i in ids] if len(ids) <= 24 else None)
+        if len(ids) > 24:
+            ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(12, integer=True))
+        fig.colorbar(mesh, ax=ax, label=cbar, pad=0.01)
+    return _save(fig, path)
+
+
+def grouped_bars(path: Path, panels: Sequence[tuple], title: str, xlabel: str, ylabel: str) -> Path:
+    """One bar chart per (label, ids, {series name: values}), stacked vertically, series side by side."""
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.0 * len(panels)), squeeze=False, sharey=True)
+    for ax, (label, ids, groups) in zip(axes[:, 0], panels):
+        x = np.arange(len(ids))
+        w = 0.8 / max(len(groups), 1)
+        for j, ((name, vals), c) in enumerate(zip(groups.items(), colors(len(groups)))):
+            ax.bar(x + (j - (len(groups) - 1) / 2) * w, vals, w, label=name, color=c)
+        ax.set(title=f"{title}: {label}", xlabel=xlabel, ylabel=ylabel)
+        if len(ids) <= 32:
+            ax.set_xticks(x, [str(i) for i in ids])
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _edges(centers: np.ndarray) -> np.ndarray:
+    """Cell edges around possibly irregular step centers."""
+    c = np.asarray(centers, dtype=float)
+    if len(c) == 1:
+        return np.array([c[0] - 0.5, c[0] + 0.5])
+    mid = (c[1:] + c[:-1]) / 2
+    return np.concatenate([[c[0] - (mid[0] - c[0])], mid, [c[-1] + (c[-1] - mid[-1])]])
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

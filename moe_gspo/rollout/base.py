@@ -1,0 +1,90 @@
+"""The rollout engine interface, sampling parameters, and the engine registry.
+
+    engine = build_engine("hf", policy, tokenizer=CharTokenizer())
+    batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(temperature=1.0, seed=0))
+    ...optimizer steps on the policy...
+    engine.update_weights(policy)             # the engine now samples from the new weights
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from moe_gspo.rollout.batch import RolloutBatch
+
+
+@dataclass
+class SamplingParams:
+    """How responses are sampled (one set per generate call)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax), whose log-probs are reported at temperature 1."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample among the smallest set of tokens whose probability reaches top_p."""
+    max_new_tokens: int = 16
+    """Longest response; reaching it gives finish reason 'length'."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a response ends (finish 'stop') with the token that completes one of them in its text."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response (added to the engine's eos)."""
+    seed: int | None = None
+    """Seed of the sampler: the same seed, prompts and weights give the same responses."""
+    return_routing: bool = True
+    """Return the experts each token was routed to (RolloutBatch.routed_experts)."""
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={self.top_p} must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens} must be >= 1")
+
+    @classmethod
+    def from_config(cls, rollout_cfg, seed: int | None = None) -> SamplingParams:
+        """From a moe_gspo.config.RolloutConfig."""
+        return cls(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
+                   max_new_tokens=rollout_cfg.max_new_tokens, seed=seed,
+                   return_routing=rollout_cfg.return_routing)
+
+
+class RolloutEngine(ABC):
+    """Samples groups of responses from the current policy weights."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,
+                 sampling: SamplingParams | None = None) -> RolloutBatch:
+        """n_per_prompt responses for each prompt (token ids), grouped: response i belongs to prompt i // n."""
+
+    @abstractmethod
+    def update_weights(self, policy) -> None:
+        """Load the policy's current weights (a policy with export_hf(), or a transformers model)."""
+
+    def close(self) -> None:
+        """Release engine resources (GPU memory, worker processes)."""
+
+
+def _validate_prompts(prompts, n_per_prompt: int, vocab_size: int | None = None) -> None:
+    if n_per_prompt < 1:
+        raise ValueError(f"n_per_prompt={n_per_prompt} must be >= 1")
+    if not prompts:
+        raise ValueError("generate() got no prompts")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty (add a bos token)")
+        if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
+
+
+def build_engine(name: str, policy, **kwargs) -> RolloutEngine:
+    """Engine by name ('hf' or 'sglang') holding the policy's weights; an unknown name lists the valid ones."""
+    if name == "hf":
+        from moe_gspo.rollout.hf_engine import HFEngine
+
+        return HFEngine(policy, **kwargs)
+    if name == "sglang":
+        from moe_gspo.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(policy, **kwargs)
+    raise KeyError(f"unknown rollout engine {name!r}; valid: ['hf', 'sglang']")

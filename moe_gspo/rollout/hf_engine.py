@@ -1,0 +1,255 @@
+"""The embedded CPU rollout engine: a transformers Qwen3-MoE model sampling token by token with a KV cache.
+
+    engine = HFEngine(policy, tokenizer=CharTokenizer())       # policy.export_hf() or a transformers model
+    batch = engine.generate([[1, 20, 21]], n_per_prompt=4, sampling=SamplingParams(seed=0))
+    engine.update_weights(policy)                              # after an optimizer step
+
+Why a hand-written loop rather than `model.generate`: it returns exactly what RL needs and nothing else, with the
+same arithmetic as a training forward. Each step takes the last position's logits, samples from
+softmax(logits / T) (top-p truncated), and records the token's log-prob under softmax(logits / T). Prompts of
+different lengths are left-padded for the batch, with explicit position ids, so every row sees the positions and
+the attention it would see alone. Routing comes from forward hooks on each MoE layer's router (`mlp.gate`),
+which returns the top-k experts the layer then uses: prefill gives the prompt positions, each decode step the
+position just fed.
+
+Weights: `update_weights(policy)` takes `policy.export_hf() -> (config_dict, state_dict)` (config.json contents
+and the checkpoint-format state dict `save_pretrained` would write: one tensor per expert) and loads it into the
+in-memory model, fusing per-expert tensors into transformers' [E, 2I, H] / [E, H, I] layout. A transformers model
+is used as given (weights shared, not copied).
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+
+import torch
+# imported eagerly: transformers' lazy modules fail to import after megatron's CPU shims replace torch.cuda.Stream
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts
+from moe_gspo.rollout.batch import RolloutBatch
+
+_EXPERT_KEY = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+# ---------------------------------------------------------------------------------------------------------- weights
+def checkpoint_to_model_state(state_dict: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """Map a checkpoint-format state dict (per-expert gate/up/down) onto `model`'s own parameter names.
+
+    Keys the model has are taken as they are; per-expert `...experts.{e}.{gate,up,down}_proj.weight` tensors are
+    stacked into `...experts.gate_up_proj` (E, 2I, H) (gate rows first) and `...experts.down_proj` (E, H, I).
+    Raises KeyError naming missing or unused keys.
+    """
+    target = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    unused = []
+    for key, t in state_dict.items():
+        if key in target:
+            out[key] = t
+            continue
+        m = _EXPERT_KEY.match(key)
+        if m:
+            experts.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = t
+        else:
+            unused.append(key)
+    for pre, projs in experts.items():
+        n = len(projs.get("down_proj", {}))
+        stack = lambda proj: torch.stack([projs[proj][e] for e in range(n)])  # noqa: E731
+        try:
+            out[f"{pre}.gate_up_proj"] = torch.cat([stack("gate_proj"), stack("up_proj")], dim=1)
+            out[f"{pre}.down_proj"] = stack("down_proj")
+        except KeyError as e:
+            raise KeyError(f"{pre}: per-expert weights incomplete (missing {e})") from None
+    missing = sorted(set(target) - set(out))
+    if getattr(model.config, "tie_word_embeddings", False):  # the tied head is not in the checkpoint
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unused:
+        raise KeyError(f"exported state dict does not match the HF model: missing {missing[:8]}"
+                       f"{'...' if len(missing) > 8 else ''}, unused {unused[:8]}{'...' if len(unused) > 8 else ''}")
+    return out
+
+
+def model_from_export(config_dict: dict, state_dict: dict[str, torch.Tensor], dtype=torch.float32,
+                      attn_implementation: str = "sdpa", model=None):
+    """A transformers causal LM with the exported weights (reusing `model` when its config is the same)."""
+    if model is None or getattr(model, "_moe_gspo_export_config", None) != config_dict:
+        model_type = config_dict.get("model_type", "qwen3_moe")
+        config = CONFIG_MAPPING[model_type].from_dict(dict(config_dict))
+        config._attn_implementation = attn_implementation
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
+        model._moe_gspo_export_config = dict(config_dict)
+    sd = checkpoint_to_model_state(state_dict, model)
+    with torch.no_grad():
+        model.load_state_dict(sd, strict=False)  # strictness checked above (tied lm_head may be absent)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------- routing
+def moe_routers(model) -> list[torch.nn.Module]:
+    """The router module of every MoE decoder layer, in layer order (dense layers skipped)."""
+    layers = model.model.layers
+    return [layer.mlp.gate for layer in layers if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+
+
+@contextmanager
+def capture_routing(model):
+    """Inside the block, each forward appends one (tokens, L, k) int64 tensor (ids sorted) to the yielded list."""
+    routers = moe_routers(model)
+    k = model.config.num_experts_per_tok
+    current: dict[int, torch.Tensor] = {}
+    steps: list[torch.Tensor] = []
+
+    def hook(layer):
+        def fn(_mod, _inp, out):
+            idx = out[2] if isinstance(out, tuple) and len(out) >= 3 else torch.topk(
+                (out[0] if isinstance(out, tuple) else out).float(), k, dim=-1).indices
+            current[layer] = idx.reshape(-1, idx.shape[-1]).detach()
+            if len(current) == len(routers):
+                steps.append(torch.stack([current[i] for i in range(len(routers))], dim=1).sort(-1).values.cpu())
+                current.clear()
+        return fn
+
+    handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(routers)]
+    try:
+        yield steps
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def hf_forward_with_routing(model, input_ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training-style full forward: logits (B, T, V) float32 and routing (B, T, L, k) int64, ids sorted."""
+    with capture_routing(model) as steps:
+        logits = model(input_ids=input_ids_BT.to(model.device)).logits.float().cpu()
+    B, T = input_ids_BT.shape
+    return logits, steps[0].reshape(B, T, *steps[0].shape[1:])
+
+
+# ---------------------------------------------------------------------------------------------------------- sampling
+def _sample(logits_BV: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (B,), log-probs (B,)) from one step's logits."""
+    logits_BV = logits_BV.float()
+    if sp.temperature == 0:
+        tok = logits_BV.argmax(-1)
+        return tok, torch.log_softmax(logits_BV, -1).gather(-1, tok[:, None]).squeeze(-1)
+    logp_BV = torch.log_softmax(logits_BV / sp.temperature, dim=-1)
+    probs = logp_BV.exp()
+    if sp.top_p < 1.0:
+        p_sorted, order = probs.sort(dim=-1, descending=True)
+        drop = p_sorted.cumsum(-1) - p_sorted >= sp.top_p  # tokens after the nucleus is complete
+        probs = torch.zeros_like(probs).scatter(-1, order, p_sorted.masked_fill(drop, 0.0))
+    tok = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits_BV.device)
+    return tok, logp_BV.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class HFEngine(RolloutEngine):
+    """transformers generation on the current policy weights (CPU by default, fp32)."""
+
+    def __init__(self, policy=None, tokenizer=None, eos_token_id: int | None = None, pad_token_id: int = 0,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 attn_implementation: str = "sdpa"):
+        self.tokenizer = tokenizer
+        self.device, self.dtype, self.attn_implementation = torch.device(device), dtype, attn_implementation
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_id", None)
+        self.model = None
+        self._next_sample_id = 0
+        self._next_group_id = 0
+        if policy is not None:
+            self.update_weights(policy)
+
+    def update_weights(self, policy) -> None:
+        if isinstance(policy, PreTrainedModel):
+            self.model = policy
+        elif hasattr(policy, "export_hf"):
+            config_dict, state_dict = policy.export_hf()
+            self.model = model_from_export(config_dict, state_dict, self.dtype, self.attn_implementation,
+                                           model=self.model).to(self.device)
+        else:
+            raise TypeError(f"update_weights needs a policy with export_hf() or a transformers PreTrainedModel, "
+                            f"got {type(policy).__name__}")
+        if self.eos_token_id is None:
+            self.eos_token_id = getattr(self.model.config, "eos_token_id", None)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,
+                 sampling: SamplingParams | None = None) -> RolloutBatch:
+        sp = sampling or SamplingParams()
+        if self.model is None:
+            raise RuntimeError("HFEngine has no weights: call update_weights(policy) first")
+        _validate_prompts(prompts, n_per_prompt, self.model.config.vocab_size)
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine to have a tokenizer (HFEngine(tokenizer=...))")
+        gen = torch.Generator()
+        gen.manual_seed(sp.seed) if sp.seed is not None else gen.seed()
+        stop_ids = set(sp.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+
+        rows = [list(p) for p in prompts for _ in range(n_per_prompt)]
+        B, P_max = len(rows), max(len(p) for p in rows)
+        plen = torch.tensor([len(p) for p in rows])
+        ids = torch.full((B, P_max), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(B, P_max, dtype=torch.long)
+        for b, p in enumerate(rows):  # left padding
+            ids[b, P_max - len(p):], mask[b, P_max - len(p):] = torch.tensor(p), 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+        dev = self.device
+        tokens, logps = [], []  # per step: (B,)
+        finished = torch.zeros(B, dtype=torch.bool)
+        finish = ["length"] * B
+        lengths = torch.zeros(B, dtype=torch.long)
+        routing_ctx = capture_routing(self.model) if sp.return_routing else _null_routing()
+        with routing_ctx as route_steps:
+            out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                             use_cache=True, logits_to_keep=1)
+            for step in range(sp.max_new_tokens):
+                tok, lp = _sample(out.logits[:, -1], sp, gen)
+                tok, lp = tok.cpu(), lp.float().cpu()
+                tok = torch.where(finished, torch.full_like(tok, self.pad_token_id), tok)
+                tokens.append(tok), logps.append(torch.where(finished, torch.zeros_like(lp), lp))
+                lengths += (~finished).long()
+                for b in (~finished).nonzero().flatten().tolist():
+                    if int(tok[b]) in stop_ids or (sp.stop and self._hits_stop(tokens, b, lengths[b], sp.stop)):
+                        finished[b], finish[b] = True, "stop"
+                if bool(finished.all()) or step == sp.max_new_tokens - 1:
+                    break
+                mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+                out = self.model(input_ids=tok[:, None].to(dev), attention_mask=mask.to(dev),
+                                 position_ids=(plen + step)[:, None].to(dev), past_key_values=out.past_key_values,
+                                 use_cache=True)
+
+        tok_BR, lp_BR = torch.stack(tokens, 1), torch.stack(logps, 1)
+        routed = prompt_routed = None
+        if sp.return_routing:
+            prefill = route_steps[0].reshape(B, P_max, *route_steps[0].shape[1:])  # (B, P_max, L, k)
+            decode = [s.reshape(B, *s.shape[1:]) for s in route_steps[1:]]  # each (B, L, k)
+            # routing that produced response token t: prefill's last column for t = 0, decode step t-1 after
+            per_tok = torch.stack([prefill[:, -1]] + decode, dim=1)  # (B, steps, L, k)
+            routed = [per_tok[b, :lengths[b]].to(torch.uint8) for b in range(B)]
+            prompt_routed = [prefill[b, P_max - len(p):P_max - 1].to(torch.uint8) for b, p in enumerate(rows)]
+
+        N, G = B, len(prompts)
+        batch = RolloutBatch(
+            prompt_ids=[torch.tensor(p, dtype=torch.long) for p in rows],
+            response_ids=[tok_BR[b, :lengths[b]].clone() for b in range(B)],
+            logprobs=[lp_BR[b, :lengths[b]].clone() for b in range(B)],
+            finish_reasons=finish,
+            sample_ids=torch.arange(self._next_sample_id, self._next_sample_id + N),
+            group_ids=torch.arange(self._next_group_id, self._next_group_id + G).repeat_interleave(n_per_prompt),
+            routed_experts=routed, prompt_routed_experts=prompt_routed)
+        self._next_sample_id += N
+        self._next_group_id += G
+        return batch
+
+    def _hits_stop(self, tokens, b, n, stops) -> bool:
+        text = self.tokenizer.decode([int(tokens[s][b]) for s in range(int(n))])
+        return any(s in text for s in stops)
+
+
+@contextmanager
+def _null_routing():
+    yield []

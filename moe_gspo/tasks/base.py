@@ -1,0 +1,62 @@
+"""What a task is: examples (prompt, gold answer, metadata) drawn with a seed, and the reward that checks them.
+
+Train and held-out prompts never overlap: a stable hash of the prompt text puts `heldout_fraction` of all prompts
+in the "test" split, and `sample(rng, split)` only draws from the split asked for.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    """Text the model is conditioned on (the tokenizer adds bos)."""
+    answer: str
+    """Gold answer the reward compares against."""
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+    """Task-specific data the reward needs (countdown: numbers, target)."""
+    demonstration: str | None = None
+    """Gold completion for supervised cold start; None means `answer`."""
+
+    @property
+    def completion(self) -> str:
+        return self.answer if self.demonstration is None else self.demonstration
+
+
+def in_heldout(prompt: str, fraction: float) -> bool:
+    """Stable (process-independent) assignment of a prompt to the held-out split."""
+    return (zlib.crc32(prompt.encode()) % 10_000) < int(round(fraction * 10_000))
+
+
+class Task:
+    """Base class: subclasses implement `_draw(rng) -> Example`; `reward_fn(response, example) -> float`."""
+
+    name: str = "task"
+    reward_fn: Callable[[str, Example], float]
+    heldout_fraction: float = 0.1
+
+    def _draw(self, rng: random.Random) -> Example:
+        raise NotImplementedError
+
+    def sample(self, rng: random.Random, split: str = "train") -> Example:
+        if split not in ("train", "test"):
+            raise ValueError(f"split={split!r} is not one of ['train', 'test']")
+        want_test = split == "test"
+        for _ in range(10_000):
+            ex = self._draw(rng)
+            if in_heldout(ex.prompt, self.heldout_fraction) == want_test:
+                return ex
+        raise RuntimeError(f"task {self.name}: could not draw a {split!r} example (heldout_fraction="
+                           f"{self.heldout_fraction})")
+
+    def examples(self, n: int, seed: int = 0, split: str = "train") -> list[Example]:
+        rng = random.Random(seed)
+        return [self.sample(rng, split) for _ in range(n)]
+
+    def reward(self, response: str, example: Example) -> float:
+        return self.reward_fn(response, example)

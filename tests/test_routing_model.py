@@ -1,0 +1,107 @@
+"""Routing Replay and the flip tracker on the tiny megatron-core policy (CPU, one process)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import moe_gspo
+from moe_gspo.config import load_config
+from moe_gspo.model.routing_capture import RoutingCapture
+from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache, flip_rate
+
+B, T = 3, 16
+LENGTHS = [16, 10, 12]  # right-padded rows
+SIDS = [100, 101, 102]
+
+
+@pytest.fixture(scope="module")
+def built():
+    policy = moe_gspo.load_policy(load_config("configs/tiny_cpu.yaml"))
+    return policy, copy.deepcopy(policy.state_dict())
+
+
+@pytest.fixture
+def policy(built):
+    policy, state = built
+    policy.load_state_dict(state)
+    policy.zero_grad(set_to_none=True)
+    return policy
+
+
+def dims(policy):
+    mc = policy.model_config
+    return mc.num_hidden_layers, mc.num_experts_per_tok, mc.num_experts
+
+
+def batch(policy, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, policy.model_config.vocab_size, (B, T), generator=g)
+    mask = (torch.arange(T)[None, :] < torch.tensor(LENGTHS)[:, None]).reshape(-1)  # (B*T,)
+    return ids, mask
+
+
+def test_r2_replay_pins_routing_and_router_still_learns(policy):
+    L, k, E = dims(policy)
+    ids, mask = batch(policy)
+    old = RoutingCapture()
+    with torch.no_grad():
+        policy(ids, routing=old)  # old-log-prob pass
+    cache = RoutingReplayCache("r2", L, k, E)
+    assert cache.record_capture(SIDS, LENGTHS, old) == sum(LENGTHS)
+    assert cache.nbytes() == sum(LENGTHS) * L * k
+    with torch.no_grad():
+        for r in policy.routers:
+            r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(7)) * 0.1)
+
+    live = RoutingCapture()
+    with torch.no_grad():
+        policy(ids, routing=live)
+    assert flip_rate(old.stacked()[mask], live.stacked()[mask]) > 0.05  # without replay the routing changes
+
+    perm = [2, 0, 1]  # a shuffled minibatch of the same samples
+    src = cache.replay_source([SIDS[i] for i in perm], seq_len=T)
+    rep = RoutingCapture(replay=src)
+    logits = policy(ids[perm], routing=rep)
+    src.check_complete()
+    pmask = mask.view(B, T)[perm].reshape(-1)
+    want = old.stacked().view(B, T, L, k)[perm].reshape(B * T, L, k)
+    assert torch.equal(rep.stacked()[pmask], want[pmask])  # replayed exactly
+    assert flip_rate(want[pmask], rep.live_stacked()[pmask]) > 0.05  # the live router disagrees
+    assert torch.equal(rep.stacked()[~pmask], rep.live_stacked()[~pmask])  # padding routes live
+
+    tracker = ExpertFlipTracker(L, E)
+    tracker.set_reference(SIDS, old.stacked(), mask)
+    tracker.observe([SIDS[i] for i in perm], rep.live_stacked(), pmask)
+    assert tracker.metrics()["moe/flip_rate"] == pytest.approx(flip_rate(want[pmask], rep.live_stacked()[pmask]))
+
+    targets = torch.randint(0, logits.shape[-1], (B, T), generator=torch.Generator().manual_seed(1))
+    torch.nn.functional.cross_entropy(logits.reshape(B * T, -1), targets.reshape(-1)).backward()
+    for i, r in enumerate(policy.routers):
+        assert r.weight.grad is not None and r.weight.grad.abs().sum() > 0, f"router {i} got no gradient"
+
+
+def test_flip_rate_zero_after_lr0_step_and_positive_after_large_step(policy):
+    L, k, E = dims(policy)
+    ids, mask = batch(policy, seed=1)
+    targets = torch.randint(0, policy.model_config.vocab_size, (B, T), generator=torch.Generator().manual_seed(2))
+    tracker = ExpertFlipTracker(L, E)
+    with torch.no_grad():
+        old = RoutingCapture()
+        policy(ids, routing=old)
+    tracker.set_reference(SIDS, old.stacked(), mask)
+    rates = []
+    for lr in (0.0, 0.05):
+        opt = torch.optim.AdamW(policy.parameters(), lr=lr)
+        opt.zero_grad()
+        logits = policy(ids)
+        torch.nn.functional.cross_entropy(logits.reshape(B * T, -1), targets.reshape(-1)).backward()
+        opt.step()
+        cap = RoutingCapture()
+        with torch.no_grad():
+            policy(ids, routing=cap)
+        tracker.observe(SIDS, cap.live_stacked(), mask)
+        rates.append(tracker.metrics()["moe/flip_rate"])
+    assert rates[0] == 0.0 and rates[1] > 0.0, rates

@@ -1,0 +1,130 @@
+"""Tasks: tokenizer, synthetic tasks and their knobs, dataset files with bad rows, the SFT cold start."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+
+import pytest
+import torch
+
+from moe_gspo.tasks import (AdditionTask, CharTokenizer, CountdownTask, DatasetError, DatasetTask, MultiplicationTask,
+                            get_task, load_examples)
+
+TOK = CharTokenizer()
+
+
+def test_tokenizer_roundtrip_and_ids_fit_vocab():
+    text = "Compute 12+34=? {x}\n ~!"
+    ids = TOK.encode(text, bos=True, eos=True)
+    assert ids[0] == TOK.bos_id and ids[-1] == TOK.eos_id
+    assert max(ids) < TOK.vocab_size == 128 and TOK.num_tokens <= 128
+    assert TOK.decode(ids) == text
+    assert TOK.decode([TOK.pad_id, 120, 127]) == ""
+    assert TOK.encode("é") == [TOK.unk_id]
+    with pytest.raises(ValueError, match="position 1"):
+        TOK.encode("aé", strict=True)
+    # every printable ASCII character has its own id
+    chars = "".join(chr(c) for c in range(32, 127)) + "\n"
+    assert len(set(TOK.encode(chars))) == len(chars)
+
+
+@pytest.mark.parametrize("task", [AdditionTask(1, 3, num_operands=3), MultiplicationTask(1, 2),
+                                  CountdownTask(num_numbers=4, max_number=12, max_target=200)])
+def test_tasks_are_seeded_split_and_solvable(task):
+    a, b = task.examples(30, seed=3), task.examples(30, seed=3)
+    assert a == b and a != task.examples(30, seed=4)
+    train = {e.prompt for e in task.examples(200, seed=0)}
+    test = {e.prompt for e in task.examples(50, seed=0, split="test")}
+    assert not train & test
+    for ex in a:
+        assert task.reward(ex.completion, ex) == 1.0  # demonstrations are correct
+        assert task.reward(ex.completion + "1", ex) == 0.0
+        assert max(TOK.encode(ex.prompt + ex.completion, strict=True)) < TOK.vocab_size
+
+
+def test_difficulty_knobs():
+    easy = AdditionTask(1, 1).examples(50, seed=0)
+    hard = AdditionTask(4, 4, num_operands=3).examples(50, seed=0)
+    assert all(len(op) == 1 for e in easy for op in e.prompt[:-1].split("+"))
+    assert all(len(e.prompt[:-1].split("+")) == 3 and all(len(op) == 4 for op in e.prompt[:-1].split("+"))
+               for e in hard)
+    cd = CountdownTask(num_numbers=5, max_number=20).examples(20, seed=0)
+    assert all(len(e.meta["numbers"]) == 5 and max(e.meta["numbers"]) <= 20 for e in cd)
+    assert all(e.prompt.endswith(f"->{e.meta['target']}:") for e in cd)
+    with pytest.raises(ValueError, match="min_digits"):
+        AdditionTask(3, 2)
+    with pytest.raises(KeyError, match="valid"):
+        get_task("sudoku")
+
+
+def _write_jsonl(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_dataset_with_declared_schema(tmp_path):
+    p = _write_jsonl(tmp_path / "d.jsonl", [json.dumps({"problem": "1+1?", "sol": 2, "src": "x"}), "",
+                                            json.dumps({"problem": "half of 1?", "sol": "\\frac{1}{2}"})])
+    rows = load_examples(p, prompt_field="problem", answer_field="sol")
+    assert [r.prompt for r in rows] == ["1+1?", "half of 1?"] and rows[0].answer == "2"
+    assert rows[0].meta == {"src": "x"}
+    task = get_task("jsonl", path=p, prompt_field="problem", answer_field="sol")
+    ex = task.sample(random.Random(0))
+    assert task.reward("\\boxed{" + ex.answer + "}", ex) == 1.0
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"prompt": "a", "answer": 1', "invalid JSON"),
+    ('{"prompt": "a"}', "missing field 'answer'"),
+    ('{"prompt": "", "answer": "1"}', "non-empty string"),
+    ('{"prompt": "a", "answer": [1, 2]}', "string or a number"),
+    ('[1, 2]', "expected a JSON object"),
+])
+def test_malformed_row_names_file_and_line(tmp_path, line, message):
+    good = json.dumps({"prompt": "q", "answer": "1"})
+    p = _write_jsonl(tmp_path / "bad.jsonl", [good, good, line, good])
+    with pytest.raises(DatasetError, match=message) as e:
+        load_examples(p)
+    assert f"{p}:3:" in str(e.value)
+
+
+def test_missing_or_empty_dataset(tmp_path):
+    with pytest.raises(DatasetError, match="not found"):
+        load_examples(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DatasetError, match="no rows"):
+        DatasetTask(tmp_path / "empty.jsonl")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="parquet needs pyarrow")
+def test_parquet_dataset_and_bad_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), tmp_path / "ok.parquet")
+    assert [r.answer for r in load_examples(tmp_path / "ok.parquet")] == ["1", "2"]
+    pq.write_table(pa.table({"prompt": ["a", None], "answer": ["1", "2"]}), tmp_path / "bad.parquet")
+    with pytest.raises(DatasetError, match="row 2"):
+        load_examples(tmp_path / "bad.parquet")
+
+
+def test_cold_start_raises_heldout_accuracy():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moe_gspo.tasks.sft import cold_start, demonstration_batch, greedy_accuracy
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=128, norm_topk_prob=True, max_position_embeddings=64)
+    model = Qwen3MoeForCausalLM(cfg)
+    task = AdditionTask(1, 1, heldout_fraction=0.2)
+    ids, mask = demonstration_batch(task.examples(2), TOK)
+    assert TOK.decode(ids[0][mask[0]].tolist()) == task.examples(2)[0].answer  # loss only on answer + eos
+    before = greedy_accuracy(model, task, n=48)
+    losses = cold_start(model, task, steps=150, batch_size=32, lr=1e-2, seed=0)
+    after = greedy_accuracy(model, task, n=48)
+    assert losses[-1] < losses[0] / 4
+    assert after > before and after >= 0.2, (before, after)

@@ -1,0 +1,220 @@
+"""Loss-fused policy-gradient path: GSPO / GRPO loss value and its gradient from one pass over the logits.
+
+A plain chunked token_logprobs costs 8THV (forward 2, recomputed logits 2, two gradient GEMMs 4). Here the
+token chunks are aligned to whole sequences, so every sequence's log-probs, hence its ratio and its loss
+gradient d L / d logp_t, are known while the chunk's fp32 logits [tc, V] are still in the workspace:
+    z = h_c W^T  ->  lse, logp  ->  coef_t = dL/dlogp_t  ->  G = coef (onehot - softmax) / temp in place
+    ->  d hidden_c = G W,  d weight += G^T h_c                                                  (6THV)
+The gradients are stored in the forward and handed out by backward (scaled by its incoming gradient).
+A sequence longer than the workspace allows takes two passes (8THV) for itself alone.
+
+The loss formulas (METHOD.md) are local pure functions of per-token log-probs, so kernels import no losses:
+  gspo: s_i = exp(mean_t(logp - old_logp) over response tokens), L = -1/N sum_i min(s_i A_i, clip(s_i) A_i)
+  grpo: w_t = exp(logp_t - old_logp_t), L = -1/N sum_i 1/|y_i| sum_t min(w_t A_i, clip(w_t) A_i)
+clip(x) = clamp(x, 1 - clip_low, 1 + clip_high); N = num_sequences, the global denominator (default: this
+call's sequences with at least one response token); log-ratios are clamped to +-20 before exp.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import chunked
+from . import vocab_parallel as vp
+from .api import DEFAULT_CHUNK_BYTES, check_inputs, token_logprobs
+from .reduce import segment_ids
+
+DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+LOG_RATIO_CLAMP = 20.0  # |log-ratio| clamped before exp, as moe_gspo.losses does (no gradient beyond it)
+
+
+def _clip_terms(ratio, adv, clip_low, clip_high):
+    """(-min(surr1, surr2), active, clipped).
+
+    active: where d loss / d ratio = -adv under torch.minimum/clamp autograd (inside the clip range, or the
+    unclipped branch strictly smaller); clipped: the clipped branch is taken (surr2 < surr1)."""
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    inside = (ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high)
+    return -torch.minimum(surr1, surr2), inside | (surr1 < surr2), surr2 < surr1
+
+
+def gspo_coef(logp_T, old_T, mask_T, seg_T, adv_B, denom, clip_low, clip_high, log_ratio_clamp=LOG_RATIO_CLAMP):
+    """GSPO over whole sequences: (loss sum / denom, d loss / d logp [T], clipped tokens, ratio sum over seqs)."""
+    B = adv_B.shape[0]
+    m = mask_T.float()
+    count = torch.zeros(B, device=m.device).index_add(0, seg_T, m)
+    r = torch.zeros(B, device=m.device).index_add(0, seg_T, (logp_T - old_T) * m) / count.clamp(min=1.0)
+    s = torch.exp(r.clamp(-log_ratio_clamp, log_ratio_clamp))
+    loss_B, active, clipped = _clip_terms(s, adv_B, clip_low, clip_high)
+    has = count > 0
+    dL_ds = torch.where(active & has & (r.abs() <= log_ratio_clamp), -adv_B / denom, 0.0)
+    coef_T = (dL_ds * s / count.clamp(min=1.0))[seg_T] * m
+    clipped_tokens = (count * (clipped & has)).sum()
+    return (loss_B * has).sum() / denom, coef_T, clipped_tokens, (s * has).sum()
+
+
+def grpo_coef(logp_T, old_T, mask_T, seg_T, adv_B, denom, clip_low, clip_high, log_ratio_clamp=LOG_RATIO_CLAMP):
+    """GRPO (seq-mean-token-mean): (loss sum / denom, d loss / d logp [T], clipped tokens, ratio sum over tokens)."""
+    B = adv_B.shape[0]
+    m = mask_T.float()
+    count = torch.zeros(B, device=m.device).index_add(0, seg_T, m).clamp(min=1.0)
+    lr = logp_T - old_T
+    w = torch.exp(lr.clamp(-log_ratio_clamp, log_ratio_clamp))
+    tok_loss, active, clipped = _clip_terms(w, adv_B[seg_T], clip_low, clip_high)
+    per_tok = m / (count[seg_T] * denom)
+    coef_T = torch.where(active & (lr.abs() <= log_ratio_clamp), -adv_B[seg_T] * w, 0.0) * per_tok
+    return (tok_loss * per_tok).sum(), coef_T, (m * clipped).sum(), (w * m).sum()
+
+
+LOSSES = {"gspo": gspo_coef, "grpo": grpo_coef}
+
+
+def _groups(lengths: list[int], max_rows: int):
+    """Consecutive sequences packed into token chunks of at most max_rows (a longer sequence stands alone)."""
+    out, b0, t0, rows = [], 0, 0, 0
+    for b, n in enumerate(lengths):
+        if rows and rows + n > max_rows:
+            out.append((b0, b, t0, t0 + rows))
+            b0, t0, rows = b, t0 + rows, 0
+        rows += n
+    out.append((b0, len(lengths), t0, t0 + rows))
+    return out
+
+
+class _FusedPolicyLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_TH, weight_VH, targets_T, old_T, adv_B, cu_seqlens, mask_T, cfg):
+        loss_fn, clip_low, clip_high, denom, temperature, ignore_index, group, chunk_bytes = cfg
+        T, V = hidden_TH.shape[0], weight_VH.shape[0]
+        _, world = vp.group_rank_size(group)
+        valid = vp.check_targets(targets_T, V * world, ignore_index)
+        valid = valid & mask_T
+        local_tgt = torch.where(valid, targets_T - vp.vocab_start(V, group), -1)
+        inv_temp = 1.0 / temperature
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros(T, hidden_TH.shape[1], device=hidden_TH.device) if need_h else None  # fp32
+        grad_w = torch.zeros_like(weight_VH) if need_w else None
+        logp_T = torch.zeros(T, device=hidden_TH.device)
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        nbuf = 2 if hidden_TH.dtype == torch.float32 else 3
+        max_rows = max(1, chunk_bytes // (4 * V * nbuf))
+        loss = torch.zeros((), device=hidden_TH.device)
+        clipped = torch.zeros((), device=hidden_TH.device)
+        ratio_sum = torch.zeros((), device=hidden_TH.device)
+        for b0, b1, t0, t1 in _groups(lengths, max_rows):
+            if t1 == t0:
+                continue
+            h_c, tgt_c, ok_c = hidden_TH[t0:t1], local_tgt[t0:t1], valid[t0:t1]
+            seg = segment_ids(cu_seqlens[b0:b1 + 1] - t0, t1 - t0)
+            one_pass = t1 - t0 <= max_rows
+            if one_pass:  # keep the fp32 logits: 6THV
+                d = chunked.logits_block(h_c, weight_VH, inv_temp)
+                stats = chunked.block_stats(d, tgt_c, False)  # d now holds z - m_local
+                m_local = stats[0]
+            else:  # one sequence too long for the workspace: two passes, 8THV
+                stats = chunked.forward_stats(h_c, weight_VH, tgt_c, inv_temp, False, chunk_bytes)
+            m, s, sd, zt = vp.allreduce_stats(*stats, group)
+            lp, _, lse = vp.finish_stats(m, s, sd, zt, ok_c)
+            logp_T[t0:t1] = lp
+            part, coef, clip_n, rsum = loss_fn(lp, old_T[t0:t1].float(), ok_c, seg, adv_B[b0:b1].float(), denom,
+                                               clip_low, clip_high)
+            loss += part
+            clipped += clip_n
+            ratio_sum += rsum
+            if not (need_h or need_w):
+                continue
+            if one_pass:
+                gl = coef * inv_temp
+                G = d.add_((m_local - lse)[:, None]).exp_().mul_(-gl[:, None])
+                own = (tgt_c >= 0) & (tgt_c < V)
+                G.scatter_add_(1, torch.where(own, tgt_c, 0)[:, None], torch.where(own, gl, 0.0)[:, None])
+                G = G.to(hidden_TH.dtype)
+                if need_h:
+                    grad_h[t0:t1] = torch.mm(G, weight_VH).float()
+                if need_w:
+                    grad_w.addmm_(G.t(), h_c)
+                del G, d
+            else:
+                gh, gw = chunked.backward_grads(h_c, weight_VH, tgt_c, lse, None, coef, None, inv_temp, chunk_bytes,
+                                                need_h=need_h, need_w=need_w)
+                if need_h:
+                    grad_h[t0:t1] = gh.float()
+                if need_w:
+                    grad_w += gw
+        if need_h:
+            grad_h = vp.allreduce_sum_(grad_h, group).to(hidden_TH.dtype)
+        ctx.grads = (grad_h, grad_w)  # not save_for_backward: backward scales them in place (no weight-sized copy)
+        n_resp = valid.sum().clamp(min=1)
+        n_ratio = n_resp if loss_fn is grpo_coef else (torch.bincount(segment_ids(cu_seqlens, T)[valid],
+                                                                      minlength=adv_B.shape[0]) > 0).sum().clamp(min=1)
+        metrics = (logp_T, clipped / n_resp, ratio_sum / n_ratio)
+        for t in metrics:
+            ctx.mark_non_differentiable(t)
+        return (loss,) + metrics
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        if ctx.grads is None:
+            raise RuntimeError("fused_policy_loss: backward can run once per forward (retain_graph is not supported)")
+        gh, gw = ctx.grads
+        ctx.grads = None
+        gh = gh.mul_(grad_loss.to(gh.dtype)) if gh is not None else None
+        gw = gw.mul_(grad_loss.to(gw.dtype)) if gw is not None else None
+        return gh, gw, None, None, None, None, None, None
+
+
+def _layout(T, cu_seqlens, loss_mask, device):
+    if cu_seqlens is None:
+        raise ValueError("fused_policy_loss: pass cu_seqlens [B + 1] (padded [B, S] batches: arange(0, B*S+1, S))")
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"fused_policy_loss: cu_seqlens must rise from 0 to T={T}; got {cu_seqlens.tolist()}")
+    mask = torch.ones(T, dtype=torch.bool, device=device) if loss_mask is None else loss_mask.reshape(-1).bool()
+    if mask.shape[0] != T:
+        raise ValueError(f"fused_policy_loss: loss_mask has {mask.shape[0]} tokens, hidden has T={T}")
+    return cu, mask
+
+
+def fused_policy_loss(hidden, weight, targets, old_logp, advantages, *, cu_seqlens, loss_mask=None, loss="gspo",
+                      clip_low=None, clip_high=None, num_sequences=None, temperature=1.0, ignore_index=-100,
+                      process_group=None, chunk_bytes=DEFAULT_CHUNK_BYTES, impl="fused"):
+    """Policy loss (0-dim fp32) and metrics {logp [T], pg_clipfrac, ratio_mean}, tensors only.
+
+    hidden [T, H], weight [V_local, H] (vocab shard as in token_logprobs), targets/old_logp/loss_mask [T] in packed
+    order with sequence b at tokens cu_seqlens[b]:cu_seqlens[b+1]; advantages [B], one per sequence.
+    loss: "gspo" | "grpo"; clip defaults DEFAULT_CLIP[loss]. num_sequences: the global denominator N (default: the
+    sequences here with a response token; pass the rollout batch's count for gradient accumulation).
+    impl="fused" computes the gradient inside this call (6THV); impl="unfused" is token_logprobs (auto) followed by
+    the same formulas under autograd (the slow obvious path, for debugging)."""
+    if loss not in LOSSES:
+        raise ValueError(f"fused_policy_loss: unknown loss={loss!r}; valid: {', '.join(LOSSES)}")
+    if impl not in ("fused", "unfused"):
+        raise ValueError(f"fused_policy_loss: unknown impl={impl!r}; valid: fused, unfused")
+    check_inputs(hidden, weight, targets, temperature, chunk_bytes)
+    T = hidden.shape[0]
+    cu, mask = _layout(T, cu_seqlens, loss_mask, hidden.device)
+    if advantages.shape != (cu.numel() - 1,):
+        raise ValueError(f"fused_policy_loss: advantages must be [B] = [{cu.numel() - 1}], got {tuple(advantages.shape)}")
+    lo, hi = DEFAULT_CLIP[loss]
+    clip_low = lo if clip_low is None else float(clip_low)
+    clip_high = hi if clip_high is None else float(clip_high)
+    if num_sequences is None:
+        valid = mask & (targets != ignore_index)
+        nonempty = torch.zeros(cu.numel() - 1, device=cu.device).index_add(0, segment_ids(cu, T), valid.float()) > 0
+        num_sequences = int(nonempty.sum())
+    denom = float(max(num_sequences, 1))
+    if impl == "unfused":
+        logp, _ = token_logprobs(hidden, weight, torch.where(mask, targets, ignore_index), temperature=temperature,
+                                 ignore_index=ignore_index, process_group=process_group, chunk_bytes=chunk_bytes)
+        valid = mask & (targets != ignore_index)
+        seg = segment_ids(cu, T)
+        value, _, clipped, rsum = LOSSES[loss](logp, old_logp.float(), valid, seg, advantages.float(), denom,
+                                               clip_low, clip_high)
+        n_resp = valid.sum().clamp(min=1)
+        n_ratio = n_resp if loss == "grpo" else (torch.bincount(seg[valid], minlength=cu.numel() - 1) > 0).sum()
+        return value, {"logp": logp.detach(), "pg_clipfrac": clipped / n_resp, "ratio_mean": rsum / n_ratio.clamp(min=1)}
+    cfg = (LOSSES[loss], clip_low, clip_high, denom, float(temperature), ignore_index, process_group, int(chunk_bytes))
+    value, logp, clipfrac, ratio_mean = _FusedPolicyLoss.apply(hidden, weight, targets, old_logp, advantages, cu, mask,
+                                                               cfg)
+    return value, {"logp": logp.detach(), "pg_clipfrac": clipfrac.detach(), "ratio_mean": ratio_mean.detach()}

@@ -16,6 +16,21 @@ from pathlib import Path
 import yaml
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2-style booleans: only true/false (YAML 1.1 would read `off`, `on`, `yes`, `no` as bools, turning
+    `algorithm.routing_replay: off` into False)."""
+
+
+_Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+                                   for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", __import__("re").compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def _yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type or out of range (the message names the field)."""
 
@@ -145,6 +160,9 @@ class RolloutConfig:
     """Nucleus sampling threshold."""
     return_routing: bool = True
     """Ask the engine for the experts each response token was routed to (needed for R3 and mismatch metrics)."""
+    engine_dtype: str = "float32"
+    """Dtype the rollout engine computes in: 'float32', or 'bfloat16' to mimic a bf16 inference engine's numeric
+    mismatch with the fp32 trainer (what R3 and `use_engine_logprobs` exist for)."""
     task_args: str = ""
     """Difficulty knobs of a built-in task as 'key=value,key=value' (e.g. 'max_digits=1,num_operands=3')."""
     bad_reward: str = "error"
@@ -153,6 +171,7 @@ class RolloutConfig:
     def __post_init__(self):
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens")
         _choice(self, "bad_reward", ("error", "skip"))
+        _choice(self, "engine_dtype", ("float32", "bfloat16"))
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.temperature <= 0:
@@ -323,7 +342,7 @@ def config_from_dict(data: dict) -> Config:
 
 
 def _parse_scalar(text: str):
-    return yaml.safe_load(text) if text != "" else ""
+    return _yaml_load(text) if text != "" else ""
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -350,7 +369,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = _yaml_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML: {e}") from None
         if not isinstance(data, dict):

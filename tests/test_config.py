@@ -53,3 +53,9 @@ def test_load_policy_rejects_ep_not_dividing_experts():
     cfg = load_config("configs/tiny_cpu.yaml", ["parallel.ep=3", "model.num_experts=8"])
     with pytest.raises(ConfigError, match="does not divide the world size 1|not divisible by parallel.ep=3"):
         moe_gspo.load_policy(cfg)
+
+
+def test_off_stays_a_string():
+    """YAML 1.1 would read `off` as False; the config reader keeps it the string it is."""
+    c = load_config("configs/tiny_cpu.yaml", ["algorithm.routing_replay=off", "algorithm.track_flips=false"])
+    assert c.algorithm.routing_replay == "off" and c.algorithm.track_flips is False

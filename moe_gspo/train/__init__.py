@@ -1,0 +1,9 @@
+"""Pieces of the RL loop in moe_gspo/trainer.py: data, log-probs, one optimizer step, metrics, checkpoints.
+
+    data.py        task from config, the prompts of step s on this data-parallel rank, input checks
+    logprob.py     token log-probs (+ entropy) of a padded batch: fused kernel on hidden states, or eager
+    step.py        old-log-prob pass, one minibatch's update with global denominators, grad-norm clip, cold start
+    metrics.py     cross-rank reduction, JSONL + tensorboard + progress bar, step timers
+    checkpoint.py  atomic, verified, rotating checkpoints
+    elastic.py     joining a torchrun job so that --max-restarts can restart it
+"""

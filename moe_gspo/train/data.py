@@ -1,0 +1,160 @@
+"""The data side of the RL loop: the task, the prompts of each step, and checks of what comes back.
+
+The prompts of step s on data-parallel rank r are a pure function of (seed, s, r): resuming at step s needs no
+sampler state, and `data_position` in a checkpoint is just the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_gspo.config import Config, ConfigError
+from moe_gspo.tasks import Example, Task, get_task, task_from_config
+from moe_gspo.tasks.tokenizer import CharTokenizer
+
+
+class HFTokenizer:
+    """A transformers tokenizer behind CharTokenizer's interface (encode(text, bos, eos), decode, *_id)."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.eos_id = self.tok.eos_token_id
+        self.bos_id = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.eos_id
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+        self.num_tokens = len(self.tok)
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def build_tokenizer(cfg: Config):
+    """The repo's character tokenizer, or the checkpoint's own when model.init_from names one that has it."""
+    from pathlib import Path
+
+    if cfg.model.init_from and (Path(cfg.model.init_from) / "tokenizer_config.json").is_file():
+        return HFTokenizer(cfg.model.init_from)
+    return CharTokenizer()
+
+
+def parse_task_args(text: str) -> dict:
+    """'max_digits=1,num_operands=3' -> {'max_digits': 1, 'num_operands': 3} (ints, floats or strings)."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in part:
+            raise ConfigError(f"rollout.task_args: {part!r} is not key=value")
+        k, v = (x.strip() for x in part.split("=", 1))
+        for conv in (int, float):
+            try:
+                v = conv(v)
+                break
+            except ValueError:
+                pass
+        out[k] = v
+    return out
+
+
+def build_task(cfg: Config) -> Task:
+    if cfg.rollout.task in ("jsonl", "parquet") or not cfg.rollout.task_args:
+        return task_from_config(cfg.rollout)
+    try:
+        return get_task(cfg.rollout.task, **parse_task_args(cfg.rollout.task_args))
+    except TypeError as e:
+        raise ConfigError(f"rollout.task_args={cfg.rollout.task_args!r} for task {cfg.rollout.task!r}: {e}") from None
+
+
+@dataclass
+class Layout:
+    """How one rollout batch is divided: per data-parallel rank, per minibatch."""
+
+    dp: int
+    prompts_local: int  # prompts per step on this rank
+    responses_local: int  # prompts_local * group_size
+    minibatch_local: int  # responses per minibatch on this rank
+
+
+def check_layout(cfg: Config, dp: int) -> Layout:
+    """Raise ConfigError unless prompts split over DP ranks and responses over minibatches evenly."""
+    P, G, M = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.train.minibatches
+    if P % dp:
+        raise ConfigError(f"rollout.prompts_per_step={P} does not divide over {dp} data-parallel ranks "
+                          f"(groups stay on one rank); use a multiple of {dp}")
+    n_local = P // dp * G
+    if n_local % M:
+        raise ConfigError(f"rollout batch of {P} prompts x {G} responses = {P * G} over {dp} data-parallel ranks "
+                          f"x train.minibatches={M} does not divide: each rank holds {n_local} responses, not a "
+                          f"multiple of {M}")
+    return Layout(dp, P // dp, n_local, n_local // M)
+
+
+def world_size() -> int:
+    """torchrun's WORLD_SIZE (1 outside torchrun), before torch.distributed is initialized."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_names(cfg: Config) -> None:
+    """Registered names the config refers to (loss, advantage estimator), checked before anything is built."""
+    from moe_gspo.losses import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+
+    for field, name, valid in (("algorithm.loss", cfg.algorithm.loss, POLICY_LOSSES),
+                               ("algorithm.advantage", cfg.algorithm.advantage, ADVANTAGE_ESTIMATORS)):
+        if name not in valid:
+            raise ConfigError(f"{field}={name!r} is not one of {sorted(valid)}")
+
+
+def step_examples(task: Task, seed: int, step: int, dp_rank: int, n: int) -> list[Example]:
+    """The n training prompts of `step` on data-parallel rank `dp_rank` (deterministic)."""
+    return task.examples(n, seed=hash_seed(seed, step, dp_rank), split="train")
+
+
+def hash_seed(*parts: int) -> int:
+    """A stable 63-bit seed from integers (Python's hash of ints is not salted, but keep it explicit)."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
+def encode_prompts(examples: list[Example], tok: CharTokenizer, max_new_tokens: int, context: int) -> list[list[int]]:
+    """bos + prompt ids; raise ValueError naming the prompt when prompt + max_new_tokens exceeds the context."""
+    out = []
+    for i, ex in enumerate(examples):
+        ids = tok.encode(ex.prompt, bos=True)
+        if len(ids) + max_new_tokens > context:
+            raise ValueError(f"prompt {i} ({ex.prompt[:40]!r}...) has {len(ids)} tokens; with rollout.max_new_tokens="
+                             f"{max_new_tokens} it exceeds the context model.max_position_embeddings={context}")
+        out.append(ids)
+    return out
+
+
+def check_responses(batch, step: int) -> None:
+    """An empty response (no token at all, not even eos) is an engine error: name the sample."""
+    for i, r in enumerate(batch.response_ids):
+        if r.numel() == 0:
+            raise ValueError(f"step {step}: rollout engine returned an empty response for sample "
+                             f"{int(batch.sample_ids[i])} (response {i} of group {int(batch.group_ids[i])})")
+
+
+def handle_bad_rewards(rewards: torch.Tensor, errors: list, examples: list[Example], texts: list[str],
+                       sample_ids: torch.Tensor, mode: str, step: int) -> torch.Tensor:
+    """(N,) bool valid. mode 'error' raises naming the first bad sample; 'skip' returns the mask to drop them."""
+    valid = torch.isfinite(rewards)
+    if bool(valid.all()):
+        return valid
+    i = int((~valid).nonzero()[0])
+    why = errors[i] if errors and errors[i] else f"reward {float(rewards[i])}"
+    if mode == "error":
+        raise ValueError(f"step {step}: non-finite reward for sample {int(sample_ids[i])} (prompt "
+                         f"{examples[i].prompt!r}, response {texts[i]!r}): {why}; {int((~valid).sum())} bad in this "
+                         f"batch. Set rollout.bad_reward=skip to drop such samples instead.")
+    return valid
+

@@ -1,0 +1,158 @@
+"""Step metrics: averaging over micro-batches, minibatches and ranks; JSONL, tensorboard and a progress bar.
+
+Keys ending in `_max` / `_min` are reduced with max / min, everything else is averaged. Only global rank 0
+writes. Timing keys (`time/*`, `tokens_per_s`) are the only ones that differ between identical runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+TIMING_PREFIXES = ("time/", "perf/")
+
+
+def _kind(key: str) -> str:
+    return "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
+
+
+class MetricMean:
+    """Accumulates flat dicts of floats: mean per key (over the dicts that have it), max/min for *_max/*_min."""
+
+    def __init__(self):
+        self._v: dict[str, float] = {}
+        self._n: dict[str, int] = {}
+
+    def add(self, m: dict[str, float]) -> None:
+        for k, v in m.items():
+            v = float(v)
+            if k not in self._v:
+                self._v[k], self._n[k] = v, 1
+                continue
+            kind = _kind(k)
+            self._v[k] = max(self._v[k], v) if kind == "max" else min(self._v[k], v) if kind == "min" else \
+                self._v[k] + v
+            self._n[k] += 1
+
+    def result(self) -> dict[str, float]:
+        return {k: (v / self._n[k] if _kind(k) == "mean" else v) for k, v in self._v.items()}
+
+
+def reduce_across_ranks(m: dict[str, float]) -> dict[str, float]:
+    """Average (or max/min) every key over the ranks that report it (a rank may lack a key, e.g. no mismatch)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(m)
+    all_keys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(all_keys, sorted(m))
+    keys = sorted(set().union(*all_keys))
+    out = {}
+    for kind, op, fill in (("mean", dist.ReduceOp.SUM, 0.0), ("max", dist.ReduceOp.MAX, -math.inf),
+                           ("min", dist.ReduceOp.MIN, math.inf)):
+        ks = [k for k in keys if _kind(k) == kind]
+        if not ks:
+            continue
+        t = torch.tensor([m.get(k, fill) for k in ks], dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        if kind == "mean":
+            n = torch.tensor([float(k in m) for k in ks], dtype=torch.float64)
+            dist.all_reduce(n)
+            t /= n
+        out.update(zip(ks, t.tolist()))
+    return out
+
+
+class StepTimer:
+    """`with timer("rollout"): ...` accumulates wall seconds per phase; `pop()` returns {'time/<phase>': s}."""
+
+    def __init__(self):
+        self.t: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.t.items()}
+        self.t = {}
+        return out
+
+
+class MetricsWriter:
+    """metrics.jsonl (one line per step) + tensorboard event files in the run directory; no-op off rank 0."""
+
+    def __init__(self, run_dir: Path, jsonl: bool = True, tensorboard: bool = True, active: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.active, self.jsonl = active, jsonl
+        self.tb = None
+        if active and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except ImportError:  # tensorboard missing: JSONL still works
+                self.tb = None
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines with step > `step` (a resumed run rewrites them; step 0 empties the file)."""
+        if not (self.active and self.path.exists()):
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:  # a line cut by a crash
+                continue
+        self.path.write_text("".join(x + "\n" for x in keep))
+
+    def write(self, step: int, m: dict[str, float]) -> None:
+        if not self.active:
+            return
+        if self.jsonl:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": step, **m}) + "\n")
+        if self.tb is not None:
+            for k, v in m.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Progress:
+    """A rich progress bar with the key figures of the last step (rank 0, when enabled)."""
+
+    KEYS = (("reward", "reward/mean"), ("clip", "pg_clipfrac"), ("flip", "moe/flip_rate"), ("s/step", "time/step"))
+
+    def __init__(self, total: int, start: int, label: str, enabled: bool):
+        self.bar = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
+
+        self.bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=12), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"), transient=False)
+        self.bar.start()
+        self.task = self.bar.add_task(label, total=total, completed=start, info="")
+
+    def update(self, m: dict[str, float]) -> None:
+        if self.bar is None:
+            return
+        info = "  ".join(f"{name} {m[k]:.3g}" for name, k in self.KEYS if k in m)
+        self.bar.update(self.task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

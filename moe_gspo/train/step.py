@@ -1,0 +1,186 @@
+"""The compute of one RL step, after the rollout: old log-probs, then one optimizer step per minibatch.
+
+    old = old_logprob_pass(ctx, pb, sample_ids)            # no grad; records R2 routing and the flip reference
+    for idx in minibatches: metrics += update_minibatch(ctx, pb, old, adv, idx, denom)
+
+Global denominators (docs/losses.md): the count D of a minibatch is summed over data-parallel ranks once, and
+every micro-batch's loss is divided by D / dp and summed, so gradient accumulation over micro-batches and the
+data-parallel mean equal one step on the whole minibatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moe_gspo.losses import get_policy_loss, loss_denominator
+from moe_gspo.model.routing_capture import RoutingCapture
+from moe_gspo.parallel.ddp import reduce_grads, zero_grads
+from moe_gspo.train.logprob import batch_logprobs
+from moe_gspo.train.metrics import MetricMean
+
+
+@dataclass
+class StepContext:
+    """What the per-step functions need (built once by the trainer)."""
+
+    policy: torch.nn.Module
+    ddp: object
+    optimizer: torch.optim.Optimizer
+    cfg: object  # moe_gspo.config.Config
+    replay: object  # RoutingReplayCache
+    tracker: object | None  # ExpertFlipTracker or None
+    dp_group: object = None
+    dp: int = 1
+    loss_fn: object = field(default=None)
+
+    def __post_init__(self):
+        self.loss_fn = get_policy_loss(self.cfg.algorithm.loss)
+
+
+def routing_mask(response_mask_BT: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: positions whose routing produced a response token (position j predicts token j + 1)."""
+    return torch.nn.functional.pad(response_mask_BT[:, 1:], (0, 1), value=False)
+
+
+def _micro(n: int, size: int):
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+@torch.no_grad()
+def old_logprob_pass(ctx: StepContext, pb, sample_ids: torch.Tensor, r3_source=None) -> torch.Tensor:
+    """pi_old log-probs (B, T) of the local rollout batch, micro-batched; records what R2 and the tracker need.
+
+    r3_source: the engine's routing as a replay table (R3 replays it in this pass too, as in arXiv:2510.11370)."""
+    cfg, policy = ctx.cfg, ctx.policy
+    B, T = pb.input_ids.shape
+    out, live = [], []
+    for sl in _micro(B, cfg.train.micro_batch_size):
+        replay = None
+        if r3_source is not None:
+            replay = _RowsSource(r3_source, sl, T)
+        cap = RoutingCapture(replay=replay)
+        logp, _ = batch_logprobs(policy, pb.input_ids[sl], cap, cfg.train.logprob_impl, cfg.rollout.temperature,
+                                 want_entropy=False)
+        out.append(logp)
+        live.append(cap.live_stacked())  # (b*T, L, k) what the old policy's router chose
+        if ctx.replay.mode == "r2":
+            lengths = pb.attention_mask[sl].sum(-1)
+            ctx.replay.record_capture(sample_ids[sl], lengths, cap)
+    if ctx.tracker is not None:
+        ctx.tracker.set_reference(sample_ids, torch.cat(live), routing_mask(pb.response_mask).reshape(-1))
+    return torch.cat(out)
+
+
+class _RowsSource:
+    """Rows `sl` of a (B*T, L, k) replay table as a replay source for one micro-batch."""
+
+    def __init__(self, table_NLK, sl: slice, T: int):
+        self.part = table_NLK[sl.start * T:sl.stop * T]
+
+    def indices(self, layer):
+        return self.part[:, layer]
+
+
+def global_count(mask_BT: torch.Tensor, mode: str, ctx: StepContext) -> torch.Tensor:
+    """loss_denominator summed over data-parallel ranks, divided by dp (DDP averages gradients)."""
+    d = loss_denominator(mask_BT, mode).double()
+    if ctx.dp > 1:
+        dist.all_reduce(d, group=ctx.dp_group)
+    return d / ctx.dp
+
+
+def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: torch.Tensor) -> dict[str, float]:
+    """One optimizer step on the responses `idx` of the local batch; returns this minibatch's metrics."""
+    cfg, policy = ctx.cfg, ctx.policy
+    a = cfg.algorithm
+    ids, mask = pb.input_ids[idx], pb.response_mask[idx]
+    T = int(pb.attention_mask[idx].sum(-1).max())  # trim padding shared by the whole minibatch
+    ids, mask = ids[:, :T], mask[:, :T]
+    old, adv, sids = old_logp_BT[idx][:, :T], adv_B[idx], sample_ids[idx]
+    denom = global_count(mask, a.loss_agg_mode, ctx)
+    zero_grads(ctx.ddp, ctx.optimizer)
+    acc = MetricMean()
+    ent_sum = torch.zeros((), dtype=torch.float64)
+    for sl in _micro(len(idx), cfg.train.micro_batch_size):
+        src = ctx.replay.replay_source(sids[sl], seq_len=T)  # None when replay is off
+        cap = RoutingCapture(replay=src)
+        logp, ent = batch_logprobs(policy, ids[sl], cap, cfg.train.logprob_impl, cfg.rollout.temperature)
+        if src is not None:
+            src.check_complete()
+        loss, m = ctx.loss_fn(logp, old[sl], adv[sl], mask[sl], clip_low=a.clip_low, clip_high=a.clip_high,
+                              loss_agg_mode=a.loss_agg_mode, loss_denominator=denom)
+        loss.backward()
+        if ctx.tracker is not None:
+            ctx.tracker.observe(sids[sl], cap.live_stacked(), routing_mask(mask[sl]).reshape(-1))
+        ent_sum += torch.where(mask[sl], ent.detach(), 0).sum().double()
+        acc.add({k: float(v) for k, v in m.items()})
+    reduce_grads(ctx.ddp, policy)
+    gnorm = clip_grad_norm(policy, cfg.train.grad_clip)
+    ctx.optimizer.step()
+    out = acc.result()
+    out["entropy"] = float(ent_sum) / max(int(mask.sum()), 1)
+    out["grad_norm"] = gnorm
+    return out
+
+
+def clip_grad_norm(policy, max_norm: float) -> float:
+    """Global L2 norm of all gradients across TP/EP shards (each weight counted once); scale them to max_norm.
+
+    Dense weights: TP-sharded ones are summed over the TP group, TP-replicated ones counted once. Expert weights
+    (megatron marks them allreduce=False) are summed over the EP group. Returns the norm before clipping."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    dense = torch.zeros((), dtype=torch.float64)
+    expert = torch.zeros((), dtype=torch.float64)
+    grads = []
+    for p in policy.parameters():
+        if p.grad is None:
+            continue
+        grads.append(p.grad)
+        sq = p.grad.detach().double().pow(2).sum()
+        if not getattr(p, "allreduce", True):
+            expert += sq
+        elif param_is_not_tensor_parallel_duplicate(p):
+            dense += sq
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(dense, group=ps.get_tensor_model_parallel_group())
+    if ps.get_expert_model_parallel_world_size() > 1:
+        dist.all_reduce(expert, group=ps.get_expert_model_parallel_group())
+    norm = float((dense + expert).sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm
+
+
+def cold_start(ctx: StepContext, task, tok, steps: int, batch_size: int, lr: float, seed: int, dp_rank: int,
+               log=None) -> list[float]:
+    """Supervised fine-tuning on demonstrations, data-parallel through the same DDP reduction (own AdamW)."""
+    import random
+
+    from moe_gspo.tasks.sft import demonstration_batch, sft_loss
+    from moe_gspo.train.data import hash_seed
+
+    params = [p for p in ctx.policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    rng = random.Random(hash_seed(seed, 7919, dp_rank))
+    per_rank = max(1, batch_size // ctx.dp)
+    losses = []
+    for s in range(steps):
+        ids, m = demonstration_batch([task.sample(rng, "train") for _ in range(per_rank)], tok)
+        zero_grads(ctx.ddp, opt)
+        loss = sft_loss(ctx.policy, ids, m)
+        loss.backward()
+        reduce_grads(ctx.ddp, ctx.policy)
+        clip_grad_norm(ctx.policy, 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if log is not None:
+            log(s, losses[-1])
+    zero_grads(ctx.ddp, opt)
+    return losses

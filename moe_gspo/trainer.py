@@ -1,0 +1,271 @@
+"""The RL loop: rollout -> reward -> advantage -> old log-probs -> one optimizer step per minibatch.
+
+    moe-gspo train --config configs/train_tiny_cpu.yaml [a.b=v ...] [--resume]
+    torchrun --nproc-per-node 2 -m moe_gspo.trainer --config configs/train_tiny_cpu.yaml parallel.ep=2
+    from moe_gspo.trainer import train; last_metrics = train(cfg)
+
+Under torchrun each data-parallel rank samples its own prompts (groups never straddle ranks); the TP and EP ranks
+of one DP replica see the same data. Writes RUN_DIR/metrics.jsonl, RUN_DIR/tensorboard/, RUN_DIR/checkpoints/.
+The pieces live in moe_gspo/train/; the figures a step logs are listed in docs/training.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import moe_gspo.rollout.hf_engine  # noqa: F401  (import transformers before megatron's CPU shims)
+import numpy as np
+import torch
+import yaml
+
+from moe_gspo.config import Config, to_dict
+from moe_gspo.losses import get_advantage_estimator
+from moe_gspo.rollout import SamplingParams, build_engine, rollout_probs_diff
+from moe_gspo.rewards import score_responses
+from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
+from moe_gspo.train import data
+from moe_gspo.train.checkpoint import Checkpoints
+from moe_gspo.train.elastic import init_distributed_restartable
+from moe_gspo.train.metrics import MetricMean, MetricsWriter, Progress, StepTimer, reduce_across_ranks
+from moe_gspo.train.step import StepContext, cold_start, old_logprob_pass, routing_mask, update_minibatch
+
+
+def train(cfg: Config, *, resume: bool = False, run_dir: str | Path | None = None, task=None, engine=None,
+          init_state: dict | None = None, label: str | None = None) -> dict[str, float]:
+    """Run the RL loop for cfg.train.steps steps (continuing the newest checkpoint with resume); last metrics."""
+    run = Run.setup(cfg, run_dir, task, engine, init_state, resume, label)
+    m: dict[str, float] = {}
+    for step in range(run.start, cfg.train.steps):
+        t = run.timer
+        with t("step"):
+            with t("rollout"):
+                batch, examples, texts = run.rollout(step)  # prompts x G responses, engine log-probs + routing
+                adv, valid, reward_m = run.score(batch, examples, texts, step)  # rewards -> group advantages
+                pb, sids = run.pad(batch, valid)  # (B, T) training tensors; R3 records the engine's routing
+            with t("logprob"):
+                old, diff = run.old_logprobs(pb, sids)  # pi_old; R2 records; the flip tracker's reference
+            with t("train"):
+                train_m = MetricMean()
+                for idx in run.minibatches(step):  # one optimizer step per minibatch
+                    train_m.add(update_minibatch(run.ctx, pb, old, adv, sids, idx))
+            with t("sync"):
+                run.engine.update_weights(run.policy)
+                run.replay.clear()
+        m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics()},
+                    tokens=int(pb.attention_mask.sum()))
+        if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0:
+            run.ckpts.save(step + 1, run.state(step + 1))
+    run.close()
+    return m
+
+
+@dataclass
+class Run:
+    """Everything the loop holds: policy, DDP, optimizer, engine, task, routing objects, logging, checkpoints."""
+
+    cfg: Config
+    dir: Path
+    policy: object
+    ctx: StepContext
+    engine: object
+    task: object
+    tok: object  # CharTokenizer, or data.HFTokenizer for a checkpoint with its own
+    replay: RoutingReplayCache
+    tracker: ExpertFlipTracker | None
+    layout: data.Layout
+    info: object
+    writer: MetricsWriter
+    progress: Progress
+    ckpts: Checkpoints
+    timer: StepTimer
+    start: int = 0
+
+    @classmethod
+    def setup(cls, cfg, run_dir, task, engine, init_state, resume, label) -> Run:
+        from megatron.core import parallel_state as ps
+
+        from moe_gspo import load_policy
+        from moe_gspo.parallel.ddp import wrap_ddp
+        from moe_gspo.parallel.state import current_info
+
+        run_dir = Path(run_dir or cfg.train.out_dir)
+        tok = data.build_tokenizer(cfg)
+        if cfg.model.init_from is None and cfg.model.vocab_size < tok.num_tokens:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tok.num_tokens} ids")
+        data.check_names(cfg)  # fail before building anything
+        if cfg.algorithm.use_engine_logprobs and cfg.algorithm.loss == "grpo":
+            print("warning: algorithm.use_engine_logprobs with grpo: every token ratio then carries the engine vs "
+                  "trainer numeric mismatch (sound for gspo's sequence ratio, not for grpo)", file=sys.stderr)
+        data.check_layout(cfg, data.world_size() // cfg.parallel.tp)
+        init_distributed_restartable(cfg.parallel.backend)
+        policy = load_policy(cfg)
+        info = current_info()
+        layout = data.check_layout(cfg, info.dp)
+        task = task or data.build_task(cfg)
+        if init_state is not None:
+            policy.load_full_megatron_state(init_state)
+        ddp = wrap_ddp(policy)
+        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        mc = cfg.model
+        replay = RoutingReplayCache(cfg.algorithm.routing_replay, mc.num_hidden_layers, mc.num_experts_per_tok,
+                                    mc.num_experts)
+        tracker = ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts) if cfg.algorithm.track_flips else None
+        ctx = StepContext(policy, ddp, opt, cfg, replay, tracker, ps.get_data_parallel_group(), info.dp)
+        if info.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+        start, state = ckpts.load_latest() if resume else (0, None)
+        if state is not None:
+            _restore(policy, opt, state)
+            _say(info, f"resumed from {ckpts.root / ckpts.name(start)}")
+        else:
+            if resume:
+                _say(info, f"no complete checkpoint in {ckpts.root}: starting from step 0")
+            if cfg.train.cold_start_steps and init_state is None:
+                _say(info, f"cold start: {cfg.train.cold_start_steps} supervised steps on {cfg.rollout.task}")
+                cold_start(ctx, task, tok, cfg.train.cold_start_steps, cfg.train.cold_start_batch_size,
+                           cfg.train.cold_start_lr, cfg.train.seed, info.dp_rank)
+        if engine is None:
+            dtype = cfg.rollout.engine_dtype
+            dtype = getattr(torch, dtype) if cfg.rollout.engine == "hf" else dtype
+            engine = build_engine(cfg.rollout.engine, policy, tokenizer=tok, dtype=dtype)  # holds current weights
+        else:
+            engine.update_weights(policy)
+        logc = cfg.logging
+        writer = MetricsWriter(run_dir, logc.jsonl, logc.tensorboard, active=info.rank == 0)
+        writer.truncate_after(start)  # a fresh run (start 0) replaces old metrics; a resumed one rewrites after start
+        progress = Progress(cfg.train.steps, start, label or run_dir.name, logc.progress and info.rank == 0)
+        return cls(cfg, run_dir, policy, ctx, engine, task, tok, replay, tracker, layout, info, writer, progress,
+                   ckpts, StepTimer(), start)
+
+    # ---------------------------------------------------------------- the steps of the loop
+    def rollout(self, step: int):
+        cfg, lay = self.cfg, self.layout
+        examples = data.step_examples(self.task, cfg.train.seed, step, self.info.dp_rank, lay.prompts_local)
+        prompts = data.encode_prompts(examples, self.tok, cfg.rollout.max_new_tokens,
+                                      cfg.model.max_position_embeddings)
+        seed = data.hash_seed(cfg.train.seed, step, self.info.dp_rank, 1) % 2**31
+        sp = SamplingParams.from_config(cfg.rollout, seed=seed)
+        sp.return_routing = sp.return_routing or cfg.algorithm.routing_replay == "r3"
+        batch = self.engine.generate(prompts, cfg.rollout.group_size, sp)
+        # sample ids from the step, not the engine's counter, so that a resumed run names samples identically
+        n = len(batch)
+        batch = dataclasses.replace(batch, sample_ids=torch.arange(step * n, (step + 1) * n))
+        data.check_responses(batch, step)
+        per_response = [examples[i // cfg.rollout.group_size] for i in range(n)]
+        texts = [self.tok.decode(r.tolist()) for r in batch.response_ids]
+        return batch, per_response, texts
+
+    def score(self, batch, examples, texts, step):
+        """(advantages (N,), valid (N,) bool, reward metrics); bad rewards raise or are skipped per config."""
+        res = score_responses(self.task.reward_fn, texts, examples, warn=False)
+        valid = data.handle_bad_rewards(res.rewards, res.errors, examples, texts, batch.sample_ids,
+                                        self.cfg.rollout.bad_reward, step)
+        r = res.rewards
+        adv = torch.zeros_like(r)
+        if valid.any():
+            adv[valid] = get_advantage_estimator(self.cfg.algorithm.advantage)(r[valid], batch.group_ids[valid])
+        rv, gid = r[valid], batch.group_ids[valid]
+        lengths = batch.response_lengths.float()
+        spread = [float(rv[gid == g].std(unbiased=False)) > 0 for g in gid.unique()] if rv.numel() else [False]
+        m = {"reward/mean": float(rv.mean()) if rv.numel() else 0.0,
+             "reward/std": float(rv.std(unbiased=False)) if rv.numel() else 0.0,
+             "accuracy": float((rv >= 1.0).float().mean()) if rv.numel() else 0.0,
+             "reward/skipped": float((~valid).sum()),
+             "groups/with_variance": float(np.mean(spread)),
+             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+             "response/truncated": float(np.mean([f == "length" for f in batch.finish_reasons]))}
+        return adv, valid, m
+
+    def pad(self, batch, valid):
+        """(PaddedRollout with skipped samples masked out, sample ids); under R3 the cache takes the engine routing."""
+        pb = batch.to_padded(pad_id=self.tok.pad_id)
+        pb.response_mask &= valid[:, None]  # skipped samples carry no loss
+        if self.replay.mode == "r3":  # rows 0 .. P+R-2: every position whose routing shapes a response log-prob
+            lengths = pb.attention_mask.sum(-1).tolist()
+            self.replay.record_rollouts(batch.sample_ids, [pb.routing[b, :n - 1] for b, n in enumerate(lengths)])
+        return pb, batch.sample_ids
+
+    def old_logprobs(self, pb, sids):
+        """(pi_old log-probs (B, T), engine-vs-training log-prob metrics).
+
+        With algorithm.use_engine_logprobs, no R2 and no flip tracking, the training-engine pass is skipped."""
+        if self.cfg.algorithm.use_engine_logprobs and self.tracker is None and self.replay.mode != "r2":
+            return pb.old_logprobs, {}
+        table = None if pb.routing is None else pb.routing.reshape(-1, *pb.routing.shape[2:])  # (B*T, L, k)
+        old = old_logprob_pass(self.ctx, pb, sids, table if self.replay.mode == "r3" else None)
+        diff = rollout_probs_diff(pb.old_logprobs, old, pb.response_mask)
+        if self.tracker is not None and table is not None:
+            self.tracker.observe_rollout(sids, table, routing_mask(pb.response_mask).reshape(-1))
+        return (pb.old_logprobs if self.cfg.algorithm.use_engine_logprobs else old), diff
+
+    def minibatches(self, step: int) -> list[torch.Tensor]:
+        """The local responses shuffled (seeded by step) and cut into train.minibatches equal parts."""
+        g = torch.Generator().manual_seed(data.hash_seed(self.cfg.train.seed, step, self.info.dp_rank, 2))
+        perm = torch.randperm(self.layout.responses_local, generator=g)
+        return list(perm.split(self.layout.minibatch_local))
+
+    def flip_metrics(self) -> dict[str, float]:
+        if self.tracker is None:
+            return {}
+        m = self.tracker.metrics()
+        self.tracker.clear()
+        return m
+
+    def log(self, step: int, m: dict[str, float], tokens: int) -> dict[str, float]:
+        times = self.timer.pop()
+        m = {**m, "lr": self.ctx.optimizer.param_groups[0]["lr"], **times}
+        m = reduce_across_ranks(m)
+        tokens_all = tokens * self.layout.dp
+        m["perf/tokens_per_s"] = tokens_all / max(m["time/step"], 1e-9)
+        if (step + 1) % self.cfg.logging.every == 0 or step + 1 == self.cfg.train.steps:
+            self.writer.write(step + 1, m)
+        self.progress.update(m)
+        return m
+
+    def state(self, step: int) -> dict:
+        return {"step": step, "data_position": step, "model": self.policy.megatron_state(),
+                "optimizer": self.ctx.optimizer.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                        "numpy": np.random.get_state()},
+                # the replay cache is filled and emptied inside a step: at a step boundary it needs only its mode
+                "replay": {"mode": self.replay.mode, "samples": len(self.replay)},
+                "config": to_dict(self.cfg), "time": time.time()}
+
+    def close(self) -> None:
+        self.progress.close()
+        self.writer.close()
+
+
+def _restore(policy, opt, state: dict) -> None:
+    own = policy.megatron_state()
+    missing = sorted(set(own) - set(state["model"]))
+    if missing:
+        raise ValueError(f"checkpoint has no weights for {missing[:5]} (different model or parallel layout?)")
+    with torch.no_grad():
+        for k, p in own.items():
+            if p.shape != state["model"][k].shape:
+                raise ValueError(f"checkpoint weight {k} has shape {tuple(state['model'][k].shape)}, the model "
+                                 f"{tuple(p.shape)} (resume needs the same TP x EP layout)")
+            p.copy_(state["model"][k])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+
+
+def _say(info, msg: str) -> None:
+    if info.rank == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    from moe_gspo.trainer_cli import main
+
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The RL loop end to end on a tiny policy (CPU, one process): metrics, determinism, bad inputs, log-prob paths."""
+
+from __future__ import annotations
+
+import json
+
+import moe_gspo.rollout.hf_engine  # noqa: F401  (transformers before megatron's CPU shims)
+import pytest
+import torch
+
+from moe_gspo.config import ConfigError, load_config
+
+TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+        "model.num_key_value_heads=1", "model.head_dim=16", "model.num_experts=4", "model.moe_intermediate_size=32",
+        "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3", "train.minibatches=2",
+        "train.micro_batch_size=4", "train.steps=2", "train.cold_start_steps=3", "train.checkpoint_every=0",
+        "logging.progress=false", "logging.tensorboard=false"]
+
+
+def tiny_cfg(*overrides):
+    return load_config("configs/train_tiny_cpu.yaml", TINY + list(overrides))
+
+
+def records(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def strip_timing(rec):
+    return {k: v for k, v in rec.items() if not k.startswith(("time/", "perf/"))}
+
+
+EXPECTED = ["reward/mean", "reward/std", "accuracy", "response_length/mean", "pg_clipfrac", "pg_clipfrac_lower",
+            "ppo_kl", "ratio_mean", "ratio_min", "ratio_max", "entropy", "grad_norm", "lr", "moe/flip_rate",
+            "moe/flip_rate/layer_0", "moe/flip_rate/layer_1", "moe/rollout_train_mismatch",
+            "rollout_probs_diff_mean", "rollout_probs_diff_max", "perf/tokens_per_s", "time/rollout",
+            "time/logprob", "time/train", "time/step"]
+
+
+def test_train_writes_the_fields_metrics_and_is_deterministic(tmp_path):
+    from moe_gspo.trainer import train
+
+    cfg = tiny_cfg("logging.tensorboard=true", "algorithm.loss=grpo", "algorithm.routing_replay=r2")
+    train(cfg, run_dir=tmp_path / "a")
+    train(cfg, run_dir=tmp_path / "b")
+    a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [r["step"] for r in a] == [1, 2]
+    missing = [k for k in EXPECTED if k not in a[-1]]
+    assert not missing, missing
+    assert list((tmp_path / "a" / "tensorboard").iterdir())
+    assert [strip_timing(r) for r in a] == [strip_timing(r) for r in b]  # same seed -> same run, bit for bit
+    assert a[0]["rollout_probs_diff_max"] < 1e-4  # HF engine vs megatron, fp32
+    assert a[0]["moe/flip_rate"] == 0.0 or a[0]["moe/flip_rate"] < 0.5
+
+
+def test_batch_that_does_not_divide_is_a_clear_error(tmp_path):
+    from moe_gspo.trainer import train
+
+    with pytest.raises(ConfigError, match="train.minibatches=3"):
+        train(tiny_cfg("train.minibatches=3"), run_dir=tmp_path)
+
+
+class _NaNTask:
+    """Wraps a task; its reward is NaN for every response of the first prompt."""
+
+    def __init__(self, task):
+        self.task, self.first = task, None
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def reward_fn(self, response, ex):
+        if self.first is None:
+            self.first = ex.prompt
+        return float("nan") if ex.prompt == self.first else self.task.reward_fn(response, ex)
+
+
+def test_nan_reward_errors_naming_the_sample_or_is_skipped_and_counted(tmp_path):
+    from moe_gspo.train.data import build_task
+    from moe_gspo.trainer import train
+
+    cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0")
+    with pytest.raises(ValueError, match=r"non-finite reward for sample 0 \(prompt"):
+        train(cfg, run_dir=tmp_path / "e", task=_NaNTask(build_task(cfg)))
+    cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0", "rollout.bad_reward=skip")
+    m = train(cfg, run_dir=tmp_path / "s", task=_NaNTask(build_task(cfg)))
+    assert m["reward/skipped"] == 1.0 * cfg.rollout.group_size  # NaN for the whole first group, on one rank
+    assert m["reward/mean"] == m["reward/mean"]  # finite
+
+
+class _EmptyingEngine:
+    """An engine that returns an empty response for its third sample."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def update_weights(self, policy):
+        self.inner.update_weights(policy)
+
+    def generate(self, prompts, n, sp):
+        import dataclasses
+
+        b = self.inner.generate(prompts, n, sp)
+        rid, lp = list(b.response_ids), list(b.logprobs)
+        rid[2], lp[2] = rid[2][:0], lp[2][:0]
+        routed = None if b.routed_experts is None else [*b.routed_experts[:2], b.routed_experts[2][:0],
+                                                          *b.routed_experts[3:]]
+        return dataclasses.replace(b, response_ids=rid, logprobs=lp, routed_experts=routed)
+
+
+def test_empty_response_and_too_long_prompt_are_clear_errors(tmp_path):
+    from moe_gspo.rollout.hf_engine import HFEngine
+    from moe_gspo.tasks import CharTokenizer
+    from moe_gspo.trainer import train
+
+    cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0")
+    with pytest.raises(ValueError, match="empty response for sample 2"):
+        train(cfg, run_dir=tmp_path / "a", engine=_EmptyingEngine(HFEngine(tokenizer=CharTokenizer())))
+    cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0", "model.max_position_embeddings=8")
+    with pytest.raises(ValueError, match="exceeds the context model.max_position_embeddings=8"):
+        train(cfg, run_dir=tmp_path / "b")
+
+
+def test_train_cli_reports_config_errors_with_exit_code_2(tmp_path, capsys):
+    import argparse
+
+    from moe_gspo.trainer_cli import add_train_subparser
+
+    parser = argparse.ArgumentParser()
+    add_train_subparser(parser.add_subparsers())
+    args = parser.parse_args(["train", "--config", "configs/train_tiny_cpu.yaml", "--out", str(tmp_path),
+                              "algorithm.loss=ppo"])
+    assert args.func(args) == 2
+    assert "algorithm.loss='ppo' is not one of ['grpo', 'gspo', 'gspo_token']" in capsys.readouterr().err
+
+
+def test_config_rejects_bad_trainer_values():
+    with pytest.raises(ConfigError, match="rollout.bad_reward"):
+        tiny_cfg("rollout.bad_reward=ignore")
+    with pytest.raises(ConfigError, match="train.logprob_impl"):
+        tiny_cfg("train.logprob_impl=magic")
+    with pytest.raises(ConfigError, match="rollout.task_args"):
+        from moe_gspo.train.data import build_task
+
+        build_task(tiny_cfg("rollout.task_args=max_digits"))
+
+
+def test_fused_logprobs_equal_eager_values_and_gradients():
+    from moe_gspo import load_policy
+    from moe_gspo.model.routing_capture import RoutingCapture
+    from moe_gspo.train.logprob import batch_logprobs
+
+    cfg = tiny_cfg()
+    policy = load_policy(cfg)
+    ids = torch.randint(0, 100, (3, 9), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for impl in ("eager", "fused"):
+        policy.zero_grad(set_to_none=True)
+        logp, ent = batch_logprobs(policy, ids, RoutingCapture(), impl, temperature=0.7)
+        (logp.sum() + 0.1 * ent.sum()).backward()
+        out[impl] = (logp.detach(), ent.detach(), [p.grad.clone() for p in policy.parameters()])
+    assert out["eager"][0].shape == (3, 9) and bool((out["eager"][0][:, 0] == 0).all())
+    torch.testing.assert_close(out["fused"][0], out["eager"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["fused"][1], out["eager"][1], atol=1e-5, rtol=1e-5)
+    for gf, ge in zip(out["fused"][2], out["eager"][2]):
+        torch.testing.assert_close(gf, ge, atol=1e-5, rtol=1e-4)
+
+
+def test_grad_norm_clip_matches_torch_on_one_process():
+    from moe_gspo import load_policy
+    from moe_gspo.train.step import clip_grad_norm
+
+    policy = load_policy(tiny_cfg())
+    ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+    policy(ids).float().pow(2).mean().backward()
+    grads = [p.grad.clone() for p in policy.parameters()]
+    ref = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))  # torch's clip_grad_norm_
+    norm = clip_grad_norm(policy, 0.5)
+    assert abs(norm - float(ref)) < 1e-6 * max(1.0, float(ref))
+    after = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in policy.parameters()]))
+    assert abs(float(after) - min(0.5, float(ref))) < 1e-4
+
+
+def test_gspo_with_engine_logprobs_skips_the_old_logprob_pass(tmp_path, monkeypatch):
+    import moe_gspo.trainer as trainer
+
+    calls = []
+    real = trainer.old_logprob_pass
+    monkeypatch.setattr(trainer, "old_logprob_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = tiny_cfg("train.steps=1", "algorithm.loss=gspo", "algorithm.use_engine_logprobs=true",
+                   "algorithm.track_flips=false")
+    m = trainer.train(cfg, run_dir=tmp_path)
+    assert not calls and "pg_clipfrac" in m and "rollout_probs_diff_mean" not in m

@@ -55,6 +55,9 @@ class MoEPolicy(torch.nn.Module):
                 return_hidden: bool = False, gather_logits: bool = True) -> torch.Tensor:
         """input_ids (B, T) int64 -> logits (B, T, V) float32, or hidden (B, T, H) with return_hidden.
 
+        Under TP the hidden states are replicated on every TP rank and their gradient must come back whole
+        (already summed over the TP vocab shards), as moe_gspo.kernels.token_logprobs(process_group=TP) returns it.
+
         gather_logits=False keeps TP's vocab shard (B, T, V/tp)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
@@ -80,7 +83,10 @@ class MoEPolicy(torch.nn.Module):
                 finally:
                     self.gpt.post_process = True
                 if self.tp > 1:
-                    h = tensor_parallel.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
+                    # Every TP rank gets all tokens' hidden states; their consumer (token_logprobs with the TP
+                    # group) returns the full, TP-all-reduced gradient, so the backward only keeps this rank's
+                    # sequence shard (split), it does not sum again.
+                    h = tensor_parallel.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False)
                 return h.transpose(0, 1)[:, :T]  # (B, T, H)
             logits = self.gpt(input_ids, position_ids, mask)  # (B, Tp, V/tp)
         finally:

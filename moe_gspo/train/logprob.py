@@ -15,19 +15,6 @@ import torch
 from moe_gspo.kernels import token_logprobs
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by `scale`."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
-
-
 def _tp_group(policy):
     if getattr(policy, "tp", 1) == 1:
         return None
@@ -49,10 +36,6 @@ def batch_logprobs(policy, input_ids_BT: torch.Tensor, routing=None, impl: str =
     elif impl == "fused":
         hidden = policy(input_ids_BT, routing=routing, return_hidden=True)  # (B, T, H), same on every TP rank
         group = _tp_group(policy)
-        if group is not None:
-            # The kernel all-reduces the hidden-state gradient over TP (copy-to-region included) and the policy's
-            # sequence-parallel gather reduce-scatters it again on the way back: undo the double sum.
-            hidden = _ScaleGrad.apply(hidden, 1.0 / policy.tp)
         H = hidden.shape[-1]
         w = policy.lm_head_weight()
         logp, ent = token_logprobs(hidden[:, :-1].reshape(-1, H).to(w.dtype), w, targets, temperature=temperature,

@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moe_gspo.config import ConfigError, ModelConfig
+from moe_gspo.fsutil import fsync_dir
 
 HF_ARCH = "Qwen3MoeForCausalLM"
 
@@ -248,14 +249,6 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_hf_dir(path: Path, config: dict, tensors: dict[str, torch.Tensor], max_shard_bytes: int = 2 * 2**30):
     """Write config.json + safetensors (sharded with an index past max_shard_bytes) atomically: everything goes
     to a temp dir beside `path`, is fsynced, then renamed into place."""
@@ -284,7 +277,7 @@ def write_hf_dir(path: Path, config: dict, tensors: dict[str, torch.Tensor], max
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if path.exists():
         old = path.with_name(f".{path.name}.old-{os.getpid()}")
         os.rename(path, old)
@@ -294,5 +287,5 @@ def write_hf_dir(path: Path, config: dict, tensors: dict[str, torch.Tensor], max
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path

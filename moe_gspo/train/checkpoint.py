@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_gspo.fsutil import fsync_dir
+
 PREFIX, TMP = "step_", ".tmp-"
 
 
@@ -37,14 +39,6 @@ def _rank_world() -> tuple[int, int]:
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_synced(path: Path, data: bytes) -> None:
@@ -106,11 +100,11 @@ class Checkpoints:
         if rank == 0:
             manifest = {"step": step, "world_size": world, "files": entries}
             _write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if final.exists():  # the same step saved again after a resume
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._rotate()
         _barrier()
         return final

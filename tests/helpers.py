@@ -38,3 +38,23 @@ def tiny_hf_model(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8
 def make_hf_checkpoint(path: Path, **kw) -> Path:
     tiny_hf_model(**kw).save_pretrained(str(path))
     return Path(path)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_torchrun(script, *args, nproc: int = 2, torchrun_args=(), timeout: int = 600):
+    """Run `script args` under torchrun (gloo, one thread per rank) from the repo root; fail the test, showing
+    the tail of stdout and stderr, if the job does not exit 0. Returns the CompletedProcess."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", *torchrun_args, str(script), *map(str, args)]
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"torchrun {Path(script).name} {' '.join(map(str, args))} failed:\n" \
+                              f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return r

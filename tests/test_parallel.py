@@ -1,25 +1,18 @@
 """TP=2, EP=2 and TP=2 x EP=2 under torchrun + gloo equal one process: logits, routing, reduced gradients and
 the losses of three optimizer steps with megatron's DDP (same HF weights, same global batch)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import free_port, make_hf_checkpoint
+from helpers import make_hf_checkpoint, run_torchrun
 
 WORKER = Path(__file__).parent / "dist" / "parallel_worker.py"
 
 
 def run_worker(ckpt, tp, ep, nproc, out):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           str(WORKER), "--ckpt", str(ckpt), "--tp", str(tp), "--ep", str(ep), "--out", str(out)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"torchrun tp={tp} ep={ep} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    run_torchrun(WORKER, "--ckpt", ckpt, "--tp", tp, "--ep", ep, "--out", out, nproc=nproc)
     return torch.load(out)
 
 

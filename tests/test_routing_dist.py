@@ -10,8 +10,6 @@ backward runs; rank 0 saves the replayed and live routing, the logits and the re
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -87,13 +85,9 @@ def worker() -> None:
 
 
 def run_worker(ckpt, tp, ep, nproc, out):
-    from helpers import free_port
+    from helpers import run_torchrun
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           __file__, "--ckpt", str(ckpt), "--tp", str(tp), "--ep", str(ep), "--out", str(out)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"torchrun tp={tp} ep={ep} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    run_torchrun(__file__, "--ckpt", ckpt, "--tp", tp, "--ep", ep, "--out", out, nproc=nproc)
     return torch.load(out)
 
 
@@ -101,13 +95,10 @@ def run_worker(ckpt, tp, ep, nproc, out):
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("r2dist")
     ckpt = d / "ckpt"
-    # in a fresh process: transformers' Qwen3-MoE module cannot be imported once cpu_compat has patched
-    # torch.cuda.Stream in this one (another test may already have built a policy here)
-    code = (f"from helpers import make_hf_checkpoint; make_hf_checkpoint({str(ckpt)!r}, vocab=64, hidden=32, "
-            "layers=2, heads=4, kv_heads=2, head_dim=8, experts=4, topk=2, inter=16, seed=3)")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    from helpers import make_hf_checkpoint
+
+    make_hf_checkpoint(ckpt, vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, experts=4, topk=2,
+                       inter=16, seed=3)
     return ckpt, d, run_worker(ckpt, 1, 1, 1, d / "single.pt")
 
 

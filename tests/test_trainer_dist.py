@@ -4,29 +4,19 @@ the trainer resumes from its newest complete checkpoint, and every metric from t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import free_port
+from helpers import ROOT, run_torchrun
 from test_trainer import TINY, strip_timing
-
-ROOT = Path(__file__).parent.parent
 
 
 @pytest.mark.slow
 def test_sigkill_mid_run_resumes_and_matches_uninterrupted(tmp_path):
     overrides = TINY + ["parallel.ep=2", "train.steps=5", "train.checkpoint_every=2", "train.cold_start_steps=2",
                          "train.keep_checkpoints=1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
-           f"--master-port={free_port()}", str(ROOT / "tests/dist/trainer_fault.py"), "--out", str(tmp_path),
-           "--kill-after", "3", *overrides]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == 0, f"torchrun failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    r = run_torchrun(ROOT / "tests/dist/trainer_fault.py", "--out", tmp_path, "--kill-after", "3", *overrides,
+                     torchrun_args=["--max-restarts=1"])
     assert (tmp_path / "run" / "attempts.txt").read_text() == "2"  # it really was killed and restarted
     assert "resumed from" in r.stderr and "step_00000002" in r.stderr
     ref = [json.loads(x) for x in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
@@ -39,11 +29,7 @@ def test_sigkill_mid_run_resumes_and_matches_uninterrupted(tmp_path):
 @pytest.mark.slow
 def test_tp2_fused_logprobs_match_eager_and_an_rl_step_runs(tmp_path):
     overrides = TINY + ["model.num_key_value_heads=2", "parallel.tp=2", "train.steps=1", "train.cold_start_steps=1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           str(ROOT / "tests/dist/trainer_tp.py"), "--out", str(tmp_path), *overrides]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == 0, f"torchrun failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    run_torchrun(ROOT / "tests/dist/trainer_tp.py", "--out", tmp_path, *overrides)
     assert (tmp_path / "ok").exists()
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert rec["grad_norm"] >= 0 and rec["rollout_probs_diff_max"] < 1e-4  # engine (full weights) == TP=2 trainer

@@ -37,7 +37,7 @@ def train_lm(cfg: Config, log=print) -> list[dict]:
     tc = cfg.train
     policy = moe_gspo.load_policy(cfg)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    if tc.batch_size % (dp * tc.micro_batch_size) and tc.batch_size % dp:
+    if tc.batch_size % dp:
         raise ValueError(f"train.batch_size={tc.batch_size} does not divide over {dp} data-parallel ranks")
     per_rank = tc.batch_size // dp
     micro = min(tc.micro_batch_size, per_rank)
@@ -75,9 +75,5 @@ def train_lm(cfg: Config, log=print) -> list[dict]:
             if step == 1 or step % cfg.logging.every == 0 or step == tc.steps:
                 log(f"step {step:4d}  loss {total:.4f} (log V = {math.log(V):.2f})  grad_norm {float(gn):.3f}  "
                     f"{rec['tokens_per_s']:.0f} tok/s")
-    if is_main:
-        policy_dir = out / "hf"
-    else:
-        policy_dir = None
-    policy.save_pretrained(policy_dir or out / "hf")
+    policy.save_pretrained(out / "hf")  # collective; rank 0 writes
     return history

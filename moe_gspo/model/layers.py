@@ -63,26 +63,30 @@ class RoutingContext:
     """Per-forward bridge between megatron's token order and the caller's RoutingCapture.
 
     Built by the policy for one forward. `local_pos` (N_local,) gives, for each token this rank's router sees
-    (megatron's sequence-major order, this rank's sequence-parallel shard), its batch-major position b*T + t.
-    `gather` (when TP > 1 with SP) collects (N_local, k) tensors from the TP group into (B*T, k).
+    (megatron's sequence-major order, this rank's sequence-parallel shard), its batch-major position b*T + t;
+    `full_pos` does the same for the whole TP group's tokens, in the order `gather` concatenates them.
+    Positions >= num_tokens are sequence-parallel padding: they route live and are left out of the record.
+    `gather` (TP > 1) collects (N_local, k) tensors from the TP group.
     """
 
-    def __init__(self, capture, local_pos: torch.Tensor, num_tokens: int,
-                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None, full_pos: torch.Tensor | None = None):
+    def __init__(self, capture, local_pos: torch.Tensor, num_tokens: int, full_pos: torch.Tensor,
+                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.capture = capture
         self.local_pos = local_pos
         self.num_tokens = num_tokens
+        self.full_pos = full_pos
         self.gather = gather
-        self.full_pos = full_pos if full_pos is not None else local_pos
 
     def replay(self, layer: int) -> torch.Tensor | None:
         idx = self.capture.replay_indices(layer)
         if idx is None:
             return None
         if idx.dim() != 2 or idx.shape[0] != self.num_tokens:
-            raise ValueError(f"routing replay for MoE layer {layer}: expected indices of shape (B*T={self.num_tokens}, k), "
-                             f"got {tuple(idx.shape)}")
-        return idx.to(self.local_pos.device, torch.long)[self.local_pos]
+            raise ValueError(f"routing replay for MoE layer {layer}: expected indices of shape "
+                             f"(B*T={self.num_tokens}, k), got {tuple(idx.shape)}")
+        idx = idx.to(self.local_pos.device, torch.long)
+        padded = torch.cat([idx, idx.new_full((self.local_pos.numel(), idx.shape[1]), -1)])  # padding: -1 = live
+        return padded[self.local_pos]
 
     def record(self, layer: int, idx: torch.Tensor, weights: torch.Tensor, live: torch.Tensor | None):
         if not self.capture.record:
@@ -90,9 +94,9 @@ class RoutingContext:
         if self.gather is not None:
             idx, weights = self.gather(idx), self.gather(weights)
             live = None if live is None else self.gather(live)
-        order = torch.empty_like(self.full_pos)
-        order[self.full_pos] = torch.arange(self.full_pos.numel(), device=self.full_pos.device)
-        self.capture.put(layer, idx[order], weights[order], None if live is None else live[order])
+        keep = self.full_pos < self.num_tokens
+        sel = keep.nonzero().squeeze(1)[torch.argsort(self.full_pos[keep])]  # batch-major order
+        self.capture.put(layer, idx[sel], weights[sel], None if live is None else live[sel])
 
 
 class Qwen3Router(TopKRouter):

@@ -117,7 +117,7 @@ class MoEPolicy(torch.nn.Module):
                 parts = [torch.empty_like(x) for _ in range(self.tp)]
                 dist.all_gather(parts, x.contiguous(), group=group)
                 return torch.cat(parts)
-        return _TrimmedContext(capture, local_pos, B * T, gather, full_pos)
+        return RoutingContext(capture, local_pos, B * T, full_pos, gather)
 
     # ------------------------------------------------------------------ weights
     def lm_head_weight(self) -> torch.Tensor:
@@ -165,30 +165,3 @@ class MoEPolicy(torch.nn.Module):
         if dist.is_initialized() and dist.get_rank() != 0:
             return None
         return hf_io.write_hf_dir(Path(path), config, tensors, max_shard_bytes)
-
-
-class _TrimmedContext(RoutingContext):
-    """RoutingContext whose padded (t >= T) tokens replay live and are dropped from the record."""
-
-    def replay(self, layer):
-        idx = self.capture.replay_indices(layer)
-        if idx is None:
-            return None
-        if idx.dim() != 2 or idx.shape[0] != self.num_tokens:
-            raise ValueError(f"routing replay for MoE layer {layer}: expected indices of shape "
-                             f"(B*T={self.num_tokens}, k), got {tuple(idx.shape)}")
-        idx = idx.to(self.local_pos.device, torch.long)
-        ext = torch.cat([idx, idx.new_full((self.local_pos.numel(), idx.shape[1]), -1)])
-        return ext[self.local_pos]
-
-    def record(self, layer, idx, weights, live):
-        if not self.capture.record:
-            return
-        if self.gather is not None:
-            idx, weights = self.gather(idx), self.gather(weights)
-            live = None if live is None else self.gather(live)
-        keep = self.full_pos < self.num_tokens
-        pos = self.full_pos[keep]
-        order = torch.argsort(pos)
-        sel = keep.nonzero().squeeze(1)[order]
-        self.capture.put(layer, idx[sel], weights[sel], None if live is None else live[sel])

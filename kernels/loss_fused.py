@@ -93,24 +93,26 @@ class _FusedPolicyLoss(torch.autograd.Function):
         inv_temp = 1.0 / temperature
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros(T, hidden_TH.shape[1], device=hidden_TH.device) if need_h else None  # fp32
-        grad_w = torch.zeros_like(weight_VH) if need_w else None
+        grad_w = torch.empty_like(weight_VH) if need_w else None  # first group writes it
         logp_T = torch.zeros(T, device=hidden_TH.device)
-        cu = [int(x) for x in cu_seqlens.tolist()]
-        lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        nbuf = 2 if hidden_TH.dtype == torch.float32 else 3
-        max_rows = max(1, chunk_bytes // (4 * V * nbuf))
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        # one fp32 [V, rows] block transformed in place (+ the low-precision GEMM output and G copy), and [H, rows]
+        nbuf = 1 if hidden_TH.dtype == torch.float32 else 2
+        max_rows = max(1, chunk_bytes // (4 * (V * nbuf + hidden_TH.shape[1])))
+        groups = [g for g in _groups(lengths, max_rows) if g[3] > g[2]]
+        ws = chunked.Workspace(V * max([g[3] - g[2] for g in groups if g[3] - g[2] <= max_rows], default=0),
+                               hidden_TH.device)
         loss = torch.zeros((), device=hidden_TH.device)
         clipped = torch.zeros((), device=hidden_TH.device)
         ratio_sum = torch.zeros((), device=hidden_TH.device)
-        for b0, b1, t0, t1 in _groups(lengths, max_rows):
-            if t1 == t0:
-                continue
+        w_written = False
+        for b0, b1, t0, t1 in groups:
             h_c, tgt_c, ok_c = hidden_TH[t0:t1], local_tgt[t0:t1], valid[t0:t1]
             seg = segment_ids(cu_seqlens[b0:b1 + 1] - t0, t1 - t0)
             one_pass = t1 - t0 <= max_rows
-            if one_pass:  # keep the fp32 logits: 6THV
-                d = chunked.logits_block(h_c, weight_VH, inv_temp)
-                stats = chunked.block_stats(d, tgt_c, False)  # d now holds z - m_local
+            if one_pass:  # keep the fp32 logits block [V, rows]: 6THV
+                e = chunked.logits_block(weight_VH, h_c.t().contiguous(), inv_temp, out=ws.block(V, t1 - t0))
+                stats = chunked.block_stats(e, tgt_c, False)  # e now holds exp(z - m_local)
                 m_local = stats[0]
             else:  # one sequence too long for the workspace: two passes, 8THV
                 stats = chunked.forward_stats(h_c, weight_VH, tgt_c, inv_temp, False, chunk_bytes)
@@ -124,24 +126,28 @@ class _FusedPolicyLoss(torch.autograd.Function):
             ratio_sum += rsum
             if not (need_h or need_w):
                 continue
-            if one_pass:
+            if one_pass:  # G^T = (onehot - p) * coef / temp with p = exp(z - m_local) * exp(m_local - lse)
                 gl = coef * inv_temp
-                G = d.add_((m_local - lse)[:, None]).exp_().mul_(-gl[:, None])
-                own = (tgt_c >= 0) & (tgt_c < V)
-                G.scatter_add_(1, torch.where(own, tgt_c, 0)[:, None], torch.where(own, gl, 0.0)[:, None])
-                G = G.to(hidden_TH.dtype)
-                if need_h:
-                    grad_h[t0:t1] = torch.mm(G, weight_VH).float()
-                if need_w:
-                    grad_w.addmm_(G.t(), h_c)
-                del G, d
+                GT = e.mul_(-gl * torch.exp(m_local - lse))
+                inside, rows, cols = chunked.target_coords(tgt_c, V)
+                GT.index_put_((rows, cols), torch.where(inside, gl, 0.0), accumulate=True)
+                chunked.apply_block_grad(GT, h_c, weight_VH, grad_h[t0:t1] if need_h else None,
+                                         grad_w if need_w else None, first_h=True, first_w=not w_written)
+                w_written = True
+                del GT, e
             else:
                 gh, gw = chunked.backward_grads(h_c, weight_VH, tgt_c, lse, None, coef, None, inv_temp, chunk_bytes,
                                                 need_h=need_h, need_w=need_w)
                 if need_h:
                     grad_h[t0:t1] = gh.float()
                 if need_w:
-                    grad_w += gw
+                    if w_written:
+                        grad_w += gw
+                    else:
+                        grad_w.copy_(gw)
+                    w_written = True
+        if need_w and not w_written:
+            grad_w.zero_()
         if need_h:
             grad_h = vp.allreduce_sum_(grad_h, group).to(hidden_TH.dtype)
         ctx.grads = (grad_h, grad_w)  # not save_for_backward: backward scales them in place (no weight-sized copy)

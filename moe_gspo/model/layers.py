@@ -6,7 +6,7 @@ Single-device code: tensor/expert parallel sizes come in through megatron's proc
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -62,19 +62,20 @@ class SDPAttention(MegatronModule):
 class RoutingContext:
     """Per-forward bridge between megatron's token order and the caller's RoutingCapture.
 
-    Built by the policy for one forward. `local_pos` (N_local,) gives, for each token this rank's router sees
+    Built by the policy for one forward. `local_pos` (N_local,), needed only to replay, gives, for each token this rank's router sees
     (megatron's sequence-major order, this rank's sequence-parallel shard), its batch-major position b*T + t;
-    `full_pos` does the same for the whole TP group's tokens, in the order `gather` concatenates them.
-    Positions >= num_tokens are sequence-parallel padding: they route live and are left out of the record.
+    positions >= num_tokens are sequence-parallel padding: they route live. `layout` = (Tp, B, T) describes
+    the whole TP group's rows in the order `gather` concatenates them: sequence-major (s, b) over the padded
+    length Tp; the capture turns them batch-major and drops s >= T when (and if) it is read.
     `gather` (TP > 1) collects (N_local, k) tensors from the TP group.
     """
 
-    def __init__(self, capture, local_pos: torch.Tensor, num_tokens: int, full_pos: torch.Tensor,
+    def __init__(self, capture, local_pos: torch.Tensor | None, num_tokens: int, layout: tuple[int, int, int],
                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.capture = capture
         self.local_pos = local_pos
         self.num_tokens = num_tokens
-        self.full_pos = full_pos
+        self.layout = layout
         self.gather = gather
 
     def replay(self, layer: int) -> torch.Tensor | None:
@@ -89,14 +90,14 @@ class RoutingContext:
         return padded[self.local_pos]
 
     def record(self, layer: int, idx: torch.Tensor, weights: torch.Tensor, live: torch.Tensor | None):
+        """Hand this layer's (unsorted, sequence-major) routing to the capture; under TP gather the group's rows
+        first (a collective, so every rank records in step)."""
         if not self.capture.record:
             return
         if self.gather is not None:
             idx, weights = self.gather(idx), self.gather(weights)
             live = None if live is None else self.gather(live)
-        keep = self.full_pos < self.num_tokens
-        sel = keep.nonzero().squeeze(1)[torch.argsort(self.full_pos[keep])]  # batch-major order
-        self.capture.put(layer, idx[sel], weights[sel], None if live is None else live[sel])
+        self.capture.put(layer, idx, weights, live, layout=self.layout)
 
 
 class Qwen3Router(TopKRouter):
@@ -125,7 +126,5 @@ class Qwen3Router(TopKRouter):
         probs_NE = torch.zeros_like(logits_NE).scatter(1, idx_NK, w_NK)
         routing_map_NE = torch.zeros_like(logits_NE, dtype=torch.bool).scatter(1, idx_NK, True)
         if ctx is not None:
-            sorted_idx, perm = torch.sort(idx_NK, dim=1)
-            live = None if replayed is None else torch.sort(live_idx_NK, dim=1).values
-            ctx.record(layer, sorted_idx, w_NK.detach().gather(1, perm), live)
+            ctx.record(layer, idx_NK, w_NK, None if replayed is None else live_idx_NK)
         return probs_NE, routing_map_NE

@@ -98,17 +98,7 @@ class MoEPolicy(torch.nn.Module):
 
     def _routing_context(self, capture, B, T, Tp, dev) -> RoutingContext:
         # Megatron's router sees (s, b) sequence-major tokens; under SP this rank holds s in [r*S, (r+1)*S).
-        S = Tp // self.tp
-        s = torch.arange(self.tp_rank * S, (self.tp_rank + 1) * S, device=dev)
-        b = torch.arange(B, device=dev)
-        local_pos = (b.view(1, B) * T + s.view(S, 1)).reshape(-1)  # (S*B,), index into (B*T) for t < T
-        valid = (s < T).view(S, 1).expand(S, B).reshape(-1)
-        # padded positions (t >= T) map past the end; give them a scratch slot so shapes stay simple
-        local_pos = torch.where(valid, local_pos, B * T + torch.arange(local_pos.numel(), device=dev))
-        all_s = torch.arange(Tp, device=dev)
-        full_pos = (b.view(1, B) * T + all_s.view(Tp, 1)).reshape(-1)
-        full_pos = torch.where((all_s < T).view(Tp, 1).expand(Tp, B).reshape(-1), full_pos,
-                               B * T + torch.arange(full_pos.numel(), device=dev))
+        local_pos = self._replay_positions(B, T, Tp, dev) if capture.replay is not None else None
         gather = None
         if self.tp > 1:
             group = ps.get_tensor_model_parallel_group()
@@ -117,7 +107,17 @@ class MoEPolicy(torch.nn.Module):
                 parts = [torch.empty_like(x) for _ in range(self.tp)]
                 dist.all_gather(parts, x.contiguous(), group=group)
                 return torch.cat(parts)
-        return RoutingContext(capture, local_pos, B * T, full_pos, gather)
+        return RoutingContext(capture, local_pos, B * T, (Tp, B, T), gather)
+
+    def _replay_positions(self, B, T, Tp, dev) -> torch.Tensor:
+        """(S*B,) batch-major position b*T + t of each token this rank's router sees; padding gets B*T + i."""
+        S = Tp // self.tp
+        s = torch.arange(self.tp_rank * S, (self.tp_rank + 1) * S, device=dev)
+        b = torch.arange(B, device=dev)
+        local_pos = (b.view(1, B) * T + s.view(S, 1)).reshape(-1)  # (S*B,), index into (B*T) for t < T
+        valid = (s < T).view(S, 1).expand(S, B).reshape(-1)
+        # padded positions (t >= T) map past the end; give them a scratch slot so shapes stay simple
+        return torch.where(valid, local_pos, B * T + torch.arange(local_pos.numel(), device=dev))
 
     # ------------------------------------------------------------------ weights
     def lm_head_weight(self) -> torch.Tensor:

@@ -19,7 +19,7 @@ live scores over them exactly as its live top-k would, so router weights keep re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -40,29 +40,76 @@ class LayerRouting:
 
 
 @dataclass
-class RoutingCapture:
-    """Collects each MoE layer's routing during a forward; optionally feeds recorded routing back in."""
+class _Raw:
+    """One layer's routing as the router produced it: megatron's sequence-major order, unsorted top-k."""
 
-    replay: ReplaySource | None = None
-    record: bool = True
-    layers: dict[int, LayerRouting] = field(default_factory=dict)
+    idx: torch.Tensor  # (Tp*B, k) int64
+    weights: torch.Tensor  # (Tp*B, k) float32
+    live: torch.Tensor | None  # (Tp*B, k) int64 or None
+    layout: tuple[int, int, int] | None  # (Tp, B, T): rows are (s, b) for s < Tp; None: already (B*T) batch-major
+
+
+class RoutingCapture:
+    """Collects each MoE layer's routing during a forward; optionally feeds recorded routing back in.
+
+    Recording is lazy: the router hands over its tensors as they are (one reference per layer, no work in the
+    forward), and the batch-major, per-token-sorted view is built on first access: for all layers at once by
+    stacked() / live_stacked(), or per layer through `layers`."""
+
+    def __init__(self, replay: ReplaySource | None = None, record: bool = True):
+        self.replay = replay
+        self.record = record
+        self._raw: dict[int, _Raw] = {}
+        self._layers: dict[int, LayerRouting] | None = None
 
     def replay_indices(self, layer: int) -> torch.Tensor | None:
         return None if self.replay is None else self.replay.indices(layer)
 
     def put(self, layer: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-            live_idx: torch.Tensor | None = None) -> None:
+            live_idx: torch.Tensor | None = None, layout: tuple[int, int, int] | None = None) -> None:
+        """Record one layer: (N, k) indices and weights, batch-major (layout None) or the router's (Tp*B, k)
+        sequence-major rows with layout (Tp, B, T) (positions t >= T are padding and are dropped)."""
         if self.record:
             live = None if live_idx is None else live_idx.detach()
-            self.layers[layer] = LayerRouting(topk_idx.detach(), topk_weights.detach().float(), live)
+            self._raw[layer] = _Raw(topk_idx.detach(), topk_weights.detach(), live, layout)
+            self._layers = None
+
+    @staticmethod
+    def _batch_major(x: torch.Tensor, layout) -> torch.Tensor:
+        """(Tp*B, ...) sequence-major rows -> (B*T, ...) batch-major, padding positions dropped."""
+        if layout is None:
+            return x
+        Tp, B, T = layout
+        return x.view(Tp, B, *x.shape[1:])[:T].transpose(0, 1).reshape(B * T, *x.shape[1:])
+
+    @property
+    def layers(self) -> dict[int, LayerRouting]:
+        """layer -> LayerRouting (batch-major, indices sorted ascending per token, weights in the same order)."""
+        if self._layers is None:
+            out = {}
+            for i, r in sorted(self._raw.items()):
+                idx, perm = torch.sort(self._batch_major(r.idx, r.layout), dim=1)
+                w = self._batch_major(r.weights, r.layout).float().gather(1, perm)
+                live = None if r.live is None else torch.sort(self._batch_major(r.live, r.layout), dim=1).values
+                out[i] = LayerRouting(idx, w, live)
+            self._layers = out
+        return self._layers
+
+    def _stack(self, live: bool) -> torch.Tensor:
+        if not self._raw:
+            raise RuntimeError("RoutingCapture holds no routing: was it passed to a forward with record=True?")
+        raws = [r for _, r in sorted(self._raw.items())]
+        layouts = {r.layout for r in raws}
+        parts = [(r.live if live and r.live is not None else r.idx) for r in raws]
+        if len(layouts) == 1:  # one transpose and one sort for all layers
+            return torch.sort(self._batch_major(torch.stack(parts, dim=1), layouts.pop()), dim=-1).values
+        return torch.stack([torch.sort(self._batch_major(p, r.layout), dim=-1).values
+                            for p, r in zip(parts, raws)], dim=1)
 
     def live_stacked(self) -> torch.Tensor:
         """(N, L, k): the experts the live router chose (equal to stacked() unless replay overrode them)."""
-        return torch.stack([(r.live_idx if r.live_idx is not None else r.topk_idx)
-                            for _, r in sorted(self.layers.items())], dim=1)
+        return self._stack(live=True)
 
     def stacked(self) -> torch.Tensor:
-        """All layers' indices as (N, L, k) int64, layers in increasing order."""
-        if not self.layers:
-            raise RuntimeError("RoutingCapture holds no routing: was it passed to a forward with record=True?")
-        return torch.stack([self.layers[i].topk_idx for i in sorted(self.layers)], dim=1)
+        """All layers' indices as (N, L, k) int64, layers in increasing order, sorted ascending per token."""
+        return self._stack(live=False)

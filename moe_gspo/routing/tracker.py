@@ -28,13 +28,20 @@ from moe_gspo.routing.cache import _ids, scatter_rows
 
 
 class ExpertFlipTracker:
-    """Accumulates set-wise routing flips per layer and per-expert churn between metrics() calls."""
+    """Accumulates set-wise routing flips per layer and per-expert churn between metrics() calls.
+
+    The references of one set_reference call are kept as one (B, T, L, k) int16 table, so that observing any
+    minibatch of its samples (shuffled or not) is a single index_select. Each routing becomes a one-hot set
+    (N, L, E) (a handful of whole-tensor ops, whatever k is); all counts go into one (3, L, E) tensor: experts
+    gained, experts lost, reference load. Flips per layer are the gained counts summed over experts, observed
+    tokens the load over k."""
 
     def __init__(self, num_layers: int, num_experts: int):
         if num_layers <= 0 or num_experts <= 0:
             raise ValueError(f"ExpertFlipTracker: num_layers={num_layers}, num_experts={num_experts} must be > 0")
         self.num_layers, self.num_experts = num_layers, num_experts
-        self._ref: dict[int, torch.Tensor] = {}  # sample id -> (T, L, k) int16, -1 on tokens outside the mask
+        self._tables: list[torch.Tensor] = []  # (B, T, L, k) int16, -1 on tokens outside the mask
+        self._ref: dict[int, tuple[int, int]] = {}  # sample id -> (table, row)
         self._acc: dict[str, torch.Tensor] | None = None
 
     # ---------------------------------------------------------------- reference
@@ -44,9 +51,9 @@ class ExpertFlipTracker:
         idx = self._check(idx_NLK, len(ids), "set_reference")
         if mask_N is not None:
             idx = torch.where(self._mask(mask_N, idx, "set_reference")[:, None, None], idx, -1)
-        ref = idx.to(torch.int16).view(len(ids), -1, *idx.shape[1:])  # (B, T, L, k)
+        self._tables.append(idx.to(torch.int16).view(len(ids), -1, *idx.shape[1:]))  # (B, T, L, k)
         for b, sid in enumerate(ids):
-            self._ref[sid] = ref[b]
+            self._ref[sid] = (len(self._tables) - 1, b)
 
     def drop(self, sample_ids) -> None:
         for s in _ids(sample_ids):
@@ -55,6 +62,7 @@ class ExpertFlipTracker:
     def clear(self) -> None:
         """Forget all references (call at each new rollout batch); accumulated metrics are kept."""
         self._ref.clear()
+        self._tables.clear()
 
     # ---------------------------------------------------------------- observing
     def observe(self, sample_ids, idx_NLK: torch.Tensor, mask_N: torch.Tensor | None = None) -> None:
@@ -65,76 +73,82 @@ class ExpertFlipTracker:
         """Compare the rollout engine's routing (B*T, L, k), -1 rows where unknown, with the training old routing."""
         self._compare(sample_ids, engine_idx_NLK, mask_N, "observe_rollout", churn=False)
 
-    def _compare(self, sample_ids, idx_NLK, mask_N, where: str, churn: bool) -> None:
-        ids = _ids(sample_ids)
-        new = self._check(idx_NLK, len(ids), where).long()
-        N, L, k = new.shape
-        T = N // len(ids)
+    def _reference(self, ids: list[int], T: int, N: int, L: int, k: int, device, where: str) -> torch.Tensor:
+        """(N, L, k) reference routing of `ids` over their first T positions, -1 where there is none."""
         missing = [s for s in ids if s not in self._ref]
         if missing:
             raise KeyError(f"{where}: no reference routing for sample ids {missing[:8]}; call set_reference first")
-        rows = [self._ref[s][:T] for s in ids]
-        if rows[0].shape[-1] != k:
-            raise ValueError(f"{where}: routing is top-{k}, the reference is top-{rows[0].shape[-1]}")
-        if all(r.shape[0] == T for r in rows):  # the usual case: same padded length as the reference pass
-            old = torch.stack(rows).to(new.device).view(N, L, k).long()
-        else:
-            old = scatter_rows(rows, [0] * len(ids), T, new.device).permute(1, 0, 2)  # (N, L, k), -1 = none
-        valid = (old[..., 0] >= 0) & (new[..., 0] >= 0)  # (N, L)
+        where_ = [self._ref[s] for s in ids]
+        k_ref = self._tables[where_[0][0]].shape[-1]
+        if k_ref != k:
+            raise ValueError(f"{where}: routing is top-{k}, the reference is top-{k_ref}")
+        table = where_[0][0]
+        if all(t == table for t, _ in where_) and self._tables[table].shape[1] >= T:  # the usual case
+            rows = torch.tensor([r for _, r in where_], device=self._tables[table].device)
+            return self._tables[table].index_select(0, rows)[:, :T].reshape(N, L, k).to(device)
+        chunks = [self._tables[t][r][:T] for t, r in where_]
+        return scatter_rows(chunks, [0] * len(ids), T, device).permute(1, 0, 2)  # (N, L, k), -1 = none
+
+    def _compare(self, sample_ids, idx_NLK, mask_N, where: str, churn: bool) -> None:
+        ids = _ids(sample_ids)
+        new = self._check(idx_NLK, len(ids), where)
+        N, L, k = new.shape
+        old = self._reference(ids, N // len(ids), N, L, k, new.device, where)
+        valid = old[..., :1] >= 0  # (N, L, 1); the reference is -1 outside its mask
+        if not churn:  # engine routing may be unknown (-1) too
+            valid &= new[..., :1] >= 0
         if mask_N is not None:
-            valid &= self._mask(mask_N, new, where)[:, None]
-        same = new.unsqueeze(-1) == old.unsqueeze(-2)  # (N, L, k_new, k_old)
-        gained = ~same.any(-1) & valid[..., None]  # (N, L, k): new's expert absent from old's set
+            valid &= self._mask(mask_N, new, where).view(N, 1, 1)
+        # one-hot sets (2, N, L, E + 1) of (new, old); tokens outside `valid` put their experts in the spare column E
+        E = self.num_experts
+        both = torch.where(valid, torch.stack([new.long(), old.long()]), E)
+        sets = torch.zeros(2, N, L, E + 1, dtype=torch.bool, device=new.device).scatter_(3, both, True)
+        diff = sets ^ (sets[0] & sets[1])  # (gained: in new only, lost: in old only)
         acc = self._accumulators(new.device, k)
         if not churn:
-            acc["mismatch"] += gained.sum()
+            acc["mismatch"] += diff[0, ..., :E].sum()
             acc["mismatch_slots"] += valid.sum() * k
             return
-        lost = ~same.any(-2) & valid[..., None]  # old's expert absent from new's set
-        acc["flips"] += gained.sum((0, 2))
-        acc["tokens"] += valid.sum(0)
-        E = self.num_experts
-        layer_off = (torch.arange(L, device=new.device) * E)[None, :, None]  # (1, L, 1)
-        for name, experts, weight in (("churn_in", new, gained), ("churn_out", old, lost),
-                                      ("load", old, valid[..., None].expand_as(old))):
-            flat = (experts.clamp(min=0) + layer_off).reshape(-1)
-            acc[name].view(-1).scatter_add_(0, flat, weight.reshape(-1).long())
+        acc["counts"] += torch.cat([diff, sets[1:]])[..., :E].sum(1)  # (gained, lost, load) per (layer, expert)
 
     # ---------------------------------------------------------------- results
     def counts(self) -> dict[str, torch.Tensor] | None:
-        """Raw accumulators (flips (L,), tokens (L,), churn_in/churn_out/load (L, E), mismatch, mismatch_slots)."""
-        return self._acc
+        """Raw accumulators: flips (L,), tokens (L,), churn_in/churn_out/load (L, E), mismatch, mismatch_slots."""
+        if self._acc is None:
+            return None
+        c, k = self._acc["counts"], self._acc["k"]
+        return {"flips": c[0].sum(1), "tokens": c[2].sum(1) // k, "churn_in": c[0], "churn_out": c[1],
+                "load": c[2], "mismatch": self._acc["mismatch"], "mismatch_slots": self._acc["mismatch_slots"]}
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics dict for this step (see the module docstring), then reset the accumulators."""
         acc, self._acc = self._acc, None
         if acc is None:
             return {}
-        k = acc["k"]
-        flips, tokens = acc["flips"].double(), acc["tokens"].double()
+        L, E, k, c = self.num_layers, self.num_experts, acc["k"], acc["counts"]
+        # one host transfer of the (3, L) and (3, E) marginals and the mismatch pair; the ratios are host math
+        flat = torch.cat([c.sum(2).view(-1), c.sum(1).view(-1), acc["mismatch"][None],
+                          acc["mismatch_slots"][None]]).tolist()
+        flips, load_l = flat[:L], flat[2 * L:3 * L]
+        gained_e, lost_e, load_e = flat[3 * L:3 * L + E], flat[3 * L + E:3 * L + 2 * E], flat[3 * L + 2 * E:3 * L + 3 * E]
+        mismatch, mismatch_slots = flat[-2:]
         out: dict[str, float] = {}
-        if tokens.sum() > 0:
-            out["moe/flip_rate"] = (flips.sum() / (tokens.sum() * k)).item()
-            for i, r in enumerate((flips / (tokens * k).clamp(min=1)).tolist()):
-                out[f"moe/flip_rate/layer_{i}"] = r
-            load = acc["load"].sum(0).double().clamp(min=1)  # (E,)
-            for name in ("churn_in", "churn_out"):
-                for e, r in enumerate((acc[name].sum(0).double() / load).tolist()):
-                    out[f"moe/{name}/expert_{e}"] = r
-            out["moe/flip_tokens"] = (tokens.sum() / self.num_layers).item()
-        if acc["mismatch_slots"] > 0:
-            out["moe/rollout_train_mismatch"] = (acc["mismatch"].double() / acc["mismatch_slots"]).item()
+        if sum(load_l) > 0:
+            out["moe/flip_rate"] = sum(flips) / sum(load_l)
+            out.update({f"moe/flip_rate/layer_{i}": f / max(n, 1) for i, (f, n) in enumerate(zip(flips, load_l))})
+            out.update({f"moe/churn_in/expert_{e}": g / max(n, 1) for e, (g, n) in enumerate(zip(gained_e, load_e))})
+            out.update({f"moe/churn_out/expert_{e}": g / max(n, 1) for e, (g, n) in enumerate(zip(lost_e, load_e))})
+            out["moe/flip_tokens"] = sum(load_l) / k / L
+        if mismatch_slots > 0:
+            out["moe/rollout_train_mismatch"] = mismatch / mismatch_slots
         return out
 
     # ---------------------------------------------------------------- helpers
     def _accumulators(self, device, k: int) -> dict:
         if self._acc is None:
-            L, E = self.num_layers, self.num_experts
             z = dict(dtype=torch.int64, device=device)
-            self._acc = {"k": k, "flips": torch.zeros(L, **z), "tokens": torch.zeros(L, **z),
-                         "churn_in": torch.zeros(L, E, **z), "churn_out": torch.zeros(L, E, **z),
-                         "load": torch.zeros(L, E, **z), "mismatch": torch.zeros((), **z),
-                         "mismatch_slots": torch.zeros((), **z)}
+            self._acc = {"k": k, "counts": torch.zeros(3, self.num_layers, self.num_experts, **z),
+                         "mismatch": torch.zeros((), **z), "mismatch_slots": torch.zeros((), **z)}
         return self._acc
 
     def _check(self, idx: torch.Tensor, batch: int, where: str) -> torch.Tensor:

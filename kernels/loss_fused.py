@@ -1,12 +1,14 @@
 """Loss-fused policy-gradient path: GSPO / GRPO loss value and its gradient from one pass over the logits.
 
-A plain chunked token_logprobs costs 8THV (forward 2, recomputed logits 2, two gradient GEMMs 4). Here the
-token chunks are aligned to whole sequences, so every sequence's log-probs, hence its ratio and its loss
-gradient d L / d logp_t, are known while the chunk's fp32 logits [tc, V] are still in the workspace:
-    z = h_c W^T  ->  lse, logp  ->  coef_t = dL/dlogp_t  ->  G = coef (onehot - softmax) / temp in place
+A plain chunked token_logprobs costs 8THV (forward 2, recomputed logits 2, two gradient GEMMs 4). Here each
+token chunk's fp32 logits stay in the workspace, as one vocab-major block [V, tc], until its loss gradient
+d L / d logp_t is known. For GSPO the chunks are aligned to whole sequences (a sequence's ratio needs all its
+tokens); GRPO's gradient is per token once each sequence's response length is counted, so its chunks are any
+max_rows tokens:
+    zT = W h_c^T  ->  lse, logp  ->  coef_t = dL/dlogp_t  ->  G^T = coef (onehot - softmax) / temp in place
     ->  d hidden_c = G W,  d weight += G^T h_c                                                  (6THV)
 The gradients are stored in the forward and handed out by backward (scaled by its incoming gradient).
-A sequence longer than the workspace allows takes two passes (8THV) for itself alone.
+A GSPO sequence longer than the workspace allows takes two passes (8THV) for itself alone.
 
 The loss formulas (METHOD.md) are local pure functions of per-token log-probs, so kernels import no losses:
   gspo: s_i = exp(mean_t(logp - old_logp) over response tokens), L = -1/N sum_i min(s_i A_i, clip(s_i) A_i)
@@ -53,11 +55,17 @@ def gspo_coef(logp_T, old_T, mask_T, seg_T, adv_B, denom, clip_low, clip_high, l
     return (loss_B * has).sum() / denom, coef_T, clipped_tokens, (s * has).sum()
 
 
-def grpo_coef(logp_T, old_T, mask_T, seg_T, adv_B, denom, clip_low, clip_high, log_ratio_clamp=LOG_RATIO_CLAMP):
-    """GRPO (seq-mean-token-mean): (loss sum / denom, d loss / d logp [T], clipped tokens, ratio sum over tokens)."""
+def grpo_coef(logp_T, old_T, mask_T, seg_T, adv_B, denom, clip_low, clip_high, log_ratio_clamp=LOG_RATIO_CLAMP,
+              count_B=None):
+    """GRPO (seq-mean-token-mean): (loss sum / denom, d loss / d logp [T], clipped tokens, ratio sum over tokens).
+
+    Every term is per token once the response length of each sequence is known: pass count_B (response tokens
+    per sequence) and the tokens may be any slice of the batch, not whole sequences."""
     B = adv_B.shape[0]
     m = mask_T.float()
-    count = torch.zeros(B, device=m.device).index_add(0, seg_T, m).clamp(min=1.0)
+    if count_B is None:
+        count_B = torch.zeros(B, device=m.device).index_add(0, seg_T, m)
+    count = count_B.clamp(min=1.0)
     lr = logp_T - old_T
     w = torch.exp(lr.clamp(-log_ratio_clamp, log_ratio_clamp))
     tok_loss, active, clipped = _clip_terms(w, adv_B[seg_T], clip_low, clip_high)
@@ -99,7 +107,15 @@ class _FusedPolicyLoss(torch.autograd.Function):
         # one fp32 [V, rows] block transformed in place (+ the low-precision GEMM output and G copy), and [H, rows]
         nbuf = 1 if hidden_TH.dtype == torch.float32 else 2
         max_rows = max(1, chunk_bytes // (4 * (V * nbuf + hidden_TH.shape[1])))
-        groups = [g for g in _groups(lengths, max_rows) if g[3] > g[2]]
+        per_token = loss_fn is grpo_coef  # GRPO's gradient is per token: any token chunk will do, no alignment
+        if per_token:
+            seg_all = segment_ids(cu_seqlens, T)
+            extra = {"count_B": torch.zeros(adv_B.shape[0], device=hidden_TH.device).index_add(
+                0, seg_all, valid.float())}
+            groups = [(0, adv_B.shape[0], t0, min(T, t0 + max_rows)) for t0 in range(0, T, max_rows)]
+        else:  # GSPO: a sequence's ratio needs all its tokens, so chunks hold whole sequences
+            extra = {}
+            groups = [g for g in _groups(lengths, max_rows) if g[3] > g[2]]
         ws = chunked.Workspace(V * max([g[3] - g[2] for g in groups if g[3] - g[2] <= max_rows], default=0),
                                hidden_TH.device)
         loss = torch.zeros((), device=hidden_TH.device)
@@ -108,7 +124,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
         w_written = False
         for b0, b1, t0, t1 in groups:
             h_c, tgt_c, ok_c = hidden_TH[t0:t1], local_tgt[t0:t1], valid[t0:t1]
-            seg = segment_ids(cu_seqlens[b0:b1 + 1] - t0, t1 - t0)
+            seg = seg_all[t0:t1] if per_token else segment_ids(cu_seqlens[b0:b1 + 1] - t0, t1 - t0)
             one_pass = t1 - t0 <= max_rows
             if one_pass:  # keep the fp32 logits block [V, rows]: 6THV
                 e = chunked.logits_block(weight_VH, h_c.t().contiguous(), inv_temp, out=ws.block(V, t1 - t0))
@@ -120,7 +136,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
             lp, _, lse = vp.finish_stats(m, s, sd, zt, ok_c)
             logp_T[t0:t1] = lp
             part, coef, clip_n, rsum = loss_fn(lp, old_T[t0:t1].float(), ok_c, seg, adv_B[b0:b1].float(), denom,
-                                               clip_low, clip_high)
+                                               clip_low, clip_high, **extra)
             loss += part
             clipped += clip_n
             ratio_sum += rsum

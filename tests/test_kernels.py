@@ -168,7 +168,9 @@ def _loss_inputs(seed, lengths, H=16, V=173, noise=1e-3):
 @pytest.mark.parametrize("impl", ["fused", "unfused"])
 def test_fused_policy_loss_matches_float64(loss, clip, noise, impl):
     seed = fresh_seed()
-    lengths = [5, 1, 13, 0, 9, 30, 4]  # the 30-token sequence exceeds the small workspace: two-pass fallback
+    # a 10-token workspace: GSPO packs whole sequences and takes the 13- and 30-token ones in two passes; GRPO
+    # cuts its 10-token chunks through sequences
+    lengths = [5, 1, 13, 0, 9, 30, 4]
     h, w, t, cu, mask, old, adv = _loss_inputs(seed, lengths, noise=noise)
     kw = dict(cu_seqlens=cu, loss_mask=mask, loss=loss, clip_low=clip[0], clip_high=clip[1], num_sequences=11,
               temperature=0.9)

@@ -198,3 +198,33 @@ def test_tracker_mask_order_and_mismatch():
         tr.observe([0], new[:T], mask)
     with pytest.raises(ValueError, match=r"\(B\*T, 3, k\)"):
         tr.observe([0], new[:T, :2])
+
+
+def test_tracker_counts_match_python_sets_whatever_the_token_slicing(monkeypatch):
+    import moe_gspo.routing.tracker as tracker_mod
+    L, k, E, B, T = 3, 3, 6, 3, 7
+    g = torch.Generator().manual_seed(11)
+    ref, new = random_topk(B * T, L, k, E, g), random_topk(B * T, L, k, E, g)
+    mask = torch.rand(B * T, generator=g) < 0.8
+    gained, lost, load = torch.zeros(L, E), torch.zeros(L, E), torch.zeros(L, E)
+    for n in mask.nonzero().squeeze(1).tolist():  # python sets: the definition
+        for layer in range(L):
+            a, b = set(ref[n, layer].tolist()), set(new[n, layer].tolist())
+            for e in b - a:
+                gained[layer, e] += 1
+            for e in a - b:
+                lost[layer, e] += 1
+            for e in a:
+                load[layer, e] += 1
+    results = []
+    for set_elems in (2**24, L * (E + 1) * 2, 1):  # one slice; 2 tokens per slice; 1 token per slice
+        monkeypatch.setattr(tracker_mod, "_SET_ELEMS", set_elems)
+        tr = ExpertFlipTracker(L, E)
+        tr.set_reference(list(range(B)), ref, mask)
+        tr.observe(list(range(B)), new, mask)
+        c = tr.counts()
+        assert torch.equal(c["churn_in"].float(), gained) and torch.equal(c["churn_out"].float(), lost)
+        assert torch.equal(c["load"].float(), load) and torch.equal(c["tokens"], torch.full((L,), int(mask.sum())))
+        results.append(tr.metrics())
+    assert results[0] == results[1] == results[2]
+    assert results[0]["moe/flip_rate"] == pytest.approx(float(gained.sum() / load.sum()))

@@ -27,6 +27,9 @@ import torch
 from moe_gspo.routing.cache import _ids, scatter_rows
 
 
+_SET_ELEMS = 2**24  # one-hot set elements per token slice (x2 sets, bool): 32 MiB
+
+
 class ExpertFlipTracker:
     """Accumulates set-wise routing flips per layer and per-expert churn between metrics() calls.
 
@@ -99,12 +102,20 @@ class ExpertFlipTracker:
             valid &= new[..., :1] >= 0
         if mask_N is not None:
             valid &= self._mask(mask_N, new, where).view(N, 1, 1)
-        # one-hot sets (2, N, L, E + 1) of (new, old); tokens outside `valid` put their experts in the spare column E
         E = self.num_experts
-        both = torch.where(valid, torch.stack([new.long(), old.long()]), E)
-        sets = torch.zeros(2, N, L, E + 1, dtype=torch.bool, device=new.device).scatter_(3, both, True)
-        diff = sets ^ (sets[0] & sets[1])  # (gained: in new only, lost: in old only)
         acc = self._accumulators(new.device, k)
+        step = max(1, _SET_ELEMS // (L * (E + 1)))  # bounds the one-hot workspace on long micro-batches
+        for n0 in range(0, N, step):
+            sl = slice(n0, min(N, n0 + step))
+            self._count(new[sl], old[sl], valid[sl], acc, churn)
+
+    def _count(self, new, old, valid, acc, churn: bool) -> None:
+        """Add one token slice's set differences to the accumulators: (n, L, k) new / old, (n, L, 1) valid."""
+        (n, L, k), E = new.shape, self.num_experts
+        # one-hot sets (2, n, L, E + 1) of (new, old); tokens outside `valid` put their experts in the spare column E
+        both = torch.where(valid, torch.stack([new.long(), old.long()]), E)
+        sets = torch.zeros(2, n, L, E + 1, dtype=torch.bool, device=new.device).scatter_(3, both, True)
+        diff = sets ^ (sets[0] & sets[1])  # (gained: in new only, lost: in old only)
         if not churn:
             acc["mismatch"] += diff[0, ..., :E].sum()
             acc["mismatch_slots"] += valid.sum() * k

@@ -40,6 +40,11 @@ class Workspace:
     def __init__(self, numel: int, device):
         self.buf = torch.empty(max(1, numel), device=device)
 
+    @staticmethod
+    def reuse(ws: Workspace | None, numel: int, device) -> Workspace:
+        """`ws` when it holds at least numel elements (a caller's workspace, shared), else a new one."""
+        return ws if ws is not None and ws.buf.numel() >= numel else Workspace(numel, device)
+
     def block(self, rows: int, cols: int, offset: int = 0) -> torch.Tensor:
         return self.buf[offset:offset + rows * cols].view(rows, cols)
 
@@ -96,15 +101,15 @@ def block_grad_logits(zT_VT, local_tgt_T, lse_T, ent_T, gl_T, ge_T, inv_temp: fl
     return G
 
 
-def forward_stats(hidden_TH, weight_VH, local_tgt_T, inv_temp, want_entropy, chunk_bytes):
-    """Local-shard (m, s, sd, zt), each fp32 [T], computed block by block."""
+def forward_stats(hidden_TH, weight_VH, local_tgt_T, inv_temp, want_entropy, chunk_bytes, ws=None):
+    """Local-shard (m, s, sd, zt), each fp32 [T], computed block by block (in `ws` when it is large enough)."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
     dev = hidden_TH.device
     m = torch.full((T,), float("-inf"), device=dev)
     s, sd, zt = (torch.zeros(T, device=dev) for _ in range(3))
     tc, vc = plan_chunks(T, V, chunk_bytes, H=H)
-    ws = Workspace(2 * tc * vc if want_entropy else tc * vc, dev)
+    ws = Workspace.reuse(ws, 2 * tc * vc if want_entropy else tc * vc, dev)
     for t0 in range(0, T, tc):
         t1 = min(T, t0 + tc)
         hT = hidden_TH[t0:t1].t().contiguous()
@@ -141,20 +146,26 @@ def apply_block_grad(GT_VT, h_TH, w_VH, acc_h_TH, grad_w_VH, first_h: bool, firs
 
 
 def backward_grads(hidden_TH, weight_VH, local_tgt_T, lse_T, ent_T, gl_T, ge_T, inv_temp, chunk_bytes,
-                   need_h=True, need_w=True, grad_logits_fn=None):
+                   need_h=True, need_w=True, grad_logits_fn=None, ws=None, out_h=None, out_w=None,
+                   out_w_written=False):
     """(d hidden [T, H] local partial, d weight [V, H]) by recomputing each block's logits.
 
     d hidden accumulates over vocab chunks in fp32 per token chunk; d weight accumulates over token chunks in the
     weight's dtype (one rounding per token chunk). grad_logits_fn (the Triton engine) returns G token-major
-    [tc, vc] in the input dtype; it is used through its transpose."""
+    [tc, vc] in the input dtype; it is used through its transpose. out_h / out_w: write into these (any dtype
+    for out_h) instead of new tensors; out_w_written: add to out_w rather than overwrite it. ws: a workspace to
+    reuse when it is large enough."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
     dev = hidden_TH.device
     alloc = torch.empty_like if T else torch.zeros_like  # T = 0: no block ever writes them
-    grad_h = alloc(hidden_TH) if need_h else None
-    grad_w = alloc(weight_VH) if need_w else None
+    grad_h = (out_h if out_h is not None else alloc(hidden_TH)) if need_h else None
+    grad_w = (out_w if out_w is not None else alloc(weight_VH)) if need_w else None
+    if T == 0 and out_w is not None and not out_w_written:
+        grad_w.zero_()
     tc, vc = plan_chunks(T, V, chunk_bytes, H=H)
-    ws = Workspace(2 * tc * vc if ge_T is not None else tc * vc, dev) if grad_logits_fn is None else None
+    if grad_logits_fn is None:
+        ws = Workspace.reuse(ws, 2 * tc * vc if ge_T is not None else tc * vc, dev)
     for t0 in range(0, T, tc):
         t1 = min(T, t0 + tc)
         h_c = hidden_TH[t0:t1]
@@ -174,7 +185,7 @@ def backward_grads(hidden_TH, weight_VH, local_tgt_T, lse_T, ent_T, gl_T, ge_T, 
                 GT = grad_logits_fn(h_c, w_v, local_tgt_T[t0:t1] - v0, lse_T[t0:t1], ent_c, gl_T[t0:t1], ge_c,
                                     inv_temp).t()
             apply_block_grad(GT, h_c, w_v, acc_h, grad_w[v0:v1] if need_w else None, first_h=v0 == 0,
-                             first_w=t0 == 0)
+                             first_w=t0 == 0 and not out_w_written)
             del GT
         if need_h:
             grad_h[t0:t1] = acc_h

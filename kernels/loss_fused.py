@@ -18,6 +18,8 @@ call's sequences with at least one response token); log-ratios are clamped to +-
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import chunked
@@ -116,8 +118,11 @@ class _FusedPolicyLoss(torch.autograd.Function):
         else:  # GSPO: a sequence's ratio needs all its tokens, so chunks hold whole sequences
             extra = {}
             groups = [g for g in _groups(lengths, max_rows) if g[3] > g[2]]
-        ws = chunked.Workspace(V * max([g[3] - g[2] for g in groups if g[3] - g[2] <= max_rows], default=0),
-                               hidden_TH.device)
+        # one workspace for the whole call, shared with the two-pass fallback of over-long GSPO sequences
+        need = [V * (t1 - t0) if t1 - t0 <= max_rows else
+                math.prod(chunked.plan_chunks(t1 - t0, V, chunk_bytes, H=hidden_TH.shape[1]))
+                for _, _, t0, t1 in groups]
+        ws = chunked.Workspace(max(need, default=0), hidden_TH.device)
         loss = torch.zeros((), device=hidden_TH.device)
         clipped = torch.zeros((), device=hidden_TH.device)
         ratio_sum = torch.zeros((), device=hidden_TH.device)
@@ -131,7 +136,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
                 stats = chunked.block_stats(e, tgt_c, False)  # e now holds exp(z - m_local)
                 m_local = stats[0]
             else:  # one sequence too long for the workspace: two passes, 8THV
-                stats = chunked.forward_stats(h_c, weight_VH, tgt_c, inv_temp, False, chunk_bytes)
+                stats = chunked.forward_stats(h_c, weight_VH, tgt_c, inv_temp, False, chunk_bytes, ws=ws)
             m, s, sd, zt = vp.allreduce_stats(*stats, group)
             lp, _, lse = vp.finish_stats(m, s, sd, zt, ok_c)
             logp_T[t0:t1] = lp
@@ -152,16 +157,11 @@ class _FusedPolicyLoss(torch.autograd.Function):
                 w_written = True
                 del GT, e
             else:
-                gh, gw = chunked.backward_grads(h_c, weight_VH, tgt_c, lse, None, coef, None, inv_temp, chunk_bytes,
-                                                need_h=need_h, need_w=need_w)
-                if need_h:
-                    grad_h[t0:t1] = gh.float()
-                if need_w:
-                    if w_written:
-                        grad_w += gw
-                    else:
-                        grad_w.copy_(gw)
-                    w_written = True
+                chunked.backward_grads(h_c, weight_VH, tgt_c, lse, None, coef, None, inv_temp, chunk_bytes,
+                                       need_h=need_h, need_w=need_w, ws=ws,
+                                       out_h=grad_h[t0:t1] if need_h else None, out_w=grad_w,
+                                       out_w_written=w_written)
+                w_written = w_written or need_w
         if need_w and not w_written:
             grad_w.zero_()
         if need_h:

@@ -3,9 +3,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_gspo.kernels import (
+    fused_policy_loss,
+    plan_chunks,
+    sequence_reduce,
+    token_logprobs,
+    token_logprobs_eager,
+)
 
-from moe_gspo.kernels import (fused_policy_loss, plan_chunks, sequence_reduce, token_logprobs,
-                              token_logprobs_eager)
 from tests.kernel_refs import close, fresh_seed, logprobs_f64, policy_loss_f64
 
 
@@ -89,33 +94,76 @@ def test_without_entropy_and_weight_frozen():
     close(h.grad, hd.grad, 2e-5, "d hidden", seed)
 
 
-def test_workspace_bounded_independent_of_T():
-    from torch.profiler import ProfilerActivity, profile
+def _peak_beyond_grads(run, h, w) -> int:
+    """Peak bytes the CPU allocator holds during run() (fwd + bwd), minus the two gradients it must return."""
     from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
 
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+        run()
+    ev, stack = [], list(p.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        n = stack.pop()
+        if n.tag == _EventType.Allocation:
+            ev.append((n.start_time_ns, n.extra_fields.alloc_size))
+        stack.extend(n.children)
+    cur = top = 0
+    for _, size in sorted(ev):
+        cur += size
+        top = max(top, cur)
+    return top - h.numel() * h.element_size() - w.numel() * w.element_size()
+
+
+def test_workspace_bounded_independent_of_T():
     def peak(T, chunk_bytes):
         h, w, t, gl, _ = make(T, 16, 3000, 1)
         h.requires_grad_()
         w.requires_grad_()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
-            lp, _ = token_logprobs(h, w, t, chunk_bytes=chunk_bytes, impl="chunked")
-            (lp * gl).sum().backward()
-        ev, stack = [], list(p.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            n = stack.pop()
-            if n.tag == _EventType.Allocation:
-                ev.append((n.start_time_ns, n.extra_fields.alloc_size))
-            stack.extend(n.children)
-        cur = top = 0
-        for _, size in sorted(ev):
-            cur += size
-            top = max(top, cur)
-        return top - h.numel() * 4 - w.numel() * 4  # beyond the two gradients
+        return _peak_beyond_grads(
+            lambda: (token_logprobs(h, w, t, chunk_bytes=chunk_bytes, impl="chunked")[0] * gl).sum().backward(), h, w)
 
     budget = 2**20
     small, big = peak(256, budget), peak(2048, budget)
     assert big <= budget + 64 * 2048, (small, big)  # + O(T) per-token stats
     assert 2048 * 3000 * 4 > 20 * budget  # eager would need 24 MB here
+
+
+@pytest.mark.parametrize("loss", ["gspo", "grpo"])
+def test_fused_loss_workspace_bounded_independent_of_T(loss):
+    def peak(n_seq):
+        lengths = [7, 40, 3, 25] * (n_seq // 4)  # GSPO: the 40-token sequences exceed the budget (two passes)
+        h, w, t, cu, mask, old, adv = _loss_inputs(1, lengths, H=16, V=3000)
+        h.requires_grad_()
+        w.requires_grad_()
+        return _peak_beyond_grads(lambda: fused_policy_loss(h, w, t, old, adv, cu_seqlens=cu, loss_mask=mask,
+                                                            loss=loss, chunk_bytes=budget)[0].backward(), h, w)
+
+    budget = 32 * 3016 * 4  # 32 rows of [V + H] fp32
+    small, big = peak(8), peak(64)
+    T = 75 * 16
+    assert big <= budget + 64 * T, (small, big)  # + O(T) per-token vectors
+    assert T * 3000 * 4 > 20 * budget
+
+
+@pytest.mark.parametrize("loss", ["gspo", "grpo"])
+def test_fused_policy_loss_bf16_within_bf16_tolerance(loss):
+    seed = fresh_seed()
+    h, w, t, cu, mask, _, adv = _loss_inputs(seed, [5, 12, 9, 30], H=32, V=211)
+    h, w = (h * 0.5).bfloat16(), (w * 0.5).bfloat16()
+    with torch.no_grad():  # old log-probs near the bf16 policy's own, so the ratios stay near 1
+        old = (logprobs_f64(h, w, t)[0] + 0.2 * torch.randn(t.shape[0], dtype=torch.float64)).float()
+    hb, wb = h.clone().requires_grad_(), w.clone().requires_grad_()
+    value, _ = fused_policy_loss(hb, wb, t, old, adv, cu_seqlens=cu, loss_mask=mask, loss=loss, clip_low=0.2,
+                                 clip_high=0.2, num_sequences=4, chunk_bytes=12 * (211 * 2 + 32) * 4)
+    value.backward()
+    assert hb.grad.dtype == torch.bfloat16 and wb.grad.dtype == torch.bfloat16
+    hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+    lp, _ = logprobs_f64(hd, wd, torch.where(mask, t, -100))
+    want = policy_loss_f64(lp, old, adv, cu, mask & (t != -100), loss, 0.2, 0.2, 4.0)
+    want.backward()
+    close(value, want, 3e-2, f"{loss} bf16 value", seed)
+    close(hb.grad, hd.grad, 3e-2, f"{loss} bf16 d hidden", seed)
+    close(wb.grad, wd.grad, 3e-2, f"{loss} bf16 d weight", seed)
 
 
 def test_bad_inputs_name_the_problem():

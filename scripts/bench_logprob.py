@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from moe_gspo.kernels import fused_policy_loss, token_logprobs
+from moe_gspo.kernels import fused_policy_loss, memory, token_logprobs
 from moe_gspo.kernels.triton_kernels import available as triton_available
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -106,28 +106,7 @@ def timed(fn, args, device, repeats, warmup):
 def peak_bytes(fn, args, device):
     for x in args[:2]:
         x.grad = None
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn(*args)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
-        fn(*args)
-    events, stack = [], list(p.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        n = stack.pop()
-        if n.tag == _EventType.Allocation:
-            events.append((n.start_time_ns, n.extra_fields.alloc_size))
-        stack.extend(n.children)
-    cur = top = 0
-    for _, size in sorted(events):
-        cur += size
-        top = max(top, cur)
-    return top
+    return memory.peak_bytes(lambda: fn(*args), device)
 
 
 def main(argv=None):

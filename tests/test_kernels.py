@@ -3,14 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_gspo.kernels import (
-    fused_policy_loss,
-    plan_chunks,
-    sequence_reduce,
-    token_logprobs,
-    token_logprobs_eager,
-)
 
+from moe_gspo.kernels import (fused_policy_loss, plan_chunks, sequence_reduce, token_logprobs,
+                              token_logprobs_eager)
+from moe_gspo.kernels.memory import peak_bytes
 from tests.kernel_refs import close, fresh_seed, logprobs_f64, policy_loss_f64
 
 
@@ -96,22 +92,7 @@ def test_without_entropy_and_weight_frozen():
 
 def _peak_beyond_grads(run, h, w) -> int:
     """Peak bytes the CPU allocator holds during run() (fwd + bwd), minus the two gradients it must return."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
-        run()
-    ev, stack = [], list(p.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        n = stack.pop()
-        if n.tag == _EventType.Allocation:
-            ev.append((n.start_time_ns, n.extra_fields.alloc_size))
-        stack.extend(n.children)
-    cur = top = 0
-    for _, size in sorted(ev):
-        cur += size
-        top = max(top, cur)
-    return top - h.numel() * h.element_size() - w.numel() * w.element_size()
+    return peak_bytes(run) - h.numel() * h.element_size() - w.numel() * w.element_size()
 
 
 def test_workspace_bounded_independent_of_T():

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import yaml
 
-import moe_gspo.rollout.hf_engine  # noqa: F401  (transformers before megatron's CPU shims)
 from moe_gspo.config import ConfigError, apply_overrides, config_from_dict
 from moe_gspo.train.data import check_names
 
@@ -61,22 +60,18 @@ def read_compare_config(path, overrides=None) -> tuple[dict, dict[str, list[str]
 
 def cold_start_state(cfg) -> dict:
     """Run the cold-start stage once on a fresh policy; return its full (unsharded) weights."""
-    from megatron.core import parallel_state as ps
 
     from moe_gspo import load_policy
-    from moe_gspo.parallel.ddp import wrap_ddp
     from moe_gspo.parallel.state import current_info
-    from moe_gspo.routing import RoutingReplayCache
     from moe_gspo.train.data import build_task, build_tokenizer
-    from moe_gspo.train.step import StepContext, cold_start
+    from moe_gspo.train.optim import wrap_ddp
+    from moe_gspo.train.step import cold_start
 
     policy = load_policy(cfg)
     info = current_info()
-    ctx = StepContext(policy, wrap_ddp(policy), None, cfg, RoutingReplayCache("off", 1, 1, 1), None,
-                      ps.get_data_parallel_group(), info.dp)
     if cfg.train.cold_start_steps:
-        cold_start(ctx, build_task(cfg), build_tokenizer(cfg), cfg.train.cold_start_steps,
-                   cfg.train.cold_start_batch_size, cfg.train.cold_start_lr, cfg.train.seed, info.dp_rank)
+        ddp = wrap_ddp(policy, cfg.train.distributed_optimizer)
+        cold_start(policy, ddp, cfg.train, build_task(cfg), build_tokenizer(cfg), info.dp, info.dp_rank)
     return {k: v.detach().clone() for k, v in policy.full_megatron_state().items()}
 
 

@@ -121,7 +121,11 @@ class AlgorithmConfig:
     clip_high: float | None = None
     """Upper clip epsilon; None takes the loss's paper default (grpo 0.27, gspo 4e-4)."""
     kl_beta: float = 0.0
-    """Coefficient of the k3 KL penalty to the reference policy (0 as in the paper)."""
+    """Coefficient of the KL penalty to the frozen reference policy (the weights RL starts from) added to the
+    loss; 0 (the paper's setting) builds no reference policy."""
+    kl_estimator: str = "low_var_kl"
+    """Per-token KL(pi || pi_ref) estimator: 'k1' (log ratio), 'k3' (exp(-d) + d - 1, d = log pi - log pi_ref) or
+    'low_var_kl' (k3 clamped to [-10, 10], as verl names it)."""
     routing_replay: str = "off"
     """Routing Replay mode: 'off', 'r2' (old policy's training routing) or 'r3' (rollout engine's routing)."""
     use_engine_logprobs: bool = False
@@ -136,6 +140,7 @@ class AlgorithmConfig:
         _choice(self, "loss_agg_mode", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
         if self.kl_beta < 0:
             raise ConfigError(f"algorithm.kl_beta={self.kl_beta} must be >= 0")
+        _choice(self, "kl_estimator", ("k1", "k3", "low_var_kl"))
 
 
 @dataclass
@@ -187,9 +192,25 @@ class TrainConfig:
     steps: int = 20
     """Rollout steps (RL) or optimizer steps (plain training)."""
     lr: float = 1e-3
-    """AdamW learning rate."""
+    """Peak Adam learning rate (megatron's optimizer, decoupled weight decay)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to train.lr (an RL step takes train.minibatches optimizer steps)."""
+    lr_decay: str = "constant"
+    """Learning-rate decay after warmup, down to train.min_lr at the last optimizer step: 'constant', 'linear' or
+    'cosine' (megatron's OptimizerParamScheduler)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of 'linear' or 'cosine' decay."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """Adam decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    distributed_optimizer: bool = True
+    """Shard the fp32 main parameters and Adam state over data-parallel ranks when dp > 1 (megatron's
+    DistributedOptimizer); no effect when dp = 1."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 disables)."""
     minibatches: int = 4
@@ -211,7 +232,7 @@ class TrainConfig:
     cold_start_steps: int = 0
     """Supervised steps on task demonstrations before RL (0: none), so that groups have reward variance."""
     cold_start_lr: float = 3e-3
-    """AdamW learning rate of the cold-start stage."""
+    """Constant Adam learning rate of the cold-start stage (its own megatron optimizer, no schedule)."""
     cold_start_batch_size: int = 32
     """Demonstrations per cold-start step (split over data-parallel ranks)."""
 
@@ -224,6 +245,16 @@ class TrainConfig:
                               f"{self.checkpoint_every} must be >= 0")
         if self.lr < 0:
             raise ConfigError(f"train.lr={self.lr} must be >= 0")
+        _choice(self, "lr_decay", ("constant", "linear", "cosine"))
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"train.lr_warmup_steps={self.lr_warmup_steps} must be >= 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
+        if self.adam_eps <= 0:
+            raise ConfigError(f"train.adam_eps={self.adam_eps} must be > 0")
 
 
 @dataclass

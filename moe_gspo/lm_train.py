@@ -3,7 +3,8 @@
     moe-gspo train-lm --config configs/tiny_cpu.yaml [train.steps=30 ...]
     torchrun --nproc-per-node 2 -m moe_gspo.cli train-lm --config configs/tiny_cpu.yaml parallel.ep=2
 
-The smoke test of the whole training stack: megatron policy, TP/EP/DP, megatron DDP, AdamW, metrics.
+The smoke test of the whole training stack: megatron policy, TP/EP/DP, megatron DDP,
+megatron's optimizer (fp32 main parameters under bf16) and LR schedule, metrics.
 The data are sequences of arithmetic progressions mod V (start and stride random), so loss falls well below
 log(V) once the model learns to continue a progression.
 """
@@ -32,7 +33,7 @@ def train_lm(cfg: Config, log=print) -> list[dict]:
     import moe_gspo
     from megatron.core import parallel_state as ps
 
-    from moe_gspo.parallel.ddp import reduce_grads, wrap_ddp, zero_grads
+    from moe_gspo.train.optim import Optimizer, wrap_ddp
 
     tc = cfg.train
     policy = moe_gspo.load_policy(cfg)
@@ -41,8 +42,7 @@ def train_lm(cfg: Config, log=print) -> list[dict]:
         raise ValueError(f"train.batch_size={tc.batch_size} does not divide over {dp} data-parallel ranks")
     per_rank = tc.batch_size // dp
     micro = min(tc.micro_batch_size, per_rank)
-    ddp = wrap_ddp(policy)
-    opt = torch.optim.AdamW(policy.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    opt = Optimizer.from_config(wrap_ddp(policy, tc.distributed_optimizer), policy, tc, total_steps=tc.steps)
     V = cfg.model.vocab_size
     g = torch.Generator().manual_seed(tc.seed)
     out = Path(tc.out_dir)
@@ -53,20 +53,19 @@ def train_lm(cfg: Config, log=print) -> list[dict]:
     for step in range(1, tc.steps + 1):
         t0 = time.perf_counter()
         batch = progression_batch(tc.batch_size, tc.seq_len, V, g)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        zero_grads(ddp, opt)
+        lr = opt.lr
+        opt.zero_grad()
         total = 0.0
         for i in range(0, per_rank, micro):
             mb = batch[i:i + micro]
-            logits = policy(mb[:, :-1])
+            logits = policy(mb[:, :-1]).float()
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), mb[:, 1:].reshape(-1),
                                                      reduction="sum") / (per_rank * tc.seq_len)
             loss.backward()
             total += loss.item()
-        reduce_grads(ddp, policy)
-        gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), tc.grad_clip or float("inf"))
-        opt.step()
+        gn = opt.step()
         dt = time.perf_counter() - t0
-        rec = {"step": step, "loss": total, "grad_norm": float(gn), "lr": tc.lr, "step_s": dt,
+        rec = {"step": step, "loss": total, "grad_norm": float(gn), "lr": lr, "step_s": dt,
                "tokens_per_s": tc.batch_size * tc.seq_len / dt}
         history.append(rec)
         if is_main:

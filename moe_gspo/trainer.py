@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import moe_gspo.rollout.hf_engine  # noqa: F401  (import transformers before megatron's CPU shims)
 import numpy as np
 import torch
 import yaml
@@ -30,7 +29,6 @@ from moe_gspo.rewards import score_responses
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.train import data
 from moe_gspo.train.checkpoint import Checkpoints
-from moe_gspo.train.elastic import init_distributed_restartable
 from moe_gspo.train.metrics import MetricMean, MetricsWriter, Progress, StepTimer, reduce_across_ranks
 from moe_gspo.train.step import StepContext, cold_start, old_logprob_pass, routing_mask, update_minibatch
 
@@ -48,18 +46,19 @@ def train(cfg: Config, *, resume: bool = False, run_dir: str | Path | None = Non
                 adv, valid, reward_m = run.score(batch, examples, texts, step)  # rewards -> group advantages
                 pb, sids = run.pad(batch, valid)  # (B, T) training tensors; R3 records the engine's routing
             with t("logprob"):
-                old, diff = run.old_logprobs(pb, sids)  # pi_old; R2 records; the flip tracker's reference
+                old, ref, diff = run.old_logprobs(pb, sids)  # pi_old (and pi_ref); R2 records; flip reference
             with t("train"):
                 train_m = MetricMean()
                 for idx in run.minibatches(step):  # one optimizer step per minibatch
-                    train_m.add(update_minibatch(run.ctx, pb, old, adv, sids, idx))
+                    train_m.add(update_minibatch(run.ctx, pb, old, adv, sids, idx, ref))
             with t("sync"):
                 run.engine.update_weights(run.policy)
                 run.replay.clear()
         m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics()},
                     tokens=int(pb.attention_mask.sum()))
-        if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0:
-            run.ckpts.save(step + 1, run.state(step + 1))
+        last = step + 1 == cfg.train.steps
+        if cfg.train.checkpoint_every and ((step + 1) % cfg.train.checkpoint_every == 0 or last):
+            run.ckpts.save(step + 1, run.ctx, run.extra_state(step + 1))
     run.close()
     return m
 
@@ -90,8 +89,8 @@ class Run:
         from megatron.core import parallel_state as ps
 
         from moe_gspo import load_policy
-        from moe_gspo.parallel.ddp import wrap_ddp
-        from moe_gspo.parallel.state import current_info
+        from moe_gspo.parallel.state import current_info, init_distributed
+        from moe_gspo.train.optim import Optimizer, wrap_ddp
 
         run_dir = Path(run_dir or cfg.train.out_dir)
         tok = data.build_tokenizer(cfg)
@@ -102,35 +101,36 @@ class Run:
             print("warning: algorithm.use_engine_logprobs with grpo: every token ratio then carries the engine vs "
                   "trainer numeric mismatch (sound for gspo's sequence ratio, not for grpo)", file=sys.stderr)
         data.check_layout(cfg, data.world_size() // cfg.parallel.tp)
-        init_distributed_restartable(cfg.parallel.backend)
+        init_distributed(cfg.parallel.backend)
         policy = load_policy(cfg)
         info = current_info()
         layout = data.check_layout(cfg, info.dp)
         task = task or data.build_task(cfg)
         if init_state is not None:
             policy.load_full_megatron_state(init_state)
-        ddp = wrap_ddp(policy)
-        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        ddp = wrap_ddp(policy, cfg.train.distributed_optimizer)
         mc = cfg.model
         replay = RoutingReplayCache(cfg.algorithm.routing_replay, mc.num_hidden_layers, mc.num_experts_per_tok,
                                     mc.num_experts)
         tracker = ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts) if cfg.algorithm.track_flips else None
-        ctx = StepContext(policy, ddp, opt, cfg, replay, tracker, ps.get_data_parallel_group(), info.dp)
+        ctx = StepContext(policy, None, cfg, replay, tracker, ps.get_data_parallel_group(), info.dp)
         if info.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
-        start, state = ckpts.load_latest() if resume else (0, None)
-        if state is not None:
-            _restore(policy, opt, state)
-            _say(info, f"resumed from {ckpts.root / ckpts.name(start)}")
-        else:
+        start = ckpts.latest() if resume else 0
+        if not start:
             if resume:
                 _say(info, f"no complete checkpoint in {ckpts.root}: starting from step 0")
             if cfg.train.cold_start_steps and init_state is None:
                 _say(info, f"cold start: {cfg.train.cold_start_steps} supervised steps on {cfg.rollout.task}")
-                cold_start(ctx, task, tok, cfg.train.cold_start_steps, cfg.train.cold_start_batch_size,
-                           cfg.train.cold_start_lr, cfg.train.seed, info.dp_rank)
+                cold_start(policy, ddp, cfg.train, task, tok, info.dp, info.dp_rank)
+        if cfg.algorithm.kl_beta > 0:  # pi_ref: the weights RL starts from (restored below on resume)
+            ctx.reference = policy.frozen_copy()
+        ctx.optim = Optimizer.from_config(ddp, policy, cfg.train, total_steps=cfg.train.steps * cfg.train.minibatches)
+        if start:
+            ckpts.load(start, ctx)
+            _say(info, f"resumed from {ckpts.root / ckpts.name(start)}")
         if engine is None:
             dtype = cfg.rollout.engine_dtype
             dtype = getattr(torch, dtype) if cfg.rollout.engine == "hf" else dtype
@@ -193,17 +193,18 @@ class Run:
         return pb, batch.sample_ids
 
     def old_logprobs(self, pb, sids):
-        """(pi_old log-probs (B, T), engine-vs-training log-prob metrics).
+        """(pi_old log-probs (B, T), pi_ref log-probs (B, T) or None, engine-vs-training log-prob metrics).
 
-        With algorithm.use_engine_logprobs, no R2 and no flip tracking, the training-engine pass is skipped."""
-        if self.cfg.algorithm.use_engine_logprobs and self.tracker is None and self.replay.mode != "r2":
-            return pb.old_logprobs, {}
+        With algorithm.use_engine_logprobs, no R2, no flip tracking and no KL, the training-engine pass is skipped."""
+        if (self.cfg.algorithm.use_engine_logprobs and self.tracker is None and self.replay.mode != "r2"
+                and self.ctx.reference is None):
+            return pb.old_logprobs, None, {}
         table = None if pb.routing is None else pb.routing.reshape(-1, *pb.routing.shape[2:])  # (B*T, L, k)
-        old = old_logprob_pass(self.ctx, pb, sids, table if self.replay.mode == "r3" else None)
+        old, ref = old_logprob_pass(self.ctx, pb, sids, table if self.replay.mode == "r3" else None)
         diff = rollout_probs_diff(pb.old_logprobs, old, pb.response_mask)
         if self.tracker is not None and table is not None:
             self.tracker.observe_rollout(sids, table, routing_mask(pb.response_mask).reshape(-1))
-        return (pb.old_logprobs if self.cfg.algorithm.use_engine_logprobs else old), diff
+        return (pb.old_logprobs if self.cfg.algorithm.use_engine_logprobs else old), ref, diff
 
     def minibatches(self, step: int) -> list[torch.Tensor]:
         """The local responses shuffled (seeded by step) and cut into train.minibatches equal parts."""
@@ -220,7 +221,7 @@ class Run:
 
     def log(self, step: int, m: dict[str, float], tokens: int) -> dict[str, float]:
         times = self.timer.pop()
-        m = {**m, "lr": self.ctx.optimizer.param_groups[0]["lr"], **times}
+        m = {**m, "lr": self.ctx.optim.lr, **times}
         m = reduce_across_ranks(m)
         tokens_all = tokens * self.layout.dp
         m["perf/tokens_per_s"] = tokens_all / max(m["time/step"], 1e-9)
@@ -229,11 +230,9 @@ class Run:
         self.progress.update(m)
         return m
 
-    def state(self, step: int) -> dict:
-        return {"step": step, "data_position": step, "model": self.policy.megatron_state(),
-                "optimizer": self.ctx.optimizer.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                        "numpy": np.random.get_state()},
+    def extra_state(self, step: int) -> dict:
+        """What a checkpoint holds beside the sharded weights and optimizer state (JSON-able, no code)."""
+        return {"step": step, "data_position": step,
                 # the replay cache is filled and emptied inside a step: at a step boundary it needs only its mode
                 "replay": {"mode": self.replay.mode, "samples": len(self.replay)},
                 "config": to_dict(self.cfg), "time": time.time()}
@@ -241,23 +240,6 @@ class Run:
     def close(self) -> None:
         self.progress.close()
         self.writer.close()
-
-
-def _restore(policy, opt, state: dict) -> None:
-    own = policy.megatron_state()
-    missing = sorted(set(own) - set(state["model"]))
-    if missing:
-        raise ValueError(f"checkpoint has no weights for {missing[:5]} (different model or parallel layout?)")
-    with torch.no_grad():
-        for k, p in own.items():
-            if p.shape != state["model"][k].shape:
-                raise ValueError(f"checkpoint weight {k} has shape {tuple(state['model'][k].shape)}, the model "
-                                 f"{tuple(p.shape)} (resume needs the same TP x EP layout)")
-            p.copy_(state["model"][k])
-    opt.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
 
 
 def _say(info, msg: str) -> None:

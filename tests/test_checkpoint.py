@@ -1,90 +1,187 @@
-"""Checkpoints: atomic layout, verification (truncated / corrupt / interrupted ones skipped), rotation, resume."""
+"""Checkpoints: atomic layout, verification (truncated / corrupt / interrupted / disguised ones skipped), rotation,
+nothing unpickled, exact restore of weights, fp32 main params, Adam moments, LR schedule and RNG; resume."""
 
 from __future__ import annotations
 
 import json
-import moe_gspo.rollout.hf_engine  # noqa: F401  (transformers before megatron's CPU shims)
+import pickle
+from types import SimpleNamespace
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from moe_gspo.train.checkpoint import CheckpointError, CheckpointLayoutError, Checkpoints
+from moe_gspo.train.checkpoint import CheckpointError, Checkpoints
+
+TINY_MODEL = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+              "model.num_key_value_heads=1", "model.head_dim=16", "model.num_experts=4",
+              "model.moe_intermediate_size=32", "train.lr_warmup_steps=2", "train.lr_decay=cosine",
+              "train.min_lr=1e-5", "train.lr=1e-2"]
 
 
-def _state(v):
-    return {"w": torch.full((64,), float(v)), "step": v}
+def _ctx(*overrides, seed=0):
+    """A policy with megatron's optimizer (the StepContext fields a checkpoint touches)."""
+    import moe_gspo
+    from moe_gspo.config import load_config
+    from moe_gspo.train.optim import Optimizer, wrap_ddp
+
+    cfg = load_config("configs/train_tiny_cpu.yaml", TINY_MODEL + [f"train.seed={seed}", *overrides])
+    policy = moe_gspo.load_policy(cfg)
+    optim = Optimizer.from_config(wrap_ddp(policy), policy, cfg.train, total_steps=10)
+    return SimpleNamespace(policy=policy, optim=optim, reference=None, cfg=cfg)
 
 
-def test_save_load_rotate(tmp_path):
+def _train(ctx, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, ctx.cfg.model.vocab_size, (2, 9), generator=g)
+        ctx.optim.zero_grad()
+        ctx.policy(ids).float().logsumexp(-1).mean().backward()
+        ctx.optim.step()
+
+
+@pytest.fixture(scope="module")
+def trained():
+    ctx = _ctx()
+    _train(ctx, 3)
+    return ctx
+
+
+def test_save_load_restores_everything_exactly(tmp_path, trained):
+    ck = Checkpoints(tmp_path, keep=2)
+    rng_at_save = torch.get_rng_state()
+    ck.save(3, trained, {"step": 3, "data_position": 3})
+    manifest = json.loads((tmp_path / "step_00000003" / "manifest.json").read_text())
+    assert manifest["world_size"] == 1 and all(len(f["sha256"]) == 64 for f in manifest["files"])
+    assert not list(tmp_path.glob("**/*.pt")) and not list(tmp_path.glob("**/*.pkl"))
+    torch.manual_seed(123)
+    fresh = _ctx(seed=5)  # different initial weights, no optimizer state
+    assert ck.latest() == 3
+    state = ck.load(3, fresh)
+    assert state["step"] == 3 and state["data_position"] == 3
+    for (n, a), (_, b) in zip(trained.policy.gpt.named_parameters(), fresh.policy.gpt.named_parameters()):
+        assert torch.equal(a, b), n
+    sa, sb = trained.optim.local_state(), fresh.optim.local_state()
+    for kind in sa:
+        for n in sa[kind]:
+            assert torch.equal(sa[kind][n], sb[kind][n]), (kind, n)
+    assert fresh.optim.lr == trained.optim.lr and fresh.optim.adam_step == 3
+    assert torch.equal(torch.get_rng_state(), rng_at_save)
+    _train(trained, 2, seed=9)  # the next steps are identical: same Adam state, same schedule
+    _train(fresh, 2, seed=9)
+    for (n, a), (_, b) in zip(trained.policy.gpt.named_parameters(), fresh.policy.gpt.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_rotation_keeps_the_last_k(tmp_path, trained):
     ck = Checkpoints(tmp_path, keep=2)
     for s in (1, 2, 3):
-        ck.save(s, _state(s))
-    assert ck.steps() == [3, 2]  # keep the last 2
+        ck.save(s, trained, {"step": s})
+    assert ck.steps() == [3, 2]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
-    manifest = json.loads((tmp_path / "step_00000003" / "manifest.json").read_text())
-    assert manifest["world_size"] == 1 and len(manifest["files"][0]["sha256"]) == 64
-    step, state = ck.load_latest()
-    assert step == 3 and state["step"] == 3 and torch.equal(state["w"], torch.full((64,), 3.0))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip_byte", "no_manifest", "missing_file", "bad_manifest"])
-def test_damaged_newest_checkpoint_is_reported_and_skipped(tmp_path, damage):
+class _RunsCode:
+    """Unpickling this runs `touch <path>`."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.path}",)
+
+
+def _rewrite_manifest(d, fname):
+    import hashlib
+
+    m = json.loads((d / "manifest.json").read_text())
+    data = (d / fname).read_bytes()
+    for e in m["files"]:
+        if e["file"] == fname:
+            e["bytes"], e["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_byte", "no_manifest", "missing_file", "bad_manifest",
+                                    "pickle_payload", "bad_state_json"])
+def test_damaged_newest_checkpoint_is_reported_and_skipped(tmp_path, trained, damage):
     said = []
     ck = Checkpoints(tmp_path, keep=3, log=said.append)
-    ck.save(1, _state(1))
-    ck.save(2, _state(2))
+    ck.save(1, trained, {"step": 1})
+    ck.save(2, trained, {"step": 2})
     d = tmp_path / "step_00000002"
-    f = d / "rank_00000.pt"
+    f = d / "model.safetensors"
+    marker = tmp_path / "payload_ran"
     if damage == "truncate":
         f.write_bytes(f.read_bytes()[:100])
     elif damage == "flip_byte":
         b = bytearray(f.read_bytes())
         b[len(b) // 2] ^= 0xFF
         f.write_bytes(bytes(b))
-    elif damage == "no_manifest":  # what a crash between the rank files and the manifest leaves
+    elif damage == "no_manifest":  # what a crash between the files and the manifest leaves
         (d / "manifest.json").unlink()
     elif damage == "missing_file":
         f.unlink()
-    else:
+    elif damage == "bad_manifest":
         (d / "manifest.json").write_text("{not json")
+    elif damage == "pickle_payload":  # a crafted file with a matching manifest: must be refused, never run
+        f.write_bytes(pickle.dumps(_RunsCode(marker)))
+        _rewrite_manifest(d, "model.safetensors")
+    else:
+        (d / "state.json").write_bytes(pickle.dumps(_RunsCode(marker)))
+        _rewrite_manifest(d, "state.json")
     with pytest.raises(CheckpointError):
         ck.verify(2)
-    step, state = ck.load_latest()
-    assert step == 1 and state["step"] == 1
+    assert ck.latest() == 1
     assert len(said) == 1 and "step_00000002" in said[0] and "skipping" in said[0]
+    fresh = _ctx(seed=5)
+    ck.load(1, fresh)
+    assert not marker.exists(), "a checkpoint file ran code"
 
 
-def test_no_checkpoint_and_interrupted_tmp_dir(tmp_path):
-    ck = Checkpoints(tmp_path / "none")
-    assert ck.load_latest() == (0, None)
+def test_no_checkpoint_and_interrupted_tmp_dir(tmp_path, trained):
+    assert Checkpoints(tmp_path / "none").latest() == 0
     ck = Checkpoints(tmp_path, keep=2)
     (tmp_path / ".tmp-step_00000005").mkdir()  # a save killed before its rename
-    assert ck.load_latest() == (0, None)
-    ck.save(1, _state(1))
-    assert ck.load_latest()[0] == 1 and not (tmp_path / ".tmp-step_00000005").exists()
+    assert ck.latest() == 0
+    ck.save(1, trained, {"step": 1})
+    assert ck.latest() == 1 and not (tmp_path / ".tmp-step_00000005").exists()
 
 
-def test_wrong_world_size_is_named(tmp_path):
-    ck = Checkpoints(tmp_path)
-    ck.save(1, _state(1))
-    with pytest.raises(CheckpointLayoutError, match="written by 1 ranks, this run has 2"):
-        ck.verify(1, world=2)
-    with pytest.raises(CheckpointLayoutError):  # not skipped: resuming from scratch would discard the run
-        ck.latest_valid(world=2)
+def test_bf16_checkpoint_keeps_fp32_main_params(tmp_path):
+    ctx = _ctx("model.params_dtype=bfloat16")
+    _train(ctx, 2)
+    Checkpoints(tmp_path).save(2, ctx, {"step": 2})
+    model = load_file(tmp_path / "step_00000002" / "model.safetensors")
+    opt = load_file(tmp_path / "step_00000002" / "optimizer.safetensors")
+    name = next(n for n in model if n.endswith("linear_qkv.weight"))
+    assert model[name].dtype == torch.bfloat16 and opt[f"param/{name}"].dtype == torch.float32
+    assert not torch.equal(opt[f"param/{name}"], model[name].float())  # the fp32 copy holds more than bf16 does
+    torch.testing.assert_close(opt[f"param/{name}"].bfloat16(), model[name], rtol=0, atol=0)
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    import shutil
+
     from test_trainer import records, strip_timing, tiny_cfg
 
     from moe_gspo.trainer import train
 
-    full = tiny_cfg("train.steps=4", "train.checkpoint_every=2", "algorithm.loss=gspo")
+    full = tiny_cfg("train.steps=4", "train.checkpoint_every=2", "algorithm.loss=gspo", "train.lr_warmup_steps=3",
+                    "train.lr_decay=linear", "train.min_lr=1e-5")
     train(full, run_dir=tmp_path / "full")
     part = tiny_cfg("train.steps=3", "train.checkpoint_every=2", "algorithm.loss=gspo")
-    train(part, run_dir=tmp_path / "cut")  # "crashes" after step 3; newest checkpoint is step 2
+    train(part, run_dir=tmp_path / "part")
+    assert Checkpoints(tmp_path / "part" / "checkpoints").steps() == [3, 2]  # the last step is always saved
+    train(full, run_dir=tmp_path / "cut")  # then "crash" after step 3: only the step-2 checkpoint survives
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_00000004")
     train(full, run_dir=tmp_path / "cut", resume=True)
     a, b = records(tmp_path / "full"), records(tmp_path / "cut")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert [strip_timing(r) for r in a] == [strip_timing(r) for r in b]
+    assert len({r["lr"] for r in a}) == 4  # the schedule moved, and was resumed where it was
 
 
 def test_resume_without_checkpoint_starts_fresh_and_a_rerun_replaces_metrics(tmp_path, capfd):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 
-import moe_gspo.rollout.hf_engine  # noqa: F401  (transformers before megatron's CPU shims)
 import pytest
 
 from moe_gspo.config import ConfigError

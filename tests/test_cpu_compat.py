@@ -1,5 +1,6 @@
 """The CPU workarounds for megatron-core: each patched name still exists, and the patched paths run."""
 
+import pytest
 import torch
 
 from moe_gspo.model import cpu_compat
@@ -13,10 +14,21 @@ def test_patches_applied_without_cuda():
     if torch.cuda.is_available():
         return
     cpu_compat.apply()
+    from megatron.core.optimizer import optimizer as mopt
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils
 
-    assert torch.cuda.current_device() == torch.device("cpu")
+    # scoped: megatron's modules see a CPU torch.cuda, the process's torch is untouched
+    assert mopt.torch.cuda.current_device() == torch.device("cpu")
+    assert mopt.torch.tensor([1.0], device="cuda").device.type == "cpu"
+    assert torch.cuda.current_device is not cpu_compat._cpu_current_device
+    assert torch.cuda.Stream is not cpu_compat._NullStream
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.tensor([1.0], device="cuda")
+    assert torch.ones(1).type() == "torch.FloatTensor"
+    with cpu_compat.cuda_type_names():
+        assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    assert torch.ones(1).type() == "torch.FloatTensor"  # restored
     assert mrandom.model_parallel_cuda_manual_seed is cpu_compat._model_parallel_cpu_manual_seed
     assert moe_utils.te_general_gemm is None
     assert set(cpu_compat.PATCHED) >= {"tensor_parallel.random.model_parallel_cuda_manual_seed",
@@ -47,7 +59,7 @@ def test_rng_tracker_fork_is_reproducible():
 
 
 def test_transformers_imports_after_patches():
-    """A patched torch.cuda must not break libraries that inspect it at import time (e.g. `Stream | None`)."""
+    """Import order does not matter: transformers imported after megatron's CPU patches sees the real torch.cuda."""
     import subprocess
     import sys
 

@@ -1,5 +1,6 @@
-"""TP=2, EP=2 and TP=2 x EP=2 under torchrun + gloo equal one process: logits, routing, reduced gradients and
-the losses of three optimizer steps with megatron's DDP (same HF weights, same global batch)."""
+"""TP=2, EP=2 and TP=2 x EP=2 under torchrun + gloo equal one process: logits, routing, reduced gradients, and
+three steps of megatron's optimizer (DDP, distributed optimizer over DP, clipping by the global grad norm): losses,
+grad norms and final weights (same HF weights, same global batch)."""
 
 from pathlib import Path
 
@@ -11,8 +12,9 @@ from helpers import make_hf_checkpoint, run_torchrun
 WORKER = Path(__file__).parent / "dist" / "parallel_worker.py"
 
 
-def run_worker(ckpt, tp, ep, nproc, out):
-    run_torchrun(WORKER, "--ckpt", ckpt, "--tp", tp, "--ep", ep, "--out", out, nproc=nproc)
+def run_worker(ckpt, tp, ep, nproc, out, distopt=False):
+    run_torchrun(WORKER, "--ckpt", ckpt, "--tp", tp, "--ep", ep, "--out", out, *(["--distopt"] if distopt else []),
+                 nproc=nproc)
     return torch.load(out)
 
 
@@ -25,14 +27,20 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,ep,nproc", [(2, 1, 2), (1, 2, 2), (2, 2, 4)])
-def test_parallel_equals_single_process(reference, tp, ep, nproc):
+@pytest.mark.parametrize("tp,ep,nproc,distopt", [(2, 1, 2, False), (1, 2, 2, False), (1, 2, 2, True),
+                                                 (2, 2, 4, True)])
+def test_parallel_equals_single_process(reference, tp, ep, nproc, distopt):
     ckpt, d, ref = reference
-    out = run_worker(ckpt, tp, ep, nproc, d / f"tp{tp}_ep{ep}.pt")
+    out = run_worker(ckpt, tp, ep, nproc, d / f"tp{tp}_ep{ep}_{distopt}.pt", distopt)
     torch.testing.assert_close(out["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
     assert torch.equal(out["routing"], ref["routing"]), "top-k experts differ from the single-process run"
-    assert set(out["grads"]) == set(ref["grads"])
-    for k, g in ref["grads"].items():
-        torch.testing.assert_close(out["grads"][k], g, rtol=1e-5, atol=1e-5, msg=lambda m: f"grad {k}: {m}")
+    if out["grads"] is not None:
+        assert set(out["grads"]) == set(ref["grads"])
+        for k, g in ref["grads"].items():
+            torch.testing.assert_close(out["grads"][k], g, rtol=1e-5, atol=1e-5, msg=lambda m: f"grad {k}: {m}")
+    assert min(ref["grad_norms"]) > 0.5  # clipping is active in every step
+    torch.testing.assert_close(torch.tensor(out["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+    for k, w in ref["weights"].items():
+        torch.testing.assert_close(out["weights"][k], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"weight {k}: {m}")
     assert ref["losses"][2] < ref["losses"][0]  # the steps did something

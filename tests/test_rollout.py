@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # before megatron's CPU shims (see hf_engine)
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from moe_gspo.rollout import RolloutBatch, SamplingParams, build_engine, rollout_probs_diff, token_logprobs_from_logits
 from moe_gspo.rollout.hf_engine import HFEngine, checkpoint_to_model_state, hf_forward_with_routing

@@ -27,7 +27,7 @@ def worker() -> None:
     import moe_gspo
     from moe_gspo.config import ParallelConfig
     from moe_gspo.model.routing_capture import RoutingCapture
-    from moe_gspo.parallel.ddp import reduce_grads, wrap_ddp, zero_grads
+    from moe_gspo.train.optim import Optimizer, wrap_ddp
     from moe_gspo.routing import RoutingReplayCache
 
     sys.path.insert(0, str(Path(__file__).parent / "dist"))
@@ -58,9 +58,8 @@ def worker() -> None:
         for i, r in enumerate(policy.routers):  # the same perturbation on every rank
             r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(7 + i)) * 0.5)
 
-    ddp = wrap_ddp(policy)
-    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
-    zero_grads(ddp, opt)
+    opt = Optimizer(wrap_ddp(policy, distributed=False), policy, lr=0.0)
+    opt.zero_grad()
     perm = list(reversed(range(per)))  # replay in a shuffled order
     src = cache.replay_source([rows[p] for p in perm], T)
     cap = RoutingCapture(replay=src)
@@ -68,7 +67,7 @@ def worker() -> None:
     src.check_complete()
     V = logits.shape[-1]
     torch.nn.functional.cross_entropy(logits.reshape(-1, V), y[perm].reshape(-1)).backward()
-    reduce_grads(ddp, policy)
+    opt.reduce_grads()
     inv = torch.argsort(torch.tensor(perm))
     L, k = mc.num_hidden_layers, mc.num_experts_per_tok
     unperm = lambda t: t.view(per, T, *t.shape[1:])[inv]  # noqa: E731  (per, T, ...) in row order

@@ -23,13 +23,15 @@ from moe_gspo.losses.registry import (
     LOG_RATIO_CLAMP,
     POLICY_LOSSES,
     get_policy_loss,
+    KL_ESTIMATORS,
     kl_k3,
+    kl_penalty,
     register_policy_loss,
 )
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGG_MODES", "DEFAULT_AGG_MODE", "DEFAULT_CLIP", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
     "agg_loss", "agg_seq_loss", "get_advantage_estimator", "get_policy_loss", "group_stats", "grpo_loss",
-    "gspo_loss", "gspo_token_loss", "kl_k3", "loss_denominator", "pad_packed", "register_advantage_estimator",
+    "gspo_loss", "gspo_token_loss", "KL_ESTIMATORS", "kl_k3", "kl_penalty", "loss_denominator", "pad_packed", "register_advantage_estimator",
     "register_policy_loss", "sequence_log_ratio", "unpad_to_packed",
 ]

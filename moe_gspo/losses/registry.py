@@ -41,6 +41,23 @@ def kl_k3(logp: Tensor, ref_logp: Tensor, log_ratio_clamp: float = LOG_RATIO_CLA
     return torch.exp(d) - d - 1.0
 
 
+KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3",
+               log_ratio_clamp: float = LOG_RATIO_CLAMP) -> Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta, d = logp - ref_logp:
+    'k1' = d; 'k3' = exp(-d) + d - 1 (unbiased, >= 0; log ratio clamped to +-log_ratio_clamp);
+    'low_var_kl' = k3 clamped to [-10, 10] (verl's name for it)."""
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k3":
+        return kl_k3(logp, ref_logp, log_ratio_clamp)
+    if estimator == "low_var_kl":
+        return kl_k3(logp, ref_logp, log_ratio_clamp).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown kl_estimator {estimator!r}; valid names: {', '.join(KL_ESTIMATORS)}")
+
+
 def _check_finite(tensors: dict[str, Tensor], mask_BT: Tensor) -> None:
     """Raise ValueError naming every tensor with NaN/inf at a response position; one host sync in all."""
     rows_B = mask_BT.any(-1)
@@ -105,6 +122,7 @@ def register_policy_loss(name: str, *, default_clip: tuple[float, float]):
             loss_denominator: Tensor | float | None = None,
             ref_logp: Tensor | None = None,
             beta: float = 0.0,
+            kl_estimator: str = "k3",
             log_ratio_clamp: float = LOG_RATIO_CLAMP,
             cu_seqlens: Tensor | None = None,
             max_seqlen: int | None = None,
@@ -142,7 +160,8 @@ def register_policy_loss(name: str, *, default_clip: tuple[float, float]):
             )  # fmt: skip
             if ref_logp is not None:
                 ref_logp = torch.where(mask, ref_logp.detach().to(dtype), zero)
-                kl_loss = agg_loss(kl_k3(logp, ref_logp, log_ratio_clamp), mask, loss_agg_mode, loss_denominator)
+                kl_BT = kl_penalty(logp, ref_logp, kl_estimator, log_ratio_clamp)
+                kl_loss = agg_loss(kl_BT, mask, loss_agg_mode, loss_denominator)
                 loss = loss + beta * kl_loss
                 metrics["kl_loss"] = kl_loss.detach()
             return loss, metrics

@@ -1,7 +1,24 @@
-"""Every CPU workaround megatron-core 0.16.1 needs, in one place, applied only when CUDA is absent.
+"""Every CPU workaround megatron-core 0.16.1 needs, in one place, applied only when CUDA is absent and only to
+megatron's own modules: importing moe_gspo changes nothing in torch or in any other library.
 
-megatron-core assumes CUDA in a handful of spots. Each patch below names the megatron function it stands in
-for; `apply()` is idempotent and `check()` raises loudly if a megatron upgrade moved or removed a patched name
+megatron-core assumes CUDA in a handful of ways, each handled below:
+1. `torch.cuda.current_device()` used as a tensor device (~60 sites: router, experts, rotary, linear layers, DDP
+   buffers), `torch.cuda.Stream` / `current_stream()` / `synchronize()` where megatron only orders work on a side
+   stream (alltoall dispatcher, DDP), and literal `device='cuda'` in tensor factories (optimizer scale and
+   found-inf buffers, grad scaler, clip_grads' norm buffers). Each `megatron.core.*` module's global name `torch`
+   is rebound to `CPU_TORCH`, a view of torch whose `cuda` namespace answers with CPU equivalents and whose
+   factories read 'cuda' as 'cpu'. The real `torch` module is untouched, so transformers, triton and the rest of
+   the process see the CUDA-less torch they expect, and import order does not matter.
+2. `tensor_parallel.random.model_parallel_cuda_manual_seed` and `CudaRNGStatesTracker.fork` use CUDA generators:
+   replaced by CPU-generator twins.
+3. `moe_utils.te_general_gemm` is undefined without Transformer Engine: set to None (the plain torch.mm path).
+4. `Float16OptimizerWithFloat16Params` and `DistributedOptimizer` sort parameters by `param.type()` strings that
+   exist only on CUDA ('torch.cuda.BFloat16Tensor'), and `clip_grad_by_total_norm_fp32` asserts one:
+   inside `cuda_type_names()`, which moe_gspo.train.optim enters around megatron's optimizer construction and
+   step only, CPU float tensors answer with those names; `Tensor.type` is restored on exit.
+
+`apply()` is idempotent and cheap; it is called before a model, optimizer or checkpoint is built, so megatron modules
+imported lazily are scoped too. `check()` raises if a megatron upgrade moved a patched name
 (tests/test_cpu_compat.py runs it), so a version bump cannot silently un-patch anything.
 
 Not patched on purpose: megatron's default causal mask is built on cuda inside GPTModel when no mask is given;
@@ -11,22 +28,22 @@ the policy always passes an explicit mask instead (moe_gspo/model/policy.py).
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 
 import torch
 
-_APPLIED = False
-PATCHED: dict[str, str] = {}  # "megatron or torch name" -> what replaced it
+PATCHED: dict[str, str] = {}  # "megatron name" -> what replaced it
+_GLOBALS_DONE = False
 
 
 def _cpu_current_device():
-    """Stands in for torch.cuda.current_device(), which megatron uses as a tensor device in ~60 places."""
+    """Stands in for torch.cuda.current_device(), which megatron uses as a tensor device."""
     return torch.device("cpu")
 
 
 class _NullStream:
-    """Stands in for torch.cuda.Stream / current_stream() where megatron only orders work on a side stream.
-
-    A class (not a lambda): libraries test `torch.cuda.Stream | None` in annotations at import time."""
+    """Stands in for torch.cuda.Stream / current_stream() where megatron only orders work on a side stream."""
 
     def __init__(self, *args, **kwargs):
         pass
@@ -45,6 +62,57 @@ class _NullStream:
 
     def __hash__(self):
         return 0
+
+
+class _CpuCuda(types.ModuleType):
+    """What megatron's modules see as `torch.cuda` on a CUDA-less machine; other names come from torch.cuda."""
+
+    def __init__(self):
+        super().__init__("moe_gspo_cpu_cuda")
+        self.current_device = _cpu_current_device
+        self.Stream = _NullStream
+        self.current_stream = lambda *a, **k: _NullStream()
+        self.stream = lambda *a, **k: contextlib.nullcontext()
+        self.synchronize = lambda *a, **k: None
+        self.empty_cache = lambda *a, **k: None
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+def _on_cpu(fn):
+    """A torch tensor factory that reads device='cuda' (or cuda:N) as the CPU."""
+
+    def wrapped(*args, **kwargs):
+        dev = kwargs.get("device")
+        if dev is not None and torch.device(dev).type == "cuda":
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    wrapped.__name__ = getattr(fn, "__name__", "factory")
+    return wrapped
+
+
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint", "as_tensor")
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch` as megatron's modules see it on a CUDA-less machine: torch with a CPU `cuda` namespace and
+    factories that place 'cuda' tensors on the CPU. Attributes are looked up once and cached."""
+
+    def __init__(self):
+        super().__init__("moe_gspo_cpu_torch")
+        self.cuda = _CpuCuda()
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        setattr(self, name, value)
+        return value
+
+
+CPU_TORCH = _CpuTorch()
 
 
 def _model_parallel_cpu_manual_seed(seed: int, *args, **kwargs):
@@ -86,40 +154,78 @@ def _cpu_fork(self, name=None):
         torch.set_rng_state(orig)
 
 
-def apply() -> None:
-    """Install the CPU patches (no-op with CUDA or when already applied)."""
-    global _APPLIED
-    if _APPLIED or torch.cuda.is_available():
-        return
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+def _scope_megatron_modules() -> int:
+    """Rebind `torch` to CPU_TORCH in every loaded megatron.core module; returns how many were rebound."""
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(mod, "torch", None) is torch:
+            mod.torch = CPU_TORCH
+            n += 1
+    return n
 
-    # 1. torch.cuda.current_device() used as a tensor device (router, experts, rotary, linear layers, DDP buffers).
-    torch.cuda.current_device = _cpu_current_device
-    PATCHED["torch.cuda.current_device (megatron call sites)"] = "returns cpu"
-    # 2. megatron.core.tensor_parallel.random.model_parallel_cuda_manual_seed and CudaRNGStatesTracker.fork.
-    mrandom.model_parallel_cuda_manual_seed = _model_parallel_cpu_manual_seed
-    mrandom.CudaRNGStatesTracker.fork = _cpu_fork
-    PATCHED["tensor_parallel.random.model_parallel_cuda_manual_seed"] = "CPU generator states"
-    PATCHED["tensor_parallel.random.CudaRNGStatesTracker.fork"] = "CPU rng swap"
-    # 3. moe_utils.router_gating_linear reads te_general_gemm, which is undefined when TE is missing.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    PATCHED["moe.moe_utils.te_general_gemm"] = "None (plain torch.mm path)"
-    # 4. MoEAlltoAllTokenDispatcher's CUDA side stream for the device-to-host sync of token counts,
-    #    and DDP's torch.cuda.current_stream()/Stream: CPU work is already ordered.
-    torch.cuda.Stream = _NullStream  # type: ignore[assignment]
-    torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
-    PATCHED["moe.token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream"] = "null stream"
-    PATCHED["distributed.DistributedDataParallel current_stream/Stream"] = "null stream"
-    _APPLIED = True
+
+def apply() -> None:
+    """Install the CPU patches into megatron's modules (no-op with CUDA). Idempotent; cheap to call again after
+    more megatron modules were imported."""
+    global _GLOBALS_DONE
+    if torch.cuda.is_available():
+        return
+    if not _GLOBALS_DONE:
+        # import the megatron modules moe_gspo drives, so that they are scoped now
+        import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+        import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
+        import megatron.core.distributed  # noqa: F401
+        import megatron.core.optimizer  # noqa: F401
+        import megatron.core.optimizer_param_scheduler  # noqa: F401
+        from megatron.core.tensor_parallel import random as mrandom
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+        mrandom.model_parallel_cuda_manual_seed = _model_parallel_cpu_manual_seed
+        mrandom.CudaRNGStatesTracker.fork = _cpu_fork
+        PATCHED["tensor_parallel.random.model_parallel_cuda_manual_seed"] = "CPU generator states"
+        PATCHED["tensor_parallel.random.CudaRNGStatesTracker.fork"] = "CPU rng swap"
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+        PATCHED["moe.moe_utils.te_general_gemm"] = "None (plain torch.mm path)"
+        token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
+        PATCHED["moe.token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream"] = "None (CPU work is ordered)"
+        PATCHED["megatron.core.* module global `torch`"] = "CPU_TORCH (cuda namespace and factories on the CPU)"
+        _GLOBALS_DONE = True
+    _scope_megatron_modules()
+
+
+_CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+              "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+@contextlib.contextmanager
+def cuda_type_names():
+    """Around megatron optimizer calls: CPU float tensors report CUDA type names from `Tensor.type()`, which is how
+    megatron's Float16/Distributed optimizers sort parameters into fp32 and bf16 groups and how its grad clipping
+    checks main grads. No-op with CUDA."""
+    apply()
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.type
+
+    def cuda_type_name(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if not args and not kwargs and self.device.type == "cpu":
+            return _CUDA_TYPE.get(out, out)
+        return out
+
+    torch.Tensor.type = cuda_type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
 
 
 def check() -> None:
     """Fail loudly if a megatron-core upgrade moved something this module patches."""
     import megatron.core
+    from megatron.core.optimizer import optimizer as mopt
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -127,7 +233,8 @@ def check() -> None:
     for mod, name in ((mrandom, "model_parallel_cuda_manual_seed"), (mrandom, "CudaRNGStatesTracker"),
                       (mrandom, "_MODEL_PARALLEL_RNG_TRACKER_NAME"), (mrandom, "_DATA_PARALLEL_RNG_TRACKER_NAME"),
                       (mrandom, "_EXPERT_PARALLEL_RNG_TRACKER_NAME"), (moe_utils, "router_gating_linear"),
-                      (token_dispatcher, "MoEAlltoAllTokenDispatcher")):
+                      (token_dispatcher, "MoEAlltoAllTokenDispatcher"),
+                      (mopt, "Float16OptimizerWithFloat16Params"), (mopt, "FP32Optimizer")):
         if not hasattr(mod, name):
             missing.append(f"{mod.__name__}.{name}")
     tracker = mrandom.get_cuda_rng_tracker()

@@ -156,6 +156,14 @@ class MoEPolicy(torch.nn.Module):
                     raise ValueError(f"weight {k}: checkpoint shape {tuple(local[k].shape)} != model {tuple(p.shape)}")
                 p.copy_(local[k])
 
+    def frozen_copy(self) -> MoEPolicy:
+        """A second policy on the same parallel layout holding a copy of the current weights, with no gradients
+        (the KL reference). Costs one more set of this rank's weights."""
+        ref = MoEPolicy(self.model_config, self.parallel_config)
+        ref.gpt.load_state_dict(self.gpt.state_dict())
+        ref.requires_grad_(False)
+        return ref.eval()
+
     def load_hf_state(self, hf: dict[str, torch.Tensor]) -> None:
         self.load_full_megatron_state(hf_io.hf_to_megatron(dict(hf), self.model_config))
 

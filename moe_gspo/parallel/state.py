@@ -53,18 +53,31 @@ def validate_sizes(pc: ParallelConfig, world: int, num_experts: int, num_kv_head
         raise ConfigError(f"model.vocab_size={vocab_size} is not divisible by parallel.tp={pc.tp}")
 
 
-def init_distributed(backend: str = "auto") -> None:
-    """Join the torchrun job (RANK/WORLD_SIZE/MASTER_* set) or start a one-process group."""
+def init_distributed(backend: str = "auto", timeout_min: int = 10) -> None:
+    """Join the torchrun job (RANK/WORLD_SIZE/MASTER_* set) or start a one-process group. Idempotent.
+
+    Restartable: after a worker dies, `torchrun --max-restarts` restarts every worker against the same TCP store,
+    where gloo would find the dead attempt's addresses under the keys megatron's `new_group` calls use
+    ("connectFullMesh ... Connection refused"). Prefixing the store with the restart count gives each attempt
+    fresh keys."""
     if dist.is_initialized():
         return
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    timeout = datetime.timedelta(minutes=timeout_min)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts it
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=not agent_store and rank == 0, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"moe_gspo/attempt_{attempt}", store), rank=rank,
+                                world_size=world, timeout=timeout)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                timeout=timeout)
 
 
 def init_parallel(pc: ParallelConfig, num_experts: int, seed: int = 0, num_kv_heads: int | None = None,

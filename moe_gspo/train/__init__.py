@@ -2,8 +2,8 @@
 
     data.py        task from config, the prompts of step s on this data-parallel rank, input checks
     logprob.py     token log-probs (+ entropy) of a padded batch: fused kernel on hidden states, or eager
-    step.py        old-log-prob pass, one minibatch's update with global denominators, grad-norm clip, cold start
+    step.py        old-log-prob (and reference) pass, one minibatch's update with global denominators, cold start
+    optim.py       megatron DDP + megatron optimizer (fp32 main params, distributed over DP) + LR schedule
     metrics.py     cross-rank reduction, JSONL + tensorboard + progress bar, step timers
-    checkpoint.py  atomic, verified, rotating checkpoints
-    elastic.py     joining a torchrun job so that --max-restarts can restart it
+    checkpoint.py  atomic, verified, rotating, resharding checkpoints (safetensors + JSON, nothing unpickled)
 """

@@ -1,7 +1,7 @@
 """The compute of one RL step, after the rollout: old log-probs, then one optimizer step per minibatch.
 
-    old = old_logprob_pass(ctx, pb, sample_ids)            # no grad; records R2 routing and the flip reference
-    for idx in minibatches: metrics += update_minibatch(ctx, pb, old, adv, idx, denom)
+    old, ref = old_logprob_pass(ctx, pb, sample_ids)       # no grad; records R2 routing and the flip reference
+    for idx in minibatches: metrics += update_minibatch(ctx, pb, old, adv, sample_ids, idx, ref)
 
 Global denominators (docs/losses.md): the count D of a minibatch is summed over data-parallel ranks once, and
 every micro-batch's loss is divided by D / dp and summed, so gradient accumulation over micro-batches and the
@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from moe_gspo.losses import get_policy_loss, loss_denominator
 from moe_gspo.model.routing_capture import RoutingCapture
-from moe_gspo.parallel.ddp import reduce_grads, zero_grads
 from moe_gspo.train.logprob import batch_logprobs
 from moe_gspo.train.metrics import MetricMean
+from moe_gspo.train.optim import Optimizer
 
 
 @dataclass
@@ -27,13 +27,13 @@ class StepContext:
     """What the per-step functions need (built once by the trainer)."""
 
     policy: torch.nn.Module
-    ddp: object
-    optimizer: torch.optim.Optimizer
+    optim: Optimizer | None  # None until the RL optimizer is built (after the cold start)
     cfg: object  # moe_gspo.config.Config
     replay: object  # RoutingReplayCache
     tracker: object | None  # ExpertFlipTracker or None
     dp_group: object = None
     dp: int = 1
+    reference: torch.nn.Module | None = None  # frozen pi_ref for the KL penalty (algorithm.kl_beta > 0)
     loss_fn: object = field(default=None)
 
     def __post_init__(self):
@@ -50,13 +50,16 @@ def _micro(n: int, size: int):
 
 
 @torch.no_grad()
-def old_logprob_pass(ctx: StepContext, pb, sample_ids: torch.Tensor, r3_source=None) -> torch.Tensor:
-    """pi_old log-probs (B, T) of the local rollout batch, micro-batched; records what R2 and the tracker need.
+def old_logprob_pass(ctx: StepContext, pb, sample_ids: torch.Tensor,
+                     r3_source=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(pi_old log-probs (B, T), pi_ref log-probs (B, T) or None) of the local rollout batch, micro-batched;
+    records what R2 and the tracker need.
 
-    r3_source: the engine's routing as a replay table (R3 replays it in this pass too, as in arXiv:2510.11370)."""
+    r3_source: the engine's routing as a replay table (R3 replays it in this pass too, as in arXiv:2510.11370).
+    The reference policy routes live (its own router): it is a different model, not a replay target."""
     cfg, policy = ctx.cfg, ctx.policy
     B, T = pb.input_ids.shape
-    out, live = [], []
+    out, live, ref = [], [], []
     for sl in _micro(B, cfg.train.micro_batch_size):
         replay = None
         if r3_source is not None:
@@ -65,13 +68,16 @@ def old_logprob_pass(ctx: StepContext, pb, sample_ids: torch.Tensor, r3_source=N
         logp, _ = batch_logprobs(policy, pb.input_ids[sl], cap, cfg.train.logprob_impl, cfg.rollout.temperature,
                                  want_entropy=False)
         out.append(logp)
+        if ctx.reference is not None:
+            ref.append(batch_logprobs(ctx.reference, pb.input_ids[sl], None, cfg.train.logprob_impl,
+                                      cfg.rollout.temperature, want_entropy=False)[0])
         live.append(cap.live_stacked())  # (b*T, L, k) what the old policy's router chose
         if ctx.replay.mode == "r2":
             lengths = pb.attention_mask[sl].sum(-1)
             ctx.replay.record_capture(sample_ids[sl], lengths, cap)
     if ctx.tracker is not None:
         ctx.tracker.set_reference(sample_ids, torch.cat(live), routing_mask(pb.response_mask).reshape(-1))
-    return torch.cat(out)
+    return torch.cat(out), (torch.cat(ref) if ref else None)
 
 
 class _RowsSource:
@@ -92,16 +98,22 @@ def global_count(mask_BT: torch.Tensor, mode: str, ctx: StepContext) -> torch.Te
     return d / ctx.dp
 
 
-def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: torch.Tensor) -> dict[str, float]:
-    """One optimizer step on the responses `idx` of the local batch; returns this minibatch's metrics."""
+def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: torch.Tensor,
+                     ref_logp_BT: torch.Tensor | None = None) -> dict[str, float]:
+    """One optimizer step on the responses `idx` of the local batch; returns this minibatch's metrics.
+
+    With algorithm.kl_beta > 0, `ref_logp_BT` (the reference policy's log-probs) adds kl_beta * KL to the loss."""
     cfg, policy = ctx.cfg, ctx.policy
     a = cfg.algorithm
     ids, mask = pb.input_ids[idx], pb.response_mask[idx]
     T = int(pb.attention_mask[idx].sum(-1).max())  # trim padding shared by the whole minibatch
     ids, mask = ids[:, :T], mask[:, :T]
     old, adv, sids = old_logp_BT[idx][:, :T], adv_B[idx], sample_ids[idx]
+    ref = ref_logp_BT[idx][:, :T] if a.kl_beta > 0 and ref_logp_BT is not None else None
+    if a.kl_beta > 0 and ref is None:
+        raise RuntimeError("algorithm.kl_beta > 0 but the step has no reference log-probs")
     denom = global_count(mask, a.loss_agg_mode, ctx)
-    zero_grads(ctx.ddp, ctx.optimizer)
+    ctx.optim.zero_grad()
     acc = MetricMean()
     ent_sum = torch.zeros((), dtype=torch.float64)
     for sl in _micro(len(idx), cfg.train.micro_batch_size):
@@ -111,76 +123,42 @@ def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: 
         if src is not None:
             src.check_complete()
         loss, m = ctx.loss_fn(logp, old[sl], adv[sl], mask[sl], clip_low=a.clip_low, clip_high=a.clip_high,
-                              loss_agg_mode=a.loss_agg_mode, loss_denominator=denom)
+                              loss_agg_mode=a.loss_agg_mode, loss_denominator=denom,
+                              ref_logp=None if ref is None else ref[sl], beta=a.kl_beta,
+                              kl_estimator=a.kl_estimator)
         loss.backward()
         if ctx.tracker is not None:
             ctx.tracker.observe(sids[sl], cap.live_stacked(), routing_mask(mask[sl]).reshape(-1))
         ent_sum += torch.where(mask[sl], ent.detach(), 0).sum().double()
         acc.add({k: float(v) for k, v in m.items()})
-    reduce_grads(ctx.ddp, policy)
-    gnorm = clip_grad_norm(policy, cfg.train.grad_clip)
-    ctx.optimizer.step()
+    gnorm = ctx.optim.step()  # DP reduction, megatron's clipping, Adam on fp32 main params, LR schedule
     out = acc.result()
     out["entropy"] = float(ent_sum) / max(int(mask.sum()), 1)
     out["grad_norm"] = gnorm
     return out
 
 
-def clip_grad_norm(policy, max_norm: float) -> float:
-    """Global L2 norm of all gradients across TP/EP shards (each weight counted once); scale them to max_norm.
-
-    Dense weights: TP-sharded ones are summed over the TP group, TP-replicated ones counted once. Expert weights
-    (megatron marks them allreduce=False) are summed over the EP group. Returns the norm before clipping."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-    dense = torch.zeros((), dtype=torch.float64)
-    expert = torch.zeros((), dtype=torch.float64)
-    grads = []
-    for p in policy.parameters():
-        if p.grad is None:
-            continue
-        grads.append(p.grad)
-        sq = p.grad.detach().double().pow(2).sum()
-        if not getattr(p, "allreduce", True):
-            expert += sq
-        elif param_is_not_tensor_parallel_duplicate(p):
-            dense += sq
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(dense, group=ps.get_tensor_model_parallel_group())
-    if ps.get_expert_model_parallel_world_size() > 1:
-        dist.all_reduce(expert, group=ps.get_expert_model_parallel_group())
-    norm = float((dense + expert).sqrt())
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for g in grads:
-            g.mul_(scale)
-    return norm
-
-
-def cold_start(ctx: StepContext, task, tok, steps: int, batch_size: int, lr: float, seed: int, dp_rank: int,
-               log=None) -> list[float]:
-    """Supervised fine-tuning on demonstrations, data-parallel through the same DDP reduction (own AdamW)."""
+def cold_start(policy, ddp, tc, task, tok, dp: int, dp_rank: int, log=None) -> list[float]:
+    """Supervised fine-tuning on demonstrations (train.cold_start_steps batches of train.cold_start_batch_size,
+    split over data-parallel ranks) with its own megatron optimizer at the constant train.cold_start_lr."""
     import random
 
     from moe_gspo.tasks.sft import demonstration_batch, sft_loss
     from moe_gspo.train.data import hash_seed
 
-    params = [p for p in ctx.policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr)
-    rng = random.Random(hash_seed(seed, 7919, dp_rank))
-    per_rank = max(1, batch_size // ctx.dp)
+    steps, batch_size = tc.cold_start_steps, tc.cold_start_batch_size
+    opt = Optimizer.from_config(ddp, policy, tc, total_steps=steps, lr=tc.cold_start_lr)
+    rng = random.Random(hash_seed(tc.seed, 7919, dp_rank))
+    per_rank = max(1, batch_size // dp)
     losses = []
     for s in range(steps):
         ids, m = demonstration_batch([task.sample(rng, "train") for _ in range(per_rank)], tok)
-        zero_grads(ctx.ddp, opt)
-        loss = sft_loss(ctx.policy, ids, m)
+        opt.zero_grad()
+        loss = sft_loss(policy, ids, m)
         loss.backward()
-        reduce_grads(ctx.ddp, ctx.policy)
-        clip_grad_norm(ctx.policy, 1.0)
         opt.step()
         losses.append(float(loss.detach()))
         if log is not None:
             log(s, losses[-1])
-    zero_grads(ctx.ddp, opt)
+    opt.zero_grad()
     return losses

@@ -1,10 +1,11 @@
-"""torchrun worker for tests/test_parallel.py: logits, grads and 3 SGD steps under TP x EP x DP.
+"""torchrun worker for tests/test_parallel.py: logits, grads and 3 steps of megatron's optimizer under TP x EP x DP.
 
-    torchrun --nproc-per-node 4 tests/dist/parallel_worker.py --ckpt DIR --tp 2 --ep 2 --out OUT.pt
+    torchrun --nproc-per-node 4 tests/dist/parallel_worker.py --ckpt DIR --tp 2 --ep 2 --out OUT.pt [--distopt]
 
 Loads the same HF checkpoint on every rank, feeds each data-parallel rank its contiguous slice of one fixed
 global batch, and on global rank 0 saves the full logits, the full (unsharded) gradients after megatron's DDP
-reduction, and the losses of three optimizer steps.
+reduction (without the distributed optimizer, whose buffers hold only this rank's reduced shard), and the losses,
+gradient norms and final weights of three optimizer steps with clipping active.
 """
 
 import argparse
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import moe_gspo
 from moe_gspo.config import ParallelConfig
 from moe_gspo.model.routing_capture import RoutingCapture
-from moe_gspo.parallel.ddp import reduce_grads, wrap_ddp, zero_grads
+from moe_gspo.train.optim import Optimizer, wrap_ddp
 
 
 def main():
@@ -26,6 +27,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=12)
+    ap.add_argument("--distopt", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     policy = moe_gspo.load_policy(args.ckpt, parallel=ParallelConfig(tp=args.tp, ep=args.ep))
@@ -39,36 +41,37 @@ def main():
     local = ids[dp_rank * per:(dp_rank + 1) * per]
     x, y = local[:, :-1], local[:, 1:]
 
-    ddp = wrap_ddp(policy)
-    opt = torch.optim.SGD(policy.parameters(), lr=0.5)
+    opt = Optimizer(wrap_ddp(policy, distributed=args.distopt), policy, lr=0.05, grad_clip=0.5, weight_decay=0.01,
+                    total_steps=3)
 
     def loss_fn(routing=None):
         logits = policy(x, routing=routing)  # (b, T, V) gathered over TP
         return torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), y.reshape(-1)), logits
 
-    zero_grads(ddp, opt)
+    opt.zero_grad()
     cap = RoutingCapture()
     loss, logits = loss_fn(cap)
     loss.backward()
-    reduce_grads(ddp, policy)
-    grads = {k: p.grad.detach().clone() for k, p in policy.gpt.named_parameters()}
-    full_grads = policy_full(policy, grads)
+    opt.reduce_grads()
+    grads = {k: p.main_grad.detach().clone() for k, p in policy.gpt.named_parameters()}
+    full_grads = None if opt.distributed else policy_full(policy, grads)
     full_logits = gather_by_dp(logits.detach(), dp, dp_rank)
     full_routing = gather_by_dp(cap.stacked().view(per, args.seq, -1), dp, dp_rank)
 
-    losses = []
+    losses, norms = [], []
+    opt.zero_grad()
     for _ in range(3):
-        opt.step()
-        zero_grads(ddp, opt)
         loss, _ = loss_fn()
         loss.backward()
-        reduce_grads(ddp, policy)
+        norms.append(opt.step())  # reduction, megatron's clipping (norm > 0.5 here), Adam
+        opt.zero_grad()
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append((t / dist.get_world_size()).item())
+    weights = policy.full_megatron_state()
     if dist.get_rank() == 0:
-        torch.save({"logits": full_logits, "grads": full_grads, "losses": losses, "routing": full_routing},
-                   args.out)
+        torch.save({"logits": full_logits, "grads": full_grads, "losses": losses, "routing": full_routing,
+                    "grad_norms": norms, "weights": weights}, args.out)
     dist.barrier()
     dist.destroy_process_group()
 

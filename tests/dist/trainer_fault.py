@@ -12,7 +12,6 @@ import os
 import signal
 from pathlib import Path
 
-import moe_gspo.rollout.hf_engine  # noqa: F401  (transformers before megatron's CPU shims)
 import torch
 import torch.distributed as dist
 

@@ -10,7 +10,6 @@ RL step with parallel.tp=2 into DIR/run.
 import argparse
 from pathlib import Path
 
-import moe_gspo.rollout.hf_engine  # noqa: F401  (transformers before megatron's CPU shims)
 import torch
 import torch.distributed as dist
 

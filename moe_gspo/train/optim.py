@@ -1,0 +1,187 @@
+"""The one optimizer path of every training stage (RL, cold start, train-lm): megatron-core's.
+
+    ddp = wrap_ddp(policy, distributed=cfg.train.distributed_optimizer)   # once per policy
+    opt = Optimizer.from_config(ddp, policy, cfg.train, total_steps=cfg.train.steps * cfg.train.minibatches)
+    opt.zero_grad(); loss.backward(); grad_norm = opt.step()     # DDP reduction, clipping, Adam, LR schedule
+
+Several optimizers (the cold start's, then RL's) may be built in turn on one DDP wrapper; each takes the model
+parameters as they are when it is built.
+
+- megatron's DistributedDataParallel holds fp32 gradient buffers (`grad_reduce_in_fp32`): micro-batch gradients
+  accumulate in fp32 whatever the parameter dtype, and are reduced over data parallel (and expert data parallel).
+- `get_megatron_optimizer` (Adam, decoupled weight decay): with `model.params_dtype: bfloat16` it keeps fp32 main
+  (master) copies of the bf16 parameters and steps those (Float16OptimizerWithFloat16Params, or the
+  DistributedOptimizer, which shards them and the Adam state over data-parallel ranks when dp > 1 and
+  `train.distributed_optimizer`). Gradient clipping is megatron's: one global L2 norm over dense and expert
+  parameters that counts TP-replicated weights once and sums TP and EP shards.
+- `OptimizerParamScheduler`: linear warmup over `train.lr_warmup_steps` optimizer steps, then 'constant', 'linear'
+  or 'cosine' decay to `train.min_lr` at `total_steps`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import (
+    DistributedOptimizer,
+    Float16OptimizerWithFloat16Params,
+    OptimizerConfig,
+    get_megatron_optimizer,
+)
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from moe_gspo.model import cpu_compat
+
+
+def wrap_ddp(policy, distributed: bool = True) -> DistributedDataParallel:
+    """megatron DDP around the policy's GPTModel with fp32 gradient buffers; with `distributed` and dp > 1 the
+    buffers are laid out for the DistributedOptimizer (reduce-scatter of gradients, all-gather of parameters)."""
+    cpu_compat.apply()
+    use_dist = bool(distributed and ps.get_data_parallel_world_size() > 1)
+    cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                        use_distributed_optimizer=use_dist)
+    return DistributedDataParallel(config=policy.config, ddp_config=cfg, module=policy.gpt)
+
+
+class Optimizer:
+    """megatron optimizer + LR schedule over a DDP-wrapped policy, stepped as one object."""
+
+    def __init__(self, ddp: DistributedDataParallel, policy, lr: float, *, weight_decay: float = 0.0, grad_clip: float = 1.0,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, warmup_steps: int = 0,
+                 decay: str = "constant", min_lr: float = 0.0, total_steps: int = 1):
+        cpu_compat.apply()
+        self.ddp, self.policy = ddp, policy
+        dtype = next(policy.parameters()).dtype
+        self.distributed = ddp.ddp_config.use_distributed_optimizer
+        self.config = OptimizerConfig(
+            optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=betas[0],
+            adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, bf16=dtype == torch.bfloat16,
+            params_dtype=dtype, use_distributed_optimizer=self.distributed)
+        with cpu_compat.cuda_type_names():
+            self.optimizer = get_megatron_optimizer(self.config, [self.ddp])
+        total_steps = max(int(total_steps), warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=min_lr,
+            lr_warmup_steps=warmup_steps, lr_decay_steps=total_steps, lr_decay_style=decay,
+            start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant",
+            override_opt_param_scheduler=False, use_checkpoint_opt_param_scheduler=True)
+
+    @classmethod
+    def from_config(cls, ddp, policy, tc, total_steps: int, lr: float | None = None) -> Optimizer:
+        """From a TrainConfig; `lr` replaces train.lr and its schedule (the cold start's constant rate)."""
+        common = dict(weight_decay=tc.weight_decay, grad_clip=tc.grad_clip, betas=(tc.adam_beta1, tc.adam_beta2),
+                      eps=tc.adam_eps, total_steps=total_steps)
+        if lr is not None:
+            return cls(ddp, policy, lr, **common)
+        return cls(ddp, policy, tc.lr, warmup_steps=tc.lr_warmup_steps, decay=tc.lr_decay, min_lr=tc.min_lr,
+                   **common)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step uses."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def reduce_grads(self) -> None:
+        """Data-parallel (and expert-data-parallel) reduction, plus megatron's TP reduction of sequence-parallel
+        norm, router and QK-norm gradients; then completes TP-replicated experts' partial sums (see below)."""
+        finalize_model_grads([self.ddp])
+        _sum_replicated_expert_grads(self.policy)
+
+    def step(self) -> float:
+        """Reduce gradients, clip (train.grad_clip), step Adam on the main parameters, copy them back to the model
+        parameters, advance the LR schedule. Returns the gradient norm before clipping."""
+        self.reduce_grads()
+        with cpu_compat.cuda_type_names():
+            ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("the optimizer step found inf/nan gradients")
+        self.scheduler.step(1)
+        return float(grad_norm) if grad_norm is not None else 0.0
+
+    # ---------------------------------------------------------------- checkpoint state
+    def local_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{"param" | "exp_avg" | "exp_avg_sq": {megatron param name: fp32 tensor}}: the fp32 main parameters and
+        Adam moments of this rank's TP/EP shard of every parameter, whole over data parallel (a DistributedOptimizer
+        shard is completed by a sum over its data-parallel group: a collective). Shapes equal the model
+        parameters', so moe_gspo.model.hf_io.gather_state / shard_state reshard them like weights."""
+        out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in ADAM_KINDS}
+        for name, model_p, main_p, states, sub in self._entries():
+            if isinstance(sub, DistributedOptimizer):
+                rng = sub._get_model_param_range_map(model_p)["param"]
+                for kind in ADAM_KINDS:
+                    src = main_p if kind == "param" else states.get(kind)
+                    flat = torch.zeros(model_p.numel(), dtype=torch.float32)
+                    if src is not None:
+                        flat[rng.start:rng.end] = src.detach().float().view(-1)
+                    dist.all_reduce(flat, group=sub.data_parallel_group)
+                    out[kind][name] = flat.view(model_p.shape)
+            else:
+                out["param"][name] = main_p.detach().float().clone()
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    t = states.get(kind)
+                    out[kind][name] = torch.zeros(model_p.shape) if t is None else t.detach().float().clone()
+        return out
+
+    def load_local_state(self, state: dict[str, dict[str, torch.Tensor]], adam_step: int) -> None:
+        """Inverse of local_state on this rank's shard (model parameters are loaded separately)."""
+        for name, model_p, main_p, _, sub in self._entries():
+            full = {k: state[k][name].to(torch.float32) for k in ADAM_KINDS}
+            if isinstance(sub, DistributedOptimizer):
+                rng = sub._get_model_param_range_map(model_p)["param"]
+                full = {k: v.reshape(-1)[rng.start:rng.end] for k, v in full.items()}
+            with torch.no_grad():
+                main_p.copy_(full["param"].view_as(main_p))
+            sub.optimizer.state[main_p] = {"step": torch.tensor(float(adam_step)),
+                                           "exp_avg": full["exp_avg"].view_as(main_p).clone(),
+                                           "exp_avg_sq": full["exp_avg_sq"].view_as(main_p).clone()}
+
+    def _entries(self):
+        """(name, model param, main param, Adam state dict, sub-optimizer) for every trained parameter."""
+        names = {p: n for n, p in self.policy.gpt.named_parameters()}
+        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if isinstance(sub, DistributedOptimizer):
+                for model_p, (gi, go) in sub.model_param_group_index_map.items():
+                    main_p = sub.optimizer.param_groups[gi]["params"][go]
+                    yield names[model_p], model_p, main_p, sub.optimizer.state.get(main_p, {}), sub
+            elif isinstance(sub, Float16OptimizerWithFloat16Params):
+                pairs = [pm for mg, fg in zip(sub.float16_groups, sub.fp32_from_float16_groups) for pm in zip(mg, fg)]
+                pairs += [(p, p) for g in sub.fp32_from_fp32_groups for p in g]
+                for model_p, main_p in pairs:
+                    yield names[model_p], model_p, main_p, sub.optimizer.state.get(main_p, {}), sub
+            else:
+                for g in sub.optimizer.param_groups:
+                    for p in g["params"]:
+                        yield names[p], p, p, sub.optimizer.state.get(p, {}), sub
+
+    @property
+    def adam_step(self) -> int:
+        """Optimizer steps taken (the LR scheduler's count)."""
+        return int(self.scheduler.num_steps)
+
+    def scheduler_state(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_scheduler_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state)
+
+
+ADAM_KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _sum_replicated_expert_grads(policy) -> None:
+    """TP > 1 with EP = 1 and expert-TP = 1: every TP rank holds all experts but routes only its sequence-parallel
+    shard of tokens, and megatron treats such experts as dense params (reduced over DP only), so their gradients
+    are partial sums. Complete them over the TP group."""
+    if ps.get_tensor_model_parallel_world_size() == 1 or ps.get_expert_model_parallel_world_size() > 1:
+        return
+    group = ps.get_tensor_model_parallel_group()
+    for name, p in policy.gpt.named_parameters():
+        if ".local_experts." in name and getattr(p, "main_grad", None) is not None:
+            dist.all_reduce(p.main_grad, group=group)

@@ -176,7 +176,10 @@ def test_megatron_optimizer_step_equals_torch_adamw(clip):
     opt = Optimizer.from_config(wrap_ddp(policy), policy, cfg.train, total_steps=4)
     params = dict(policy.gpt.named_parameters())
     ref = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
-    ref_opt = torch.optim.AdamW(ref.values(), lr=0.01, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8)
+    # megatron's default: no weight decay on 1-D parameters (norms, biases)
+    groups = [{"params": [t for t in ref.values() if t.dim() > 1], "weight_decay": 0.1},
+              {"params": [t for t in ref.values() if t.dim() <= 1], "weight_decay": 0.0}]
+    ref_opt = torch.optim.AdamW(groups, lr=0.01, betas=(0.9, 0.999), eps=1e-8)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         ids = torch.randint(0, 100, (2, 6), generator=g)
@@ -220,3 +223,15 @@ def test_gspo_with_engine_logprobs_skips_the_old_logprob_pass(tmp_path, monkeypa
                    "algorithm.track_flips=false")
     m = trainer.train(cfg, run_dir=tmp_path)
     assert not calls and "pg_clipfrac" in m and "rollout_probs_diff_mean" not in m
+
+
+def test_kl_to_the_reference_policy_is_logged_and_costs_nothing_when_off(tmp_path, monkeypatch):
+    from moe_gspo.model.policy import MoEPolicy
+    from moe_gspo.trainer import train
+
+    train(tiny_cfg("algorithm.kl_beta=0.1", "algorithm.kl_estimator=k3", "train.lr=0.01"), run_dir=tmp_path / "kl")
+    recs = records(tmp_path / "kl")
+    assert all("kl_loss" in r and 0 <= r["kl_loss"] < 1 for r in recs)  # k3 >= 0; zero while pi == pi_ref
+    monkeypatch.setattr(MoEPolicy, "frozen_copy", lambda self: pytest.fail("built a reference with kl_beta=0"))
+    m = train(tiny_cfg("train.steps=1"), run_dir=tmp_path / "nokl")
+    assert "kl_loss" not in m

@@ -1,5 +1,6 @@
-"""Fault tolerance under torchrun (2 CPU ranks, gloo, EP=2): a rank SIGKILLed mid-run, torchrun restarts the job,
-the trainer resumes from its newest complete checkpoint, and every metric from then on equals an uninterrupted run."""
+"""The trainer under torchrun (2 CPU ranks, gloo): a rank SIGKILLed mid-run resumes from its newest checkpoint and
+every metric equals an uninterrupted run; a checkpoint written at one TP x EP x DP layout resumes at another (1 rank
+-> EP=2 on 2 ranks, TP=2 on 2 ranks -> 1 rank) with every tensor bit-identical and the schedule continuing."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def test_sigkill_mid_run_resumes_and_matches_uninterrupted(tmp_path):
     run = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in run] == [1, 2, 3, 4, 5]
     assert [strip_timing(x) for x in run] == [strip_timing(x) for x in ref]
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000004"]  # keep 1
+    # keep 1; the last step is always checkpointed
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000005"]
 
 
 @pytest.mark.slow
@@ -33,3 +35,48 @@ def test_tp2_fused_logprobs_match_eager_and_an_rl_step_runs(tmp_path):
     assert (tmp_path / "ok").exists()
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert rec["grad_norm"] >= 0 and rec["rollout_probs_diff_max"] < 1e-4  # engine (full weights) == TP=2 trainer
+
+
+RESHARD = TINY + ["train.checkpoint_every=2", "train.cold_start_steps=2", "train.lr_warmup_steps=8",
+                  "model.num_key_value_heads=2"]
+
+
+def _lrs(run_dir):
+    return [json.loads(x)["lr"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_checkpoint_of_one_rank_resumes_on_two_ranks_with_ep2(tmp_path):
+    from moe_gspo.trainer import train
+    from test_trainer import tiny_cfg
+
+    train(tiny_cfg(*RESHARD[len(TINY):], "train.steps=2"), run_dir=tmp_path / "run")  # 1 rank writes step 2
+    run_torchrun(ROOT / "tests/dist/reshard_worker.py", "--run", tmp_path / "run", *RESHARD, "parallel.ep=2",
+                 "train.steps=4")  # checks every tensor after resharding, then trains steps 3-4
+    train(tiny_cfg(*RESHARD[len(TINY):], "train.steps=4"), run_dir=tmp_path / "ref")
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == \
+        [1, 2, 3, 4]
+    assert _lrs(tmp_path / "run") == _lrs(tmp_path / "ref")  # the warmup went on where it stopped
+    m = json.loads((tmp_path / "run" / "checkpoints" / "step_00000004" / "manifest.json").read_text())
+    assert m["world_size"] == 2 and m["layout"]["ep"] == 2
+
+
+@pytest.mark.slow
+def test_checkpoint_of_tp2_resumes_on_one_rank(tmp_path):
+    import sys
+
+    from moe_gspo.trainer import train
+    from test_trainer import tiny_cfg
+
+    run_torchrun(ROOT / "tests/dist/reshard_worker.py", "--run", tmp_path / "run", "--fresh", *RESHARD,
+                 "parallel.tp=2", "train.steps=2")
+    sys.path.insert(0, str(ROOT / "tests" / "dist"))
+    from reshard_worker import check_load  # noqa: E402
+
+    cfg = tiny_cfg(*RESHARD[len(TINY):], "train.steps=4")
+    assert check_load(cfg, tmp_path / "run") == 2  # bit-identical weights, main params and moments at TP=1
+    train(cfg, run_dir=tmp_path / "run", resume=True)
+    train(cfg, run_dir=tmp_path / "ref")
+    assert _lrs(tmp_path / "run") == _lrs(tmp_path / "ref")
+    m = json.loads((tmp_path / "run" / "checkpoints" / "step_00000004" / "manifest.json").read_text())
+    assert m["world_size"] == 1

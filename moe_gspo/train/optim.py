@@ -54,6 +54,7 @@ class Optimizer:
                  decay: str = "constant", min_lr: float = 0.0, total_steps: int = 1):
         cpu_compat.apply()
         self.ddp, self.policy = ddp, policy
+        _mark_replicated_experts(policy)
         dtype = next(policy.parameters()).dtype
         self.distributed = ddp.ddp_config.use_distributed_optimizer
         self.config = OptimizerConfig(
@@ -114,11 +115,13 @@ class Optimizer:
         out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in ADAM_KINDS}
         for name, model_p, main_p, states, sub in self._entries():
             if isinstance(sub, DistributedOptimizer):
-                rng = sub._get_model_param_range_map(model_p)["param"]
+                # every rank visits every parameter of the buffer in the same order; ranks whose shard does not
+                # overlap it contribute zeros to the sum
                 for kind in ADAM_KINDS:
-                    src = main_p if kind == "param" else states.get(kind)
                     flat = torch.zeros(model_p.numel(), dtype=torch.float32)
-                    if src is not None:
+                    src = main_p if kind == "param" else states.get(kind)
+                    if main_p is not None and src is not None:
+                        rng = sub._get_model_param_range_map(model_p)["param"]
                         flat[rng.start:rng.end] = src.detach().float().view(-1)
                     dist.all_reduce(flat, group=sub.data_parallel_group)
                     out[kind][name] = flat.view(model_p.shape)
@@ -132,6 +135,8 @@ class Optimizer:
     def load_local_state(self, state: dict[str, dict[str, torch.Tensor]], adam_step: int) -> None:
         """Inverse of local_state on this rank's shard (model parameters are loaded separately)."""
         for name, model_p, main_p, _, sub in self._entries():
+            if main_p is None:  # no shard of this parameter on this data-parallel rank
+                continue
             full = {k: state[k][name].to(torch.float32) for k in ADAM_KINDS}
             if isinstance(sub, DistributedOptimizer):
                 rng = sub._get_model_param_range_map(model_p)["param"]
@@ -143,13 +148,19 @@ class Optimizer:
                                            "exp_avg_sq": full["exp_avg_sq"].view_as(main_p).clone()}
 
     def _entries(self):
-        """(name, model param, main param, Adam state dict, sub-optimizer) for every trained parameter."""
+        """(name, model param, main param, Adam state dict, sub-optimizer) for every trained parameter, in the same
+        order on every rank. Under the DistributedOptimizer the main param is this rank's flat shard, or None when
+        this rank holds no part of the parameter."""
         names = {p: n for n, p in self.policy.gpt.named_parameters()}
         for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             if isinstance(sub, DistributedOptimizer):
-                for model_p, (gi, go) in sub.model_param_group_index_map.items():
-                    main_p = sub.optimizer.param_groups[gi]["params"][go]
-                    yield names[model_p], model_p, main_p, sub.optimizer.state.get(main_p, {}), sub
+                for name, model_p in self.policy.gpt.named_parameters():
+                    if model_p not in sub.model_param_gbuf_map:
+                        continue
+                    gi_go = sub.model_param_group_index_map.get(model_p)
+                    main_p = None if gi_go is None else sub.optimizer.param_groups[gi_go[0]]["params"][gi_go[1]]
+                    states = {} if main_p is None else sub.optimizer.state.get(main_p, {})
+                    yield name, model_p, main_p, states, sub
             elif isinstance(sub, Float16OptimizerWithFloat16Params):
                 pairs = [pm for mg, fg in zip(sub.float16_groups, sub.fp32_from_float16_groups) for pm in zip(mg, fg)]
                 pairs += [(p, p) for g in sub.fp32_from_fp32_groups for p in g]
@@ -173,6 +184,17 @@ class Optimizer:
 
 
 ADAM_KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _mark_replicated_experts(policy) -> None:
+    """TP > 1 with EP = 1 and expert-TP = 1: every TP rank holds a full copy of every expert, yet megatron's
+    experts carry `tensor_model_parallel=True`, so its grad-norm (which sums TP-sharded weights over the TP group)
+    would count each expert tp times. Marking them TP-replicated makes the norm count them once, on TP rank 0."""
+    if ps.get_tensor_model_parallel_world_size() == 1 or ps.get_expert_model_parallel_world_size() > 1:
+        return
+    for name, p in policy.gpt.named_parameters():
+        if ".local_experts." in name:
+            p.tensor_model_parallel = False
 
 
 def _sum_replicated_expert_grads(policy) -> None:

@@ -51,7 +51,7 @@ def test_checkpoint_of_one_rank_resumes_on_two_ranks_with_ep2(tmp_path):
     from test_trainer import tiny_cfg
 
     train(tiny_cfg(*RESHARD[len(TINY):], "train.steps=2"), run_dir=tmp_path / "run")  # 1 rank writes step 2
-    run_torchrun(ROOT / "tests/dist/reshard_worker.py", "--run", tmp_path / "run", *RESHARD, "parallel.ep=2",
+    run_torchrun(ROOT / "tests/dist/reshard_worker.py", "--run-dir", tmp_path / "run", *RESHARD, "parallel.ep=2",
                  "train.steps=4")  # checks every tensor after resharding, then trains steps 3-4
     train(tiny_cfg(*RESHARD[len(TINY):], "train.steps=4"), run_dir=tmp_path / "ref")
     assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == \
@@ -68,7 +68,7 @@ def test_checkpoint_of_tp2_resumes_on_one_rank(tmp_path):
     from moe_gspo.trainer import train
     from test_trainer import tiny_cfg
 
-    run_torchrun(ROOT / "tests/dist/reshard_worker.py", "--run", tmp_path / "run", "--fresh", *RESHARD,
+    run_torchrun(ROOT / "tests/dist/reshard_worker.py", "--run-dir", tmp_path / "run", "--fresh", *RESHARD,
                  "parallel.tp=2", "train.steps=2")
     sys.path.insert(0, str(ROOT / "tests" / "dist"))
     from reshard_worker import check_load  # noqa: E402

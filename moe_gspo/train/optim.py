@@ -154,8 +154,9 @@ class Optimizer:
         names = {p: n for n, p in self.policy.gpt.named_parameters()}
         for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             if isinstance(sub, DistributedOptimizer):
+                in_buffers = {p for b in sub.buffers for p in b.param_index_map}  # every rank's, not just this one's
                 for name, model_p in self.policy.gpt.named_parameters():
-                    if model_p not in sub.model_param_gbuf_map:
+                    if model_p not in in_buffers:
                         continue
                     gi_go = sub.model_param_group_index_map.get(model_p)
                     main_p = None if gi_go is None else sub.optimizer.param_groups[gi_go[0]]["params"][gi_go[1]]

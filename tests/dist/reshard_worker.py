@@ -1,6 +1,6 @@
 """torchrun worker for tests/test_trainer_dist.py: resume a run at another TP x EP x DP layout.
 
-    torchrun --nproc-per-node 2 tests/dist/reshard_worker.py --run DIR [--fresh] [a.b=v ...]
+    torchrun --nproc-per-node 2 tests/dist/reshard_worker.py --run-dir DIR [--fresh] [a.b=v ...]
 
 Without --fresh: loads DIR's newest checkpoint at this layout and checks on rank 0 that the weights, the fp32 main
 parameters and the Adam moments gathered back from every rank's shard equal the files bit for bit; then resumes
@@ -46,13 +46,13 @@ def check_load(cfg, run: Path) -> int:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--run", required=True)
+    ap.add_argument("--run-dir", required=True)
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = load_config("configs/train_tiny_cpu.yaml", args.overrides)
-    run = Path(args.run)
+    run = Path(args.run_dir)
     if not args.fresh:
         check_load(cfg, run)
     train(cfg, run_dir=run, resume=not args.fresh)

@@ -41,6 +41,8 @@ def test_parallel_equals_single_process(reference, tp, ep, nproc, distopt):
     assert min(ref["grad_norms"]) > 0.5  # clipping is active in every step
     torch.testing.assert_close(torch.tensor(out["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
-    for k, w in ref["weights"].items():  # Adam divides by sqrt(v): ~1e-7 gradient noise moves a weight by ~1e-5
-        torch.testing.assert_close(out["weights"][k], w, rtol=1e-4, atol=5e-5, msg=lambda m: f"weight {k}: {m}")
+    # Adam divides by sqrt(v): on near-zero gradient entries ~1e-7 of reduction-order noise moves a weight by up to
+    # ~1e-4 after 3 steps at lr 0.05 (0.2% of one step); a wrong reduction moves it by O(lr)
+    for k, w in ref["weights"].items():
+        torch.testing.assert_close(out["weights"][k], w, rtol=1e-3, atol=2e-4, msg=lambda m: f"weight {k}: {m}")
     assert ref["losses"][2] < ref["losses"][0]  # the steps did something

@@ -1,4 +1,4 @@
-"""`moe-gspo train` and `moe-gspo compare` (the lead's moe_gspo/cli.py calls the add_*_subparser functions).
+"""`moe-gspo train` and `moe-gspo compare`: moe_gspo/cli.py adds them through the add_*_subparser functions.
 
     moe-gspo train --config configs/train_tiny_cpu.yaml [--resume] [--out DIR] [a.b=v ...]
     moe-gspo compare --config configs/compare_tiny_cpu.yaml --out DIR [--only grpo,gspo] [a.b=v ...]

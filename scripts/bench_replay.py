@@ -9,7 +9,7 @@ A step is one micro-batch (train.micro_batch_size x train.seq_len) forward + bac
   capture  policy(ids, routing=RoutingCapture()) alone: the model-side recording that `flip` includes
 The variants are interleaved step by step (so machine noise hits them alike) and the median is reported.
 The R2 record (once per rollout batch, in the old-log-prob pass) is timed separately as record_s.
-Goals (issue 5): overhead_r2 <= 0.02, overhead_flip <= 0.01.
+Goals: overhead_r2 <= 0.02, overhead_flip <= 0.01.
 """
 
 from __future__ import annotations

@@ -132,11 +132,20 @@ class MoEPolicy(torch.nn.Module):
 
     def full_megatron_state(self) -> dict[str, torch.Tensor]:
         """All parameters, unsharded (a collective over TP and EP when they are > 1)."""
-        local = self.megatron_state()
+        return self.gather_full(self.megatron_state())
+
+    def gather_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors named and shaped like this rank's parameters (weights, or optimizer state per parameter) ->
+        the unsharded tensors (a collective over TP and EP when they are > 1)."""
         if self.tp == 1 and ps.get_expert_model_parallel_world_size() == 1:
             return {k: v.detach() for k, v in local.items()}
         return hf_io.gather_state(local, self.model_config, ps.get_tensor_model_parallel_group(),
                                   ps.get_expert_model_parallel_group())
+
+    def shard_full(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Inverse of gather_full: this rank's TP/EP shard of unsharded tensors (no communication)."""
+        ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+        return hf_io.shard_state(full, self.model_config, self.tp, self.tp_rank, ep, ep_rank)
 
     def export_hf(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """(config.json dict, HF-named full state dict) in memory: what save_pretrained writes."""
@@ -144,8 +153,7 @@ class MoEPolicy(torch.nn.Module):
                                                                               self.model_config)
 
     def load_full_megatron_state(self, full: dict[str, torch.Tensor]) -> None:
-        ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
-        local = hf_io.shard_state(full, self.model_config, self.tp, self.tp_rank, ep, ep_rank)
+        local = self.shard_full(full)
         own = self.megatron_state()
         missing = sorted(set(own) - set(local))
         if missing:

@@ -67,27 +67,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory is incomplete or corrupt (the message says which and why)."""
 
 
-def _gather(policy, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's TP/EP shards -> the full tensors (collective over TP and EP)."""
-    from megatron.core import parallel_state as ps
-
-    from moe_gspo.model import hf_io
-
-    if policy.tp == 1 and ps.get_expert_model_parallel_world_size() == 1:
-        return {k: v.detach() for k, v in local.items()}
-    return hf_io.gather_state(local, policy.model_config, ps.get_tensor_model_parallel_group(),
-                              ps.get_expert_model_parallel_group())
-
-
-def _shard(policy, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from megatron.core import parallel_state as ps
-
-    from moe_gspo.model import hf_io
-
-    return hf_io.shard_state(full, policy.model_config, policy.tp, policy.tp_rank,
-                             ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank())
-
-
 def _rng_json() -> dict:
     py = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
@@ -129,15 +108,13 @@ class Checkpoints:
 
         rank, world = _rank_world()
         policy, optim = ctx.policy, ctx.optim
-        model = _gather(policy, policy.megatron_state())
-        opt_local = optim.local_state()
-        opt = {f"{kind}/{k}": v for kind, d in opt_local.items() for k, v in _gather(policy, d).items()}
-        ref = _gather(ctx.reference, ctx.reference.megatron_state()) if ctx.reference is not None else None
-        rng = [torch.empty_like(torch.get_rng_state()) for _ in range(world)]
+        model = policy.full_megatron_state()
+        opt = {f"{kind}/{k}": v for kind, d in optim.local_state().items() for k, v in policy.gather_full(d).items()}
+        ref = ctx.reference.full_megatron_state() if ctx.reference is not None else None
+        rng = [torch.get_rng_state()]
         if world > 1:
+            rng = [torch.empty_like(rng[0]) for _ in range(world)]
             dist.all_gather(rng, torch.get_rng_state())
-        else:
-            rng = [torch.get_rng_state()]
         final, tmp = self.root / self.name(step), self.root / f"{TMP}{self.name(step)}"
         if rank == 0:
             info = current_info()
@@ -252,7 +229,7 @@ class Checkpoints:
             for key, t in opt.items():
                 kind, name = key.split("/", 1)
                 by_kind.setdefault(kind, {})[name] = t
-            local = {kind: _shard(policy, full) for kind, full in by_kind.items()}
+            local = {kind: policy.shard_full(full) for kind, full in by_kind.items()}
             ctx.optim.load_local_state(local, int(state["adam_step"]))
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"{d}: does not fit this model ({e})") from None

@@ -54,7 +54,7 @@ class Optimizer:
                  decay: str = "constant", min_lr: float = 0.0, total_steps: int = 1):
         cpu_compat.apply()
         self.ddp, self.policy = ddp, policy
-        _mark_replicated_experts(policy)
+        self.replicated_experts = _replicated_experts(policy)
         dtype = next(policy.parameters()).dtype
         self.distributed = ddp.ddp_config.use_distributed_optimizer
         self.config = OptimizerConfig(
@@ -91,9 +91,13 @@ class Optimizer:
 
     def reduce_grads(self) -> None:
         """Data-parallel (and expert-data-parallel) reduction, plus megatron's TP reduction of sequence-parallel
-        norm, router and QK-norm gradients; then completes TP-replicated experts' partial sums (see below)."""
+        norm, router and QK-norm gradients; then completes TP-replicated experts' partial sums
+        (see _replicated_experts)."""
         finalize_model_grads([self.ddp])
-        _sum_replicated_expert_grads(self.policy)
+        if self.replicated_experts:
+            group = ps.get_tensor_model_parallel_group()
+            for p in self.replicated_experts:
+                dist.all_reduce(p.main_grad, group=group)
 
     def step(self) -> float:
         """Reduce gradients, clip (train.grad_clip), step Adam on the main parameters, copy them back to the model
@@ -187,24 +191,16 @@ class Optimizer:
 ADAM_KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
-def _mark_replicated_experts(policy) -> None:
-    """TP > 1 with EP = 1 and expert-TP = 1: every TP rank holds a full copy of every expert, yet megatron's
-    experts carry `tensor_model_parallel=True`, so its grad-norm (which sums TP-sharded weights over the TP group)
-    would count each expert tp times. Marking them TP-replicated makes the norm count them once, on TP rank 0."""
-    if ps.get_tensor_model_parallel_world_size() == 1 or ps.get_expert_model_parallel_world_size() > 1:
-        return
-    for name, p in policy.gpt.named_parameters():
-        if ".local_experts." in name:
-            p.tensor_model_parallel = False
+def _replicated_experts(policy) -> list[torch.nn.Parameter]:
+    """The expert parameters every TP rank holds whole: TP > 1 with EP = 1 and expert-TP = 1 (else none).
 
-
-def _sum_replicated_expert_grads(policy) -> None:
-    """TP > 1 with EP = 1 and expert-TP = 1: every TP rank holds all experts but routes only its sequence-parallel
-    shard of tokens, and megatron treats such experts as dense params (reduced over DP only), so their gradients
-    are partial sums. Complete them over the TP group."""
+    Each TP rank routes only its sequence-parallel shard of tokens, and megatron reduces such experts' gradients
+    over DP only, so they are partial sums that Optimizer.reduce_grads completes over the TP group. megatron also
+    marks them `tensor_model_parallel=True`, so its grad norm (which sums TP-sharded weights over the TP group)
+    would count each one tp times; they are marked TP-replicated here, so the norm counts them once."""
     if ps.get_tensor_model_parallel_world_size() == 1 or ps.get_expert_model_parallel_world_size() > 1:
-        return
-    group = ps.get_tensor_model_parallel_group()
-    for name, p in policy.gpt.named_parameters():
-        if ".local_experts." in name and getattr(p, "main_grad", None) is not None:
-            dist.all_reduce(p.main_grad, group=group)
+        return []
+    experts = [p for name, p in policy.gpt.named_parameters() if ".local_experts." in name]
+    for p in experts:
+        p.tensor_model_parallel = False
+    return experts

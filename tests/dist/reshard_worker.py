@@ -22,7 +22,7 @@ from moe_gspo.trainer import train
 def check_load(cfg, run: Path) -> int:
     """Load the newest checkpoint into a fresh policy + optimizer at this layout; compare with the files."""
     import moe_gspo
-    from moe_gspo.train.checkpoint import Checkpoints, _gather
+    from moe_gspo.train.checkpoint import Checkpoints
     from moe_gspo.train.optim import Optimizer, wrap_ddp
 
     policy = moe_gspo.load_policy(cfg)
@@ -31,8 +31,8 @@ def check_load(cfg, run: Path) -> int:
     ckpts = Checkpoints(run / "checkpoints")
     step = ckpts.latest()
     ckpts.load(step, SimpleNamespace(policy=policy, optim=optim, reference=None))
-    model = _gather(policy, policy.megatron_state())
-    opt = {f"{kind}/{k}": v for kind, d in optim.local_state().items() for k, v in _gather(policy, d).items()}
+    model = policy.full_megatron_state()
+    opt = {f"{kind}/{k}": v for kind, d in optim.local_state().items() for k, v in policy.gather_full(d).items()}
     if dist.get_rank() == 0:
         d = ckpts.root / ckpts.name(step)
         for name, want in (("model", load_file(d / "model.safetensors")),

@@ -130,10 +130,18 @@ def _check(*ts):
         raise RuntimeError("token_logprobs(impl='triton') needs CUDA tensors, or TRITON_INTERPRET=1 on CPU")
 
 
-def _blocks(H: int, dtype: torch.dtype):
+def _blocks(H: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BT, BV, BH, num_warps, num_stages). MOE_GSPO_TRITON_BLOCKS="BT,BV,BH,warps,stages" overrides them (for
+    scripts/bench_logprob.py sweeps on a new GPU)."""
     if interpreting():
-        return 16, 32, 16
-    return 64, 128, (64 if dtype == torch.float32 else 128)
+        return 16, 32, 16, 4, 1
+    env = os.environ.get("MOE_GSPO_TRITON_BLOCKS")
+    if env:
+        bt, bv, bh, nw, ns = (int(x) for x in env.split(","))
+        return bt, bv, bh, nw, ns
+    if dtype == torch.float32:
+        return 64, 128, 64, 4, 3
+    return 128, 256, 64, 8, 3  # the fastest of six tried on an H100 at T=16384, H=4096, V=151936 (docs/gpu.md)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -156,7 +164,7 @@ def forward_stats(hidden_TH, weight_VH, local_tgt_T, inv_temp, want_entropy):
     w = weight_VH.contiguous()
     T, H = h.shape
     V = w.shape[0]
-    BT, BV, BH = _blocks(H, h.dtype)
+    BT, BV, BH, nw, ns = _blocks(H, h.dtype)
     n_tblocks = triton.cdiv(T, BT)
     # enough programs to fill the GPU when T is small: split the vocab, merge the splits afterwards
     target_programs = 4 if interpreting() else 4 * 132
@@ -167,7 +175,8 @@ def forward_stats(hidden_TH, weight_VH, local_tgt_T, inv_temp, want_entropy):
     tgt = local_tgt_T.to(torch.int32).contiguous()
     stats_kernel[(n_tblocks, splits)](h, w, tgt, out, T, V, H, h.stride(0), w.stride(0), v_per_split, inv_temp,
                                       BT=BT, BV=BV, BH=BH, ENTROPY=bool(want_entropy),
-                                      PRECISION=_precision(h.dtype), UPCAST=_upcast(h.dtype))
+                                      PRECISION=_precision(h.dtype), UPCAST=_upcast(h.dtype),
+                                      num_warps=nw, num_stages=ns)
     m, s, sd, zt = out[0].unbind(0)
     for k in range(1, splits):
         m, s, sd = vp.merge_stats(m, s, sd, out[k, 0], out[k, 1], out[k, 2])
@@ -185,7 +194,7 @@ def grad_logits_block(h_TH, w_VH, local_tgt_T, lse_T, ent_T, gl_T, ge_T, inv_tem
     w = w_VH.contiguous()
     T, H = h.shape
     V = w.shape[0]
-    BT, BV, BH = _blocks(H, h.dtype)
+    BT, BV, BH, nw, ns = _blocks(H, h.dtype)
     if ge_T is not None:
         a = ((gl_T + ge_T * ent_T) * inv_temp).contiguous()
         b = torch.stack([ge_T * inv_temp, gl_T * inv_temp]).contiguous()
@@ -196,5 +205,6 @@ def grad_logits_block(h_TH, w_VH, local_tgt_T, lse_T, ent_T, gl_T, ge_T, inv_tem
     tgt = local_tgt_T.to(torch.int32).contiguous()
     grad_kernel[(triton.cdiv(T, BT), triton.cdiv(V, BV))](
         h, w, tgt, lse_T.contiguous(), a, b, G, T, V, H, h.stride(0), w.stride(0), G.stride(0), inv_temp,
-        BT=BT, BV=BV, BH=BH, ENTROPY=ge_T is not None, PRECISION=_precision(h.dtype), UPCAST=_upcast(h.dtype))
+        BT=BT, BV=BV, BH=BH, ENTROPY=ge_T is not None, PRECISION=_precision(h.dtype), UPCAST=_upcast(h.dtype),
+        num_warps=nw, num_stages=ns)
     return G

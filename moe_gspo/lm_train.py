@@ -59,7 +59,7 @@ def train_lm(cfg: Config, log=print) -> list[dict]:
         for i in range(0, per_rank, micro):
             mb = batch[i:i + micro]
             logits = policy(mb[:, :-1]).float()
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), mb[:, 1:].reshape(-1),
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), mb[:, 1:].reshape(-1).to(logits.device),
                                                      reduction="sum") / (per_rank * tc.seq_len)
             loss.backward()
             total += loss.item()

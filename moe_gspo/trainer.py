@@ -45,6 +45,7 @@ def train(cfg: Config, *, resume: bool = False, run_dir: str | Path | None = Non
                 batch, examples, texts = run.rollout(step)  # prompts x G responses, engine log-probs + routing
                 adv, valid, reward_m = run.score(batch, examples, texts, step)  # rewards -> group advantages
                 pb, sids = run.pad(batch, valid)  # (B, T) training tensors; R3 records the engine's routing
+                adv = adv.to(pb.input_ids.device)
             with t("logprob"):
                 old, ref, diff = run.old_logprobs(pb, sids)  # pi_old (and pi_ref); R2 records; flip reference
             with t("train"):
@@ -134,7 +135,8 @@ class Run:
         if engine is None:
             dtype = cfg.rollout.engine_dtype
             dtype = getattr(torch, dtype) if cfg.rollout.engine == "hf" else dtype
-            engine = build_engine(cfg.rollout.engine, policy, tokenizer=tok, dtype=dtype)  # holds current weights
+            kw = {"device": policy.device} if cfg.rollout.engine == "hf" else {}
+            engine = build_engine(cfg.rollout.engine, policy, tokenizer=tok, dtype=dtype, **kw)  # current weights
         else:
             engine.update_weights(policy)
         logc = cfg.logging
@@ -190,7 +192,7 @@ class Run:
         if self.replay.mode == "r3":  # rows 0 .. P+R-2: every position whose routing shapes a response log-prob
             lengths = pb.attention_mask.sum(-1).tolist()
             self.replay.record_rollouts(batch.sample_ids, [pb.routing[b, :n - 1] for b, n in enumerate(lengths)])
-        return pb, batch.sample_ids
+        return pb.to(self.policy.device), batch.sample_ids
 
     def old_logprobs(self, pb, sids):
         """(pi_old log-probs (B, T), pi_ref log-probs (B, T) or None, engine-vs-training log-prob metrics).

@@ -1,4 +1,4 @@
-"""Every CPU workaround megatron-core 0.16.1 needs, in one place, applied only when CUDA is absent and only to
+"""Every CPU workaround megatron-core 0.16.1 needs, in one place, applied only when CUDA is absent (except 3) and only to
 megatron's own modules: importing moe_gspo changes nothing in torch or in any other library.
 
 megatron-core assumes CUDA in a handful of ways, each handled below:
@@ -12,6 +12,7 @@ megatron-core assumes CUDA in a handful of ways, each handled below:
 2. `tensor_parallel.random.model_parallel_cuda_manual_seed` and `CudaRNGStatesTracker.fork` use CUDA generators:
    replaced by CPU-generator twins.
 3. `moe_utils.te_general_gemm` is undefined without Transformer Engine: set to None (the plain torch.mm path).
+   This one is applied with CUDA too, since a GPU machine without Transformer Engine hits it alike.
 4. `Float16OptimizerWithFloat16Params` and `DistributedOptimizer` sort parameters by `param.type()` strings that
    exist only on CUDA ('torch.cuda.BFloat16Tensor'), and `clip_grad_by_total_norm_fp32` asserts one:
    inside `cuda_type_names()`, which moe_gspo.train.optim enters around megatron's optimizer construction and
@@ -168,6 +169,11 @@ def apply() -> None:
     """Install the CPU patches into megatron's modules (no-op with CUDA). Idempotent; cheap to call again after
     more megatron modules were imported."""
     global _GLOBALS_DONE
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # without Transformer Engine, on a GPU too
+        moe_utils.te_general_gemm = None
+        PATCHED["moe.moe_utils.te_general_gemm"] = "None (plain torch.mm path)"
     if torch.cuda.is_available():
         return
     if not _GLOBALS_DONE:
@@ -178,15 +184,12 @@ def apply() -> None:
         import megatron.core.optimizer  # noqa: F401
         import megatron.core.optimizer_param_scheduler  # noqa: F401
         from megatron.core.tensor_parallel import random as mrandom
-        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+        from megatron.core.transformer.moe import token_dispatcher
 
         mrandom.model_parallel_cuda_manual_seed = _model_parallel_cpu_manual_seed
         mrandom.CudaRNGStatesTracker.fork = _cpu_fork
         PATCHED["tensor_parallel.random.model_parallel_cuda_manual_seed"] = "CPU generator states"
         PATCHED["tensor_parallel.random.CudaRNGStatesTracker.fork"] = "CPU rng swap"
-        if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None
-        PATCHED["moe.moe_utils.te_general_gemm"] = "None (plain torch.mm path)"
         token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
         PATCHED["moe.token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream"] = "None (CPU work is ordered)"
         PATCHED["megatron.core.* module global `torch`"] = "CPU_TORCH (cuda namespace and factories on the CPU)"

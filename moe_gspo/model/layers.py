@@ -22,7 +22,9 @@ class RMSNorm(torch.nn.RMSNorm):
     WrappedTorchNorm refuses SP)."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_unused):
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        # on the current GPU unless megatron builds on the CPU, like megatron's own modules
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
 

@@ -44,11 +44,20 @@ class MoEPolicy(torch.nn.Module):
             parallel_output=True, share_embeddings_and_output_weights=mc.tie_word_embeddings,
             position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(mc.rope_theta),
         )
+        if torch.cuda.is_available():
+            # megatron builds some parameters on the CPU whatever use_cpu_initialization says (the router weight)
+            # and leaves moving the model to the training script, as megatron's own get_model does
+            self.cuda(torch.cuda.current_device())
         self.routers: list[Qwen3Router] = [m for m in self.gpt.modules() if isinstance(m, Qwen3Router)]
         for r in self.routers:
             r.norm_topk_prob = mc.norm_topk_prob
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters live (the current CUDA device, or the CPU)."""
+        return self.gpt.embedding.word_embeddings.weight.device
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, routing: RoutingCapture | None = None,
@@ -61,6 +70,7 @@ class MoEPolicy(torch.nn.Module):
         gather_logits=False keeps TP's vocab shard (B, T, V/tp)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        input_ids = input_ids.to(self.device)  # rollouts and data batches are built on the CPU
         B, T = input_ids.shape
         if T > self.model_config.max_position_embeddings:
             raise ValueError(f"sequence length {T} exceeds model.max_position_embeddings="

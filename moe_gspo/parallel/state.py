@@ -53,6 +53,13 @@ def validate_sizes(pc: ParallelConfig, world: int, num_experts: int, num_kv_head
         raise ConfigError(f"model.vocab_size={vocab_size} is not divisible by parallel.tp={pc.tp}")
 
 
+def comm_device() -> torch.device:
+    """Where tensors handed to torch.distributed collectives live: the current GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init_distributed(backend: str = "auto", timeout_min: int = 10) -> None:
     """Join the torchrun job (RANK/WORLD_SIZE/MASTER_* set) or start a one-process group. Idempotent.
 

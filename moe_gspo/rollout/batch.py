@@ -159,6 +159,12 @@ class PaddedRollout:
     sample_ids: torch.Tensor
     group_ids: torch.Tensor
 
+    def to(self, device: torch.device | str) -> PaddedRollout:
+        """The training tensors on `device` (the policy's); sample and group ids stay on the CPU as keys."""
+        mv = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
+        return PaddedRollout(mv(self.input_ids), mv(self.attention_mask), mv(self.response_mask),
+                             mv(self.old_logprobs), mv(self.routing), self.sample_ids, self.group_ids)
+
     def replay_source(self) -> RoutingReplay:
         if self.routing is None:
             raise ValueError("this rollout carries no routing (generate with return_routing=True)")

@@ -48,7 +48,7 @@ def demonstration_batch(examples: list[Example], tokenizer: CharTokenizer) -> tu
 def sft_loss(model, input_ids_BT: torch.Tensor, loss_mask_BT: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the masked (token-aligned) positions."""
     logits = _logits(model, input_ids_BT)[:, :-1].float()  # (B, T-1, V) predicts tokens 1..T-1
-    tgt, m = input_ids_BT[:, 1:], loss_mask_BT[:, 1:]
+    tgt, m = input_ids_BT[:, 1:].to(logits.device), loss_mask_BT[:, 1:].to(logits.device)
     return torch.nn.functional.cross_entropy(logits[m], tgt[m])
 
 

@@ -39,6 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from moe_gspo.fsutil import fsync_dir
+from moe_gspo.parallel.state import comm_device
 
 PREFIX, TMP = "step_", ".tmp-"
 FORMAT = "moe-gspo-checkpoint-v2"
@@ -113,8 +114,10 @@ class Checkpoints:
         ref = ctx.reference.full_megatron_state() if ctx.reference is not None else None
         rng = [torch.get_rng_state()]
         if world > 1:
-            rng = [torch.empty_like(rng[0]) for _ in range(world)]
-            dist.all_gather(rng, torch.get_rng_state())
+            dev = comm_device()
+            rng = [torch.empty_like(rng[0], device=dev) for _ in range(world)]
+            dist.all_gather(rng, torch.get_rng_state().to(dev))
+            rng = [r.cpu() for r in rng]
         final, tmp = self.root / self.name(step), self.root / f"{TMP}{self.name(step)}"
         if rank == 0:
             info = current_info()

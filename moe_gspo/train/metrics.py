@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_gspo.parallel.state import comm_device
+
 TIMING_PREFIXES = ("time/", "perf/")
 
 
@@ -51,16 +53,17 @@ def reduce_across_ranks(m: dict[str, float]) -> dict[str, float]:
     all_keys: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_keys, sorted(m))
     keys = sorted(set().union(*all_keys))
+    dev = comm_device()
     out = {}
     for kind, op, fill in (("mean", dist.ReduceOp.SUM, 0.0), ("max", dist.ReduceOp.MAX, -math.inf),
                            ("min", dist.ReduceOp.MIN, math.inf)):
         ks = [k for k in keys if _kind(k) == kind]
         if not ks:
             continue
-        t = torch.tensor([m.get(k, fill) for k in ks], dtype=torch.float64)
+        t = torch.tensor([m.get(k, fill) for k in ks], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=op)
         if kind == "mean":
-            n = torch.tensor([float(k in m) for k in ks], dtype=torch.float64)
+            n = torch.tensor([float(k in m) for k in ks], dtype=torch.float64, device=dev)
             dist.all_reduce(n)
             t /= n
         out.update(zip(ks, t.tolist()))
@@ -72,13 +75,17 @@ class StepTimer:
 
     def __init__(self):
         self.t: dict[str, float] = {}
+        # CUDA work is asynchronous: a phase ends when its kernels do, not when Python leaves the block
+        self._sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
     @contextmanager
     def __call__(self, name: str):
+        self._sync()
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            self._sync()
             self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
 
     def pop(self) -> dict[str, float]:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from moe_gspo.losses import get_policy_loss, loss_denominator
 from moe_gspo.model.routing_capture import RoutingCapture
+from moe_gspo.parallel.state import comm_device
 from moe_gspo.train.logprob import batch_logprobs
 from moe_gspo.train.metrics import MetricMean
 from moe_gspo.train.optim import Optimizer
@@ -92,7 +93,7 @@ class _RowsSource:
 
 def global_count(mask_BT: torch.Tensor, mode: str, ctx: StepContext) -> torch.Tensor:
     """loss_denominator summed over data-parallel ranks, divided by dp (DDP averages gradients)."""
-    d = loss_denominator(mask_BT, mode).double()
+    d = loss_denominator(mask_BT, mode).double().to(comm_device())
     if ctx.dp > 1:
         dist.all_reduce(d, group=ctx.dp_group)
     return d / ctx.dp
@@ -115,9 +116,9 @@ def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: 
     denom = global_count(mask, a.loss_agg_mode, ctx)
     ctx.optim.zero_grad()
     acc = MetricMean()
-    ent_sum = torch.zeros((), dtype=torch.float64)
+    ent_sum = torch.zeros((), dtype=torch.float64, device=mask.device)
     for sl in _micro(len(idx), cfg.train.micro_batch_size):
-        src = ctx.replay.replay_source(sids[sl], seq_len=T)  # None when replay is off
+        src = ctx.replay.replay_source(sids[sl], seq_len=T, device=ids.device)  # None when off
         cap = RoutingCapture(replay=src)
         logp, ent = batch_logprobs(policy, ids[sl], cap, cfg.train.logprob_impl, cfg.rollout.temperature)
         if src is not None:

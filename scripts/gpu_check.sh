@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Every GPU check in one command: installs the GPU extras, runs the CUDA tests and benchmarks, writes one JSON.
+#
+#   bash scripts/gpu_check.sh [STAGE ...]      stages: env tests bench compare (default: all four)
+#
+# Environment:
+#   OUT=DIR          where results go (default gpu_check_out/): gpu_check.json (everything), records.jsonl (the
+#                    figures each test measured), junit.xml, bench_logprob.json, compare/ (the comparison run)
+#   WHEELS=DIR       install the wheels in DIR first, without an index (for machines with no network; see
+#                    docs/gpu.md for the list and the pip download command); default .whl if it exists
+#   PYTHON=python3   the interpreter that holds a CUDA torch
+#   COMPARE_STEPS=N  RL steps per variant in the comparison stage (default 20)
+#   STAGE_TIMEOUT=S  stop any stage after S seconds (default: no limit)
+#   COMPARE_ARGS     extra overrides for the comparison (default: the HF engine on the GPU, since SGLang is
+#                    checked by its own tests when importable)
+# Exits non-zero when a stage fails; every stage runs regardless, and gpu_check.json says which failed.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-gpu_check_out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export OUT
+WHEELS=${WHEELS:-.whl}
+STAGES=${*:-env tests bench compare}
+export PYTHONUNBUFFERED=1
+status=0
+declare -A RESULT
+
+if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile "$WHEELS"/*.whl || { echo "wheel install failed"; exit 1; }
+fi
+# the package itself, editable (kernels/ is installed as moe_gspo.kernels), without touching its dependencies
+"$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || { echo "pip install -e . failed"; exit 1; }
+
+stage() {  # stage NAME COMMAND...: run, log to OUT/NAME.log, remember the exit code
+    local name=$1; shift
+    local t0=$SECONDS
+    echo "== $name: $*"
+    timeout "${STAGE_TIMEOUT:-0}" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    RESULT[$name]="$rc $((SECONDS - t0))"
+    [ "$rc" = 0 ] || status=1
+    echo "== $name: exit $rc after $((SECONDS - t0)) s"
+}
+
+for s in $STAGES; do
+    case $s in
+    env)
+        stage env "$PY" - <<'EOF'
+import importlib, json, os, platform, subprocess
+import torch
+info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "capability": torch.cuda.get_device_capability() if torch.cuda.is_available() else None}
+for name in ("triton", "megatron.core", "transformers", "transformer_engine", "sglang", "liger_kernel",
+             "cut_cross_entropy", "safetensors"):
+    try:
+        m = importlib.import_module(name)
+        info[name] = getattr(m, "__version__", "present")
+    except Exception as e:  # noqa: BLE001 - record why an optional package is missing
+        info[name] = f"unavailable: {type(e).__name__}: {str(e)[:160]}"
+try:
+    info["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                         "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+except OSError as e:
+    info["nvidia_smi"] = str(e)
+json.dump(info, open(os.environ["OUT"] + "/env.json", "w"), indent=1)
+print(json.dumps(info, indent=1))
+EOF
+        ;;
+    tests)
+        rm -f "$OUT/records.jsonl"
+        GPU_CHECK_RECORDS="$OUT/records.jsonl" stage tests "$PY" -m pytest -q -p no:cacheprovider -rs \
+            --junitxml "$OUT/junit.xml" tests/test_gpu.py tests/test_kernels_triton.py tests/test_rollout_sglang.py
+        ;;
+    bench)
+        stage bench "$PY" scripts/bench_logprob.py --json "$OUT/bench_logprob.json" --dtype bf16 \
+            --sizes 16384,4096,151936 4096,4096,151936 --repeats 5 --warmup 2 --seq-len 512
+        ;;
+    compare)
+        rm -rf "$OUT/compare"
+        # shellcheck disable=SC2086
+        stage compare "$PY" -m moe_gspo.cli compare --config configs/gpu_single.yaml --out "$OUT/compare" \
+            ${COMPARE_ARGS:-rollout.engine=hf rollout.engine_dtype=bfloat16} train.steps="${COMPARE_STEPS:-20}"
+        ;;
+    *) echo "unknown stage $s (env tests bench compare)"; status=1 ;;
+    esac
+done
+
+for k in "${!RESULT[@]}"; do echo "$k ${RESULT[$k]}"; done > "$OUT/stages.txt"
+OUT="$OUT" "$PY" - <<'EOF'
+import json, os, pathlib
+out = pathlib.Path(os.environ["OUT"])
+res = {"stages": {l.split()[0]: {"exit": int(l.split()[1]), "seconds": int(l.split()[2])}
+                  for l in (out / "stages.txt").read_text().splitlines()}}
+for name in ("env.json", "bench_logprob.json"):
+    if (out / name).exists():
+        res[name.split(".")[0]] = json.loads((out / name).read_text())
+if (out / "records.jsonl").exists():
+    res["records"] = [json.loads(l) for l in (out / "records.jsonl").read_text().splitlines()]
+if (out / "junit.xml").exists():
+    import xml.etree.ElementTree as ET
+    cases = []
+    for c in ET.parse(out / "junit.xml").iter("testcase"):
+        state = "passed"
+        for tag in ("failure", "error", "skipped"):
+            e = c.find(tag)
+            if e is not None:
+                state = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                msg = (e.get("message") or "")[:300]
+                break
+        cases.append({"test": f"{c.get('classname')}::{c.get('name')}", "state": state,
+                      "seconds": float(c.get("time", 0)), **({"message": msg} if state != "passed" else {})})
+    res["tests"] = cases
+cmp = out / "compare"
+if (cmp / "compare.json").exists():
+    res["compare"] = json.loads((cmp / "compare.json").read_text())
+    per = {}
+    for name in res["compare"].get("variants", {}):
+        rows = [json.loads(l) for l in (cmp / name / "metrics.jsonl").read_text().splitlines()]
+        mean = lambda k: sum(r.get(k, 0.0) for r in rows) / max(len(rows), 1)  # noqa: E731
+        per[name] = {"steps": len(rows), "reward_last": rows[-1].get("reward/mean") if rows else None,
+                     **{k: mean(k) for k in ("time/step", "time/rollout", "time/logprob", "time/train",
+                                             "time/sync", "perf/tokens_per_s")}}
+    res["compare"]["per_variant"] = per
+(out / "gpu_check.json").write_text(json.dumps(res, indent=1))
+print(f"wrote {out / 'gpu_check.json'}")
+EOF
+exit $status

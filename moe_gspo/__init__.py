@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 def load_policy(path_or_config, **kwargs):
     """Build the megatron-core Qwen3-MoE policy from a HF checkpoint dir, a YAML path or a config object."""
-    from moe_gspo.api import load_policy as _load
+    from moe_gspo.model.load import load_policy as _load
 
     return _load(path_or_config, **kwargs)
 

@@ -1,21 +1,52 @@
-"""`moe-gspo`: info | train-lm | train | rollout | compare | report.
+"""`moe-gspo`: the one command line of the package.
 
     moe-gspo info
-    moe-gspo train-lm --config configs/tiny_cpu.yaml train.steps=20
-    moe-gspo compare --config configs/compare_tiny_cpu.yaml --out runs/compare
+    moe-gspo train --config configs/train_tiny_cpu.yaml [--resume | --overwrite] [--out DIR] [a.b=v ...]
+    moe-gspo train-lm --config configs/tiny_cpu.yaml [a.b=v ...]
+    moe-gspo rollout (--config C | --from RUN_DIR) --out FILE.jsonl [--num-prompts N] [--seed S] [a.b=v ...]
+    moe-gspo compare --config configs/compare_tiny_cpu.yaml --out DIR [--only grpo,gspo] [a.b=v ...]
+    moe-gspo report volatility RUN_DIR [RUN_DIR ...] [--out FILE.html]
+    moe-gspo report compare DIR
+    torchrun --nproc-per-node 2 -m moe_gspo.cli train --config C parallel.ep=2      # any command, distributed
+
+An error the user can cause (a config field, a file, a checkpoint, a world size) ends in one line on stderr,
+`moe-gspo <command>: error: ...` (with the rank under torchrun), and exit code 2; a bug still shows its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
+from pathlib import Path
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions whose message names what the user got wrong (ConfigError is a ValueError)."""
+    from moe_gspo.tasks.datasets import DatasetError
+    from moe_gspo.train.checkpoint import CheckpointError
+
+    return (ValueError, KeyError, FileNotFoundError, NotADirectoryError, CheckpointError, DatasetError)
+
+
+def _rank_prefix() -> str:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return f"rank {os.environ.get('RANK', '0')}: " if world > 1 else ""
+
+
+def _overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", metavar="a.b=value", help="config overrides, applied after the YAML")
+
+
+# ---------------------------------------------------------------------------------------------------- commands
 def _info(_args) -> int:
     import platform
 
     import torch
+
+    import moe_gspo
 
     def version(mod):
         try:
@@ -23,8 +54,6 @@ def _info(_args) -> int:
             return getattr(m, "__version__", "installed")
         except Exception as e:  # noqa: BLE001 - report any import failure as unavailable
             return f"not available ({type(e).__name__})"
-
-    import moe_gspo
 
     rows = [
         ("moe-gspo", moe_gspo.__version__), ("python", platform.python_version()), ("torch", torch.__version__),
@@ -35,62 +64,137 @@ def _info(_args) -> int:
         ("SGLang", version("sglang")), ("math-verify", version("math_verify")),
         ("CPU threads", str(torch.get_num_threads())),
     ]
-    try:
-        from rich.console import Console
-        from rich.table import Table
+    from rich.console import Console
+    from rich.table import Table
 
-        t = Table(title="moe-gspo environment")
-        t.add_column("component")
-        t.add_column("version / availability")
-        for k, v in rows:
-            t.add_row(k, v)
-        Console().print(t)
-    except ImportError:
-        for k, v in rows:
-            print(f"{k:20s} {v}")
+    t = Table(title="moe-gspo environment")
+    t.add_column("component")
+    t.add_column("version / availability")
+    for k, v in rows:
+        t.add_row(k, v)
+    Console().print(t)
+    return 0
+
+
+def _train(args) -> int:
+    from moe_gspo.config import load_config
+    from moe_gspo.train.loop import train
+
+    if args.resume and args.overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    train(load_config(args.config, args.overrides), resume=args.resume, overwrite=args.overwrite, run_dir=args.out)
     return 0
 
 
 def _train_lm(args) -> int:
     from moe_gspo.config import load_config
-    from moe_gspo.lm_train import train_lm
+    from moe_gspo.train.lm import train_lm
 
     train_lm(load_config(args.config, args.overrides))
     return 0
 
 
+def _rollout(args) -> int:
+    from moe_gspo.rollout.sample import rollout_command
+
+    path, metrics = rollout_command(args.config, args.run_dir, args.overrides, args.num_prompts, args.out, args.seed)
+    print(" ".join(f"{k}={v:.3g}" for k, v in metrics.items()))
+    print(f"wrote {path}")
+    return 0
+
+
+def _compare(args) -> int:
+    from moe_gspo.experiments.compare import run_comparison
+
+    report = run_comparison(args.config, args.out, args.overrides, only=args.only.split(",") if args.only else None,
+                            overwrite=args.overwrite)
+    if os.environ.get("RANK", "0") == "0":
+        print(report)
+    return 0
+
+
+def _report_volatility(args) -> int:
+    from moe_gspo.report.volatility import write_volatility_report
+
+    print(write_volatility_report(args.run_dirs, args.out))
+    return 0
+
+
+def _report_compare(args) -> int:
+    import json
+
+    from moe_gspo.report.compare import write_compare_report
+
+    d = Path(args.dir)
+    meta = d / "compare.json"
+    if not meta.is_file():
+        raise FileNotFoundError(f"{meta}: not found (DIR must be the --out of a `moe-gspo compare` run)")
+    info = json.loads(meta.read_text())
+    print(write_compare_report(d, list(info["variants"]), info.get("wall_seconds"),
+                               cold_start_seconds=info.get("cold_start_seconds")))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-gspo", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="moe-gspo", description=__doc__.splitlines()[0],
+                                epilog="moe-gspo COMMAND --help describes each command.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("info", help="versions and available backends").set_defaults(func=_info)
-    t = sub.add_parser("train-lm", help="plain next-token training of the policy (smoke test of the stack)")
-    t.add_argument("--config", required=True)
-    t.add_argument("overrides", nargs="*", help="section.key=value")
-    t.set_defaults(func=_train_lm)
-    for mod, fn in (("moe_gspo.trainer_cli", "add_train_subparser"), ("moe_gspo.rollout.cli", "add_subparser"),
-                    ("moe_gspo.trainer_cli", "add_compare_subparser"), ("moe_gspo.report.cli", "add_subparser")):
-        try:
-            m = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        getattr(m, fn)(sub)
+
+    t = sub.add_parser("train", help="RL-train the policy (GRPO, GSPO, GSPO-token, ...)")
+    t.add_argument("--config", required=True, help="YAML config (configs/train_tiny_cpu.yaml)")
+    t.add_argument("--resume", action="store_true", help="continue the run directory's newest complete checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="replace a previous run in the run directory")
+    t.add_argument("--out", default=None, help="run directory (default: train.out_dir)")
+    _overrides(t)
+    t.set_defaults(func=_train)
+
+    lm = sub.add_parser("train-lm", help="plain next-token training of the policy (a smoke test of the stack)")
+    lm.add_argument("--config", required=True, help="YAML config (configs/tiny_cpu.yaml)")
+    _overrides(lm)
+    lm.set_defaults(func=_train_lm)
+
+    r = sub.add_parser("rollout", help="sample, score and log a batch of responses")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="YAML config: sample from a freshly built (or model.init_from) policy")
+    src.add_argument("--from", dest="run_dir", help="a training run directory: its config and newest checkpoint")
+    r.add_argument("--out", required=True, help="JSONL file to write, one line per response")
+    r.add_argument("--num-prompts", type=int, default=4, help="prompts to sample (each gets rollout.group_size)")
+    r.add_argument("--seed", type=int, default=None, help="sampling seed (default: train.seed)")
+    _overrides(r)
+    r.set_defaults(func=_rollout)
+
+    c = sub.add_parser("compare", help="variants (GRPO, +R2, +R3, GSPO, ...) side by side, with a report")
+    c.add_argument("--config", required=True, help="YAML config with a `compare:` section")
+    c.add_argument("--out", required=True, help="output directory: DIR/<variant>/ and DIR/report.html")
+    c.add_argument("--only", default=None, help="comma-separated subset of the variants to run")
+    c.add_argument("--overwrite", action="store_true", help="replace a previous comparison in DIR")
+    _overrides(c)
+    c.set_defaults(func=_compare)
+
+    rep = sub.add_parser("report", help="HTML reports from run directories")
+    kinds = rep.add_subparsers(dest="kind", required=True, metavar="KIND")
+    v = kinds.add_parser("volatility", help="expert-flip / routing volatility of one or more runs")
+    v.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
+    v.add_argument("--out", default=None, help="HTML path (default: FIRST_RUN_DIR/volatility.html)")
+    v.set_defaults(func=_report_volatility)
+    rc = kinds.add_parser("compare", help="(re)write DIR/report.html of a `moe-gspo compare` run")
+    rc.add_argument("dir", metavar="DIR")
+    rc.set_defaults(func=_report_compare)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    import warnings
-
+    # megatron warns on import that Apex and Transformer Engine are absent; on CPU that is the expected setup
     for cat in (UserWarning, DeprecationWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=cat, module=r"megatron\..*")
     args = build_parser().parse_args(argv)
-    from moe_gspo.config import ConfigError
-
     try:
         return int(args.func(args) or 0)
-    except ConfigError as e:
-        print(f"moe-gspo: configuration error: {e}", file=sys.stderr)
+    except _user_errors() as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"moe-gspo {args.command}: error: {_rank_prefix()}{msg}", file=sys.stderr, flush=True)
         return 2
 
 

@@ -7,6 +7,7 @@ Every check names the field and the bad value; unknown keys and wrong types fail
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -405,11 +406,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: invalid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
+    from_file = copy.deepcopy(data)
     data = apply_overrides(data, list(overrides or []))
     try:
         return config_from_dict(data)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
+        raise ConfigError(f"{_culprit(path, from_file, overrides, e)}: {e}") from None
+
+
+def _culprit(path, from_file: dict, overrides, err: ConfigError) -> str:
+    """Who set the value `err` is about: the YAML file, or the command-line overrides when the file alone is valid
+    (or fails differently)."""
+    if overrides:
+        try:
+            config_from_dict(from_file)
+            alone = None
+        except ConfigError as e:
+            alone = str(e)
+        if alone != str(err):
+            return f"command-line override {' '.join(overrides)}"
+    return str(path) if path is not None else "config"
 
 
 def to_dict(cfg) -> dict:

@@ -58,3 +58,27 @@ def run_torchrun(script, *args, nproc: int = 2, torchrun_args=(), timeout: int =
     assert r.returncode == 0, f"torchrun {Path(script).name} {' '.join(map(str, args))} failed:\n" \
                               f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return r
+
+
+# A tiny RL run (2 layers, 4 experts, 4 prompts x 4 responses, 2 steps) on top of configs/train_tiny_cpu.yaml
+TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+        "model.num_key_value_heads=1", "model.head_dim=16", "model.num_experts=4", "model.moe_intermediate_size=32",
+        "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3", "train.minibatches=2",
+        "train.micro_batch_size=4", "train.steps=2", "train.cold_start_steps=3", "train.checkpoint_every=0",
+        "logging.progress=false", "logging.tensorboard=false"]
+
+
+def tiny_cfg(*overrides):
+    from moe_gspo.config import load_config
+
+    return load_config(ROOT / "configs/train_tiny_cpu.yaml", TINY + list(overrides))
+
+
+def records(run_dir):
+    import json
+
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def strip_timing(rec):
+    return {k: v for k, v in rec.items() if not k.startswith(("time/", "perf/"))}

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from moe_gspo.config import ConfigError
 from moe_gspo.train.checkpoint import CheckpointError, Checkpoints
 
 TINY_MODEL = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
@@ -165,9 +166,9 @@ def test_bf16_checkpoint_keeps_fp32_main_params(tmp_path):
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     import shutil
 
-    from test_trainer import records, strip_timing, tiny_cfg
+    from helpers import records, strip_timing, tiny_cfg
 
-    from moe_gspo.trainer import train
+    from moe_gspo.train.loop import train
 
     full = tiny_cfg("train.steps=4", "train.checkpoint_every=2", "algorithm.loss=gspo", "train.lr_warmup_steps=3",
                     "train.lr_decay=linear", "train.min_lr=1e-5")
@@ -184,13 +185,15 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     assert len({r["lr"] for r in a}) == 4  # the schedule moved, and was resumed where it was
 
 
-def test_resume_without_checkpoint_starts_fresh_and_a_rerun_replaces_metrics(tmp_path, capfd):
-    from test_trainer import records, tiny_cfg
+def test_resume_without_checkpoint_starts_fresh_and_only_overwrite_replaces_a_run(tmp_path, capfd):
+    from helpers import records, tiny_cfg
 
-    from moe_gspo.trainer import train
+    from moe_gspo.train.loop import train
 
     cfg = tiny_cfg("train.steps=1")
     train(cfg, run_dir=tmp_path, resume=True)
     assert "no complete checkpoint" in capfd.readouterr().err
-    train(cfg, run_dir=tmp_path)
+    with pytest.raises(ConfigError, match="holds a previous run"):
+        train(cfg, run_dir=tmp_path)  # neither resume nor overwrite: the first run is kept
+    train(cfg, run_dir=tmp_path, overwrite=True)
     assert [r["step"] for r in records(tmp_path)] == [1]

@@ -44,7 +44,7 @@ def test_report_from_metrics_files(tmp_path):
 
 
 def test_compare_config_errors(tmp_path):
-    from moe_gspo.compare import DEFAULT_VARIANTS, read_compare_config
+    from moe_gspo.experiments.compare import DEFAULT_VARIANTS, read_compare_config
 
     p = tmp_path / "c.yaml"
     p.write_text("train: {steps: 2}\ncompare: {variants: {x: [algorithm.loss=nope]}}\n")
@@ -61,18 +61,12 @@ def test_compare_config_errors(tmp_path):
 
 
 def test_compare_cli_end_to_end_two_variants(tmp_path):
-    import argparse
+    from helpers import TINY
 
-    from moe_gspo.trainer_cli import add_compare_subparser, add_train_subparser
-    from test_trainer import TINY
+    from moe_gspo.cli import main
 
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers()
-    add_train_subparser(sub)
-    add_compare_subparser(sub)
-    args = parser.parse_args(["compare", "--config", "configs/compare_tiny_cpu.yaml", "--out", str(tmp_path),
-                              "--only", "grpo_r3,gspo", *TINY, "rollout.engine_dtype=float32"])
-    assert args.func(args) == 0
+    assert main(["compare", "--config", "configs/compare_tiny_cpu.yaml", "--out", str(tmp_path), "--only",
+                 "grpo_r3,gspo", *TINY, "rollout.engine_dtype=float32"]) == 0
     assert (tmp_path / "report.html").exists()
     info = json.loads((tmp_path / "compare.json").read_text())
     assert list(info["variants"]) == ["grpo_r3", "gspo"]
@@ -80,6 +74,6 @@ def test_compare_cli_end_to_end_two_variants(tmp_path):
     # same weights, prompts and seeds: the first rollout batch is identical across variants
     assert first["grpo_r3"]["reward/mean"] == first["gspo"]["reward/mean"]
     assert first["grpo_r3"]["moe/rollout_train_mismatch"] == 0.0  # fp32 engine routes exactly like the trainer
-    bad = parser.parse_args(["compare", "--config", "configs/compare_tiny_cpu.yaml", "--out", str(tmp_path),
-                             "--only", "nope"])
-    assert bad.func(bad) == 2
+    assert main(["compare", "--config", "configs/compare_tiny_cpu.yaml", "--out", str(tmp_path), "--only", "nope"]) == 2
+    # a second comparison into the same directory is refused unless told to replace the first
+    assert main(["compare", "--config", "configs/compare_tiny_cpu.yaml", "--out", str(tmp_path), "--only", "gspo"]) == 2

@@ -185,7 +185,7 @@ def test_padded_layout_and_select(model, prompts):
 
 def test_cli_run_rollout_writes_jsonl(model, tmp_path):
     from moe_gspo.config import load_config
-    from moe_gspo.rollout.cli import run_rollout
+    from moe_gspo.rollout.sample import run_rollout
 
     cfg = load_config("configs/tiny_cpu.yaml", ["rollout.group_size=2", "rollout.max_new_tokens=6"])
     out = tmp_path / "r.jsonl"

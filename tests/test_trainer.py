@@ -9,23 +9,7 @@ import torch
 
 from moe_gspo.config import ConfigError, load_config
 
-TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
-        "model.num_key_value_heads=1", "model.head_dim=16", "model.num_experts=4", "model.moe_intermediate_size=32",
-        "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3", "train.minibatches=2",
-        "train.micro_batch_size=4", "train.steps=2", "train.cold_start_steps=3", "train.checkpoint_every=0",
-        "logging.progress=false", "logging.tensorboard=false"]
-
-
-def tiny_cfg(*overrides):
-    return load_config("configs/train_tiny_cpu.yaml", TINY + list(overrides))
-
-
-def records(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def strip_timing(rec):
-    return {k: v for k, v in rec.items() if not k.startswith(("time/", "perf/"))}
+from helpers import TINY, records, strip_timing, tiny_cfg  # noqa: F401 - shared with other test modules
 
 
 EXPECTED = ["reward/mean", "reward/std", "accuracy", "response_length/mean", "pg_clipfrac", "pg_clipfrac_lower",
@@ -36,7 +20,7 @@ EXPECTED = ["reward/mean", "reward/std", "accuracy", "response_length/mean", "pg
 
 
 def test_train_writes_the_fields_metrics_and_is_deterministic(tmp_path):
-    from moe_gspo.trainer import train
+    from moe_gspo.train.loop import train
 
     cfg = tiny_cfg("logging.tensorboard=true", "algorithm.loss=grpo", "algorithm.routing_replay=r2")
     train(cfg, run_dir=tmp_path / "a")
@@ -52,7 +36,7 @@ def test_train_writes_the_fields_metrics_and_is_deterministic(tmp_path):
 
 
 def test_batch_that_does_not_divide_is_a_clear_error(tmp_path):
-    from moe_gspo.trainer import train
+    from moe_gspo.train.loop import train
 
     with pytest.raises(ConfigError, match="train.minibatches=3"):
         train(tiny_cfg("train.minibatches=3"), run_dir=tmp_path)
@@ -74,14 +58,14 @@ class _NaNTask:
 
 
 def test_nan_reward_errors_naming_the_sample_or_is_skipped_and_counted(tmp_path):
-    from moe_gspo.train.data import build_task
-    from moe_gspo.trainer import train
+    from moe_gspo.tasks import task_from_config
+    from moe_gspo.train.loop import train
 
     cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0")
     with pytest.raises(ValueError, match=r"non-finite reward for sample 0 \(prompt"):
-        train(cfg, run_dir=tmp_path / "e", task=_NaNTask(build_task(cfg)))
+        train(cfg, run_dir=tmp_path / "e", task=_NaNTask(task_from_config(cfg.rollout)))
     cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0", "rollout.bad_reward=skip")
-    m = train(cfg, run_dir=tmp_path / "s", task=_NaNTask(build_task(cfg)))
+    m = train(cfg, run_dir=tmp_path / "s", task=_NaNTask(task_from_config(cfg.rollout)))
     assert m["reward/skipped"] == 1.0 * cfg.rollout.group_size  # NaN for the whole first group, on one rank
     assert m["reward/mean"] == m["reward/mean"]  # finite
 
@@ -109,7 +93,7 @@ class _EmptyingEngine:
 def test_empty_response_and_too_long_prompt_are_clear_errors(tmp_path):
     from moe_gspo.rollout.hf_engine import HFEngine
     from moe_gspo.tasks import CharTokenizer
-    from moe_gspo.trainer import train
+    from moe_gspo.train.loop import train
 
     cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0")
     with pytest.raises(ValueError, match="empty response for sample 2"):
@@ -120,16 +104,10 @@ def test_empty_response_and_too_long_prompt_are_clear_errors(tmp_path):
 
 
 def test_train_cli_reports_config_errors_with_exit_code_2(tmp_path, capsys):
-    import argparse
+    from moe_gspo.cli import main
 
-    from moe_gspo.trainer_cli import add_train_subparser
-
-    parser = argparse.ArgumentParser()
-    add_train_subparser(parser.add_subparsers())
-    args = parser.parse_args(["train", "--config", "configs/train_tiny_cpu.yaml", "--out", str(tmp_path),
-                              "algorithm.loss=ppo"])
-    assert args.func(args) == 2
-    assert "algorithm.loss='ppo' is not one of ['grpo', 'gspo', 'gspo_token']" in capsys.readouterr().err
+    assert main(["train", "--config", "configs/train_tiny_cpu.yaml", "--out", str(tmp_path), "algorithm.loss=ppo"]) == 2
+    assert "algorithm.loss='ppo' is not one of ['grpo', 'gspo'" in capsys.readouterr().err
 
 
 def test_config_rejects_bad_trainer_values():
@@ -138,9 +116,9 @@ def test_config_rejects_bad_trainer_values():
     with pytest.raises(ConfigError, match="train.logprob_impl"):
         tiny_cfg("train.logprob_impl=magic")
     with pytest.raises(ConfigError, match="rollout.task_args"):
-        from moe_gspo.train.data import build_task
+        from moe_gspo.tasks import task_from_config
 
-        build_task(tiny_cfg("rollout.task_args=max_digits"))
+        task_from_config(tiny_cfg("rollout.task_args=max_digits").rollout)
 
 
 def test_fused_logprobs_equal_eager_values_and_gradients():
@@ -202,7 +180,7 @@ def test_megatron_optimizer_step_equals_torch_adamw(clip):
 
 
 def test_lr_schedule_follows_megatron_warmup_and_cosine(tmp_path):
-    from moe_gspo.trainer import train
+    from moe_gspo.train.loop import train
 
     train(tiny_cfg("train.steps=3", "train.minibatches=2", "train.lr=0.001", "train.lr_warmup_steps=2",
                    "train.lr_decay=cosine", "train.min_lr=0.0001"), run_dir=tmp_path)
@@ -214,7 +192,7 @@ def test_lr_schedule_follows_megatron_warmup_and_cosine(tmp_path):
 
 
 def test_gspo_with_engine_logprobs_skips_the_old_logprob_pass(tmp_path, monkeypatch):
-    import moe_gspo.trainer as trainer
+    import moe_gspo.train.loop as trainer
 
     calls = []
     real = trainer.old_logprob_pass
@@ -227,7 +205,7 @@ def test_gspo_with_engine_logprobs_skips_the_old_logprob_pass(tmp_path, monkeypa
 
 def test_kl_to_the_reference_policy_is_logged_and_costs_nothing_when_off(tmp_path, monkeypatch):
     from moe_gspo.model.policy import MoEPolicy
-    from moe_gspo.trainer import train
+    from moe_gspo.train.loop import train
 
     train(tiny_cfg("algorithm.kl_beta=0.1", "algorithm.kl_estimator=k3", "train.lr=0.01"), run_dir=tmp_path / "kl")
     recs = records(tmp_path / "kl")

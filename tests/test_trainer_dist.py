@@ -9,7 +9,7 @@ import json
 import pytest
 
 from helpers import ROOT, run_torchrun
-from test_trainer import TINY, strip_timing
+from helpers import TINY, strip_timing
 
 
 @pytest.mark.slow
@@ -47,8 +47,8 @@ def _lrs(run_dir):
 
 @pytest.mark.slow
 def test_checkpoint_of_one_rank_resumes_on_two_ranks_with_ep2(tmp_path):
-    from moe_gspo.trainer import train
-    from test_trainer import tiny_cfg
+    from moe_gspo.train.loop import train
+    from helpers import tiny_cfg
 
     train(tiny_cfg(*RESHARD[len(TINY):], "train.steps=2"), run_dir=tmp_path / "run")  # 1 rank writes step 2
     run_torchrun(ROOT / "tests/dist/reshard_worker.py", "--run-dir", tmp_path / "run", *RESHARD, "parallel.ep=2",
@@ -65,8 +65,8 @@ def test_checkpoint_of_one_rank_resumes_on_two_ranks_with_ep2(tmp_path):
 def test_checkpoint_of_tp2_resumes_on_one_rank(tmp_path):
     import sys
 
-    from moe_gspo.trainer import train
-    from test_trainer import tiny_cfg
+    from moe_gspo.train.loop import train
+    from helpers import tiny_cfg
 
     run_torchrun(ROOT / "tests/dist/reshard_worker.py", "--run-dir", tmp_path / "run", "--fresh", *RESHARD,
                  "parallel.tp=2", "train.steps=2")

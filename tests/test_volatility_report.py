@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from moe_gspo.report.cli import main as report_main
+from moe_gspo.cli import main as cli_main
 from moe_gspo.report.volatility import write_volatility_report
 
 L, E = 4, 8
@@ -46,14 +46,14 @@ def test_two_runs_cli_and_errors(tmp_path, capsys):
     write_run(tmp_path / "grpo", 0.1)
     write_run(tmp_path / "gspo", 0.03, steps=7, mismatch=False)
     out_html = tmp_path / "cmp" / "vol.html"
-    assert report_main(["volatility", str(tmp_path / "grpo"), str(tmp_path / "gspo"), "--out", str(out_html)]) == 0
+    assert cli_main(["report", "volatility", str(tmp_path / "grpo"), str(tmp_path / "gspo"), "--out", str(out_html)]) == 0
     assert capsys.readouterr().out.strip() == str(out_html)
     text = out_html.read_text()
     for s in re.findall(r'<img src="([^"]+)"', text):
         assert (out_html.parent / s).is_file() and s.startswith("vol_")
     assert "gspo" in text and "grpo" in text
     (tmp_path / "empty").mkdir()
-    assert report_main(["volatility", str(tmp_path / "empty")]) == 2
+    assert cli_main(["report", "volatility", str(tmp_path / "empty")]) == 2
     assert "no metrics file" in capsys.readouterr().err
     (tmp_path / "empty" / "metrics.jsonl").write_text('{"step": 0, "loss": 1}\n')
     with pytest.raises(ValueError, match="no 'moe/flip_rate' metrics"):

@@ -20,7 +20,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moe_gspo.config import ConfigError, ModelConfig
-from moe_gspo.fsutil import fsync_dir
 
 HF_ARCH = "Qwen3MoeForCausalLM"
 
@@ -40,6 +39,16 @@ def hf_config_dict(mc: ModelConfig) -> dict:
         "shared_expert_intermediate_size": 0, "router_aux_loss_coef": 0.0, "output_router_logits": False,
         "torch_dtype": mc.params_dtype, "use_sliding_window": False,
     }
+
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so that renames and new entries inside it survive a crash (every atomic writer uses it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def model_config_from_hf(path: Path, overrides: ModelConfig | None = None) -> ModelConfig:

@@ -163,9 +163,3 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
     report = out / "report.html"
     report.write_text(html.page("GSPO vs GRPO on an MoE policy", parts))
     return report
-
-
-if __name__ == "__main__":
-    d = Path(sys.argv[1])
-    info = json.loads((d / "compare.json").read_text())
-    print(write_compare_report(d, list(info["variants"]), info.get("wall_seconds")))

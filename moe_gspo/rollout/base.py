@@ -77,14 +77,21 @@ def _validate_prompts(prompts, n_per_prompt: int, vocab_size: int | None = None)
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
 
 
+ENGINES: dict[str, type[RolloutEngine]] = {}
+
+
+def register_engine(name: str):
+    """Class decorator: make an engine buildable as `build_engine(name, ...)` (and `rollout.engine: name`)."""
+    def deco(cls):
+        if name in ENGINES:
+            raise ValueError(f"rollout engine {name!r} is already registered")
+        ENGINES[name] = cls
+        return cls
+    return deco
+
+
 def build_engine(name: str, policy, **kwargs) -> RolloutEngine:
-    """Engine by name ('hf' or 'sglang') holding the policy's weights; an unknown name lists the valid ones."""
-    if name == "hf":
-        from moe_gspo.rollout.hf_engine import HFEngine
-
-        return HFEngine(policy, **kwargs)
-    if name == "sglang":
-        from moe_gspo.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(policy, **kwargs)
-    raise KeyError(f"unknown rollout engine {name!r}; valid: ['hf', 'sglang']")
+    """The engine registered as `name`, holding the policy's weights; an unknown name lists the valid ones."""
+    if name not in ENGINES:
+        raise KeyError(f"unknown rollout engine {name!r}; valid: {sorted(ENGINES)}")
+    return ENGINES[name](policy, **kwargs)

@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts
+from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
 
 _EXPERT_KEY = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -146,6 +146,7 @@ def _sample(logits_BV: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -
     return tok, logp_BV.gather(-1, tok[:, None]).squeeze(-1)
 
 
+@register_engine("hf")
 class HFEngine(RolloutEngine):
     """transformers generation on the current policy weights (CPU by default, fp32)."""
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts
+from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
 
 
@@ -76,6 +76,7 @@ def decode_routed_experts(payload, num_layers: int, top_k: int) -> torch.Tensor:
     return torch.from_numpy(arr.copy()).long().reshape(-1, num_layers, top_k).sort(-1).values
 
 
+@register_engine("sglang")
 class SGLangEngine(RolloutEngine):
     """sglang.Engine in this process; token ids in and out."""
 

@@ -1,4 +1,4 @@
-"""Pieces of the RL loop in moe_gspo/trainer.py: data, log-probs, one optimizer step, metrics, checkpoints.
+"""Pieces of the RL loop in moe_gspo/train/loop.py: data, log-probs, one optimizer step, metrics, checkpoints.
 
     data.py        task from config, the prompts of step s on this data-parallel rank, input checks
     logprob.py     token log-probs (+ entropy) of a padded batch: fused kernel on hidden states, or eager

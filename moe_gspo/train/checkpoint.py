@@ -38,7 +38,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from moe_gspo.fsutil import fsync_dir
+from moe_gspo.model.hf_io import fsync_dir
 from moe_gspo.parallel.state import comm_device
 
 PREFIX, TMP = "step_", ".tmp-"
@@ -207,6 +207,17 @@ class Checkpoints:
         if world > 1:
             dist.broadcast_object_list(choice, src=0)
         return int(choice[0])
+
+    def load_weights(self, step: int, policy) -> None:
+        """Only the policy's weights of checkpoint `step` (verified first), at this policy's layout: for sampling
+        from a trained run without its optimizer."""
+        self.verify(step)
+        d = self.root / self.name(step)
+        try:
+            model = load_file(d / "model.safetensors")
+            policy.load_full_megatron_state({k: v.to(next(policy.parameters()).dtype) for k, v in model.items()})
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{d}: weights do not load into this model ({e})") from None
 
     def load(self, step: int, ctx) -> dict:
         """Load checkpoint `step` into ctx (policy, optimizer, schedule, reference, RNG) at this run's layout;

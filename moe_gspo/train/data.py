@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_gspo.config import Config, ConfigError
-from moe_gspo.tasks import Example, Task, get_task, task_from_config
+from moe_gspo.tasks import Example, Task
 from moe_gspo.tasks.tokenizer import CharTokenizer
 
 
@@ -42,32 +42,6 @@ def build_tokenizer(cfg: Config):
     if cfg.model.init_from and (Path(cfg.model.init_from) / "tokenizer_config.json").is_file():
         return HFTokenizer(cfg.model.init_from)
     return CharTokenizer()
-
-
-def parse_task_args(text: str) -> dict:
-    """'max_digits=1,num_operands=3' -> {'max_digits': 1, 'num_operands': 3} (ints, floats or strings)."""
-    out = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        if "=" not in part:
-            raise ConfigError(f"rollout.task_args: {part!r} is not key=value")
-        k, v = (x.strip() for x in part.split("=", 1))
-        for conv in (int, float):
-            try:
-                v = conv(v)
-                break
-            except ValueError:
-                pass
-        out[k] = v
-    return out
-
-
-def build_task(cfg: Config) -> Task:
-    if cfg.rollout.task in ("jsonl", "parquet") or not cfg.rollout.task_args:
-        return task_from_config(cfg.rollout)
-    try:
-        return get_task(cfg.rollout.task, **parse_task_args(cfg.rollout.task_args))
-    except TypeError as e:
-        raise ConfigError(f"rollout.task_args={cfg.rollout.task_args!r} for task {cfg.rollout.task!r}: {e}") from None
 
 
 @dataclass
@@ -109,6 +83,9 @@ def check_names(cfg: Config) -> None:
                                ("algorithm.advantage", cfg.algorithm.advantage, ADVANTAGE_ESTIMATORS)):
         if name not in valid:
             raise ConfigError(f"{field}={name!r} is not one of {sorted(valid)}")
+    if cfg.rollout.group_size < 2:  # every estimator is group-relative
+        raise ConfigError(f"rollout.group_size={cfg.rollout.group_size}: the group-relative advantages of "
+                          f"algorithm.advantage={cfg.algorithm.advantage!r} are 0 for a group of one; use >= 2")
 
 
 def step_examples(task: Task, seed: int, step: int, dp_rank: int, n: int) -> list[Example]:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from moe_gspo.config import load_config
-from moe_gspo.trainer import train
+from moe_gspo.train.loop import train
 
 
 def check_load(cfg, run: Path) -> int:

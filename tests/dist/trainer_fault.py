@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_gspo import trainer
+from moe_gspo.train import loop as trainer
 from moe_gspo.config import load_config
 
 

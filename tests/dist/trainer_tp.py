@@ -17,7 +17,7 @@ from moe_gspo import load_policy
 from moe_gspo.config import load_config
 from moe_gspo.model.routing_capture import RoutingCapture
 from moe_gspo.train.logprob import batch_logprobs
-from moe_gspo.trainer import train
+from moe_gspo.train.loop import train
 
 
 def main():

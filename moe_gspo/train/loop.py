@@ -1,8 +1,8 @@
 """The RL loop: rollout -> reward -> advantage -> old log-probs -> one optimizer step per minibatch.
 
     moe-gspo train --config configs/train_tiny_cpu.yaml [a.b=v ...] [--resume]
-    torchrun --nproc-per-node 2 -m moe_gspo.trainer --config configs/train_tiny_cpu.yaml parallel.ep=2
-    from moe_gspo.trainer import train; last_metrics = train(cfg)
+    torchrun --nproc-per-node 2 -m moe_gspo.cli train --config configs/train_tiny_cpu.yaml parallel.ep=2
+    from moe_gspo.train.loop import train; last_metrics = train(cfg)
 
 Under torchrun each data-parallel rank samples its own prompts (groups never straddle ranks); the TP and EP ranks
 of one DP replica see the same data. Writes RUN_DIR/metrics.jsonl, RUN_DIR/tensorboard/, RUN_DIR/checkpoints/.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -22,21 +23,25 @@ import numpy as np
 import torch
 import yaml
 
-from moe_gspo.config import Config, to_dict
+from moe_gspo.config import Config, ConfigError, to_dict
 from moe_gspo.losses import get_advantage_estimator
 from moe_gspo.rollout import SamplingParams, build_engine, rollout_probs_diff
 from moe_gspo.rewards import score_responses
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
+from moe_gspo.tasks import task_from_config
 from moe_gspo.train import data
 from moe_gspo.train.checkpoint import Checkpoints
 from moe_gspo.train.metrics import MetricMean, MetricsWriter, Progress, StepTimer, reduce_across_ranks
 from moe_gspo.train.step import StepContext, cold_start, old_logprob_pass, routing_mask, update_minibatch
 
 
-def train(cfg: Config, *, resume: bool = False, run_dir: str | Path | None = None, task=None, engine=None,
-          init_state: dict | None = None, label: str | None = None) -> dict[str, float]:
-    """Run the RL loop for cfg.train.steps steps (continuing the newest checkpoint with resume); last metrics."""
-    run = Run.setup(cfg, run_dir, task, engine, init_state, resume, label)
+def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir: str | Path | None = None,
+          task=None, engine=None, init_state: dict | None = None, label: str | None = None) -> dict[str, float]:
+    """Run the RL loop for cfg.train.steps steps; last metrics.
+
+    A run directory that holds a previous run (metrics or checkpoints) is continued with resume=True (from its
+    newest complete checkpoint), replaced with overwrite=True, and otherwise refused."""
+    run = Run.setup(cfg, run_dir, task, engine, init_state, resume, label, overwrite)
     m: dict[str, float] = {}
     for step in range(run.start, cfg.train.steps):
         t = run.timer
@@ -61,6 +66,7 @@ def train(cfg: Config, *, resume: bool = False, run_dir: str | Path | None = Non
         if cfg.train.checkpoint_every and ((step + 1) % cfg.train.checkpoint_every == 0 or last):
             run.ckpts.save(step + 1, run.ctx, run.extra_state(step + 1))
     run.close()
+    _say(run.info, f"run directory: {run.dir} (metrics.jsonl, checkpoints/, tensorboard/)")
     return m
 
 
@@ -86,14 +92,15 @@ class Run:
     start: int = 0
 
     @classmethod
-    def setup(cls, cfg, run_dir, task, engine, init_state, resume, label) -> Run:
+    def setup(cls, cfg, run_dir, task, engine, init_state, resume, label, overwrite=False) -> Run:
         from megatron.core import parallel_state as ps
 
         from moe_gspo import load_policy
-        from moe_gspo.parallel.state import current_info, init_distributed
+        from moe_gspo.parallel.state import current_info, init_distributed, validate_sizes
         from moe_gspo.train.optim import Optimizer, wrap_ddp
 
         run_dir = Path(run_dir or cfg.train.out_dir)
+        _check_run_dir(run_dir, resume, overwrite)
         tok = data.build_tokenizer(cfg)
         if cfg.model.init_from is None and cfg.model.vocab_size < tok.num_tokens:
             raise ValueError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tok.num_tokens} ids")
@@ -101,12 +108,14 @@ class Run:
         if cfg.algorithm.use_engine_logprobs and cfg.algorithm.loss == "grpo":
             print("warning: algorithm.use_engine_logprobs with grpo: every token ratio then carries the engine vs "
                   "trainer numeric mismatch (sound for gspo's sequence ratio, not for grpo)", file=sys.stderr)
+        validate_sizes(cfg.parallel, data.world_size(), cfg.model.num_experts, cfg.model.num_key_value_heads,
+                       None if cfg.model.init_from else cfg.model.vocab_size)
         data.check_layout(cfg, data.world_size() // cfg.parallel.tp)
+        task = task or task_from_config(cfg.rollout)
         init_distributed(cfg.parallel.backend)
         policy = load_policy(cfg)
         info = current_info()
         layout = data.check_layout(cfg, info.dp)
-        task = task or data.build_task(cfg)
         if init_state is not None:
             policy.load_full_megatron_state(init_state)
         ddp = wrap_ddp(policy, cfg.train.distributed_optimizer)
@@ -116,10 +125,15 @@ class Run:
         tracker = ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts) if cfg.algorithm.track_flips else None
         ctx = StepContext(policy, None, cfg, replay, tracker, ps.get_data_parallel_group(), info.dp)
         if info.rank == 0:
+            if overwrite and not resume:
+                for old in ("checkpoints", "tensorboard", "metrics.jsonl"):
+                    p = run_dir / old
+                    shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
         start = ckpts.latest() if resume else 0
+        _say(info, f"run directory: {run_dir}")
         if not start:
             if resume:
                 _say(info, f"no complete checkpoint in {ckpts.root}: starting from step 0")
@@ -244,12 +258,14 @@ class Run:
         self.writer.close()
 
 
+def _check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to start a fresh run over a previous one unless told to continue it or to replace it."""
+    held = [n for n in ("metrics.jsonl", "checkpoints") if (run_dir / n).exists()]
+    if held and not (resume or overwrite):
+        raise ConfigError(f"run directory {run_dir} holds a previous run ({', '.join(held)}): pass --resume to "
+                          f"continue it or --overwrite to replace it (or choose another --out / train.out_dir)")
+
+
 def _say(info, msg: str) -> None:
     if info.rank == 0:
         print(msg, file=sys.stderr, flush=True)
-
-
-if __name__ == "__main__":
-    from moe_gspo.trainer_cli import main
-
-    sys.exit(main())

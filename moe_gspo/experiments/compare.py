@@ -63,7 +63,8 @@ def cold_start_state(cfg) -> dict:
 
     from moe_gspo import load_policy
     from moe_gspo.parallel.state import current_info
-    from moe_gspo.train.data import build_task, build_tokenizer
+    from moe_gspo.tasks import task_from_config
+    from moe_gspo.train.data import build_tokenizer
     from moe_gspo.train.optim import wrap_ddp
     from moe_gspo.train.step import cold_start
 
@@ -71,16 +72,17 @@ def cold_start_state(cfg) -> dict:
     info = current_info()
     if cfg.train.cold_start_steps:
         ddp = wrap_ddp(policy, cfg.train.distributed_optimizer)
-        cold_start(policy, ddp, cfg.train, build_task(cfg), build_tokenizer(cfg), info.dp, info.dp_rank)
+        cold_start(policy, ddp, cfg.train, task_from_config(cfg.rollout), build_tokenizer(cfg), info.dp, info.dp_rank)
     return {k: v.detach().clone() for k, v in policy.full_megatron_state().items()}
 
 
-def run_comparison(config_path, out_dir, overrides=None, only=None) -> Path:
-    """Run every variant into out_dir/<name>/ and write out_dir/report.html; returns the report's path."""
+def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: bool = False) -> Path:
+    """Run every variant into out_dir/<name>/ and write out_dir/report.html; returns the report's path.
+    A directory that already holds a comparison is refused unless overwrite=True."""
     import torch.distributed as dist
 
     from moe_gspo.report.compare import write_compare_report
-    from moe_gspo.trainer import train
+    from moe_gspo.train.loop import train
 
     base, variants = read_compare_config(config_path, overrides)
     if only:
@@ -89,6 +91,9 @@ def run_comparison(config_path, out_dir, overrides=None, only=None) -> Path:
             raise ConfigError(f"--only {missing}: not among the variants {list(variants)}")
         variants = {n: variants[n] for n in only}
     out = Path(out_dir)
+    if (out / "compare.json").exists() and not overwrite:
+        raise ConfigError(f"{out} holds a previous comparison (compare.json): pass --overwrite to replace it or "
+                          f"choose another --out")
     shared = config_from_dict(copy.deepcopy(base))
     t0 = time.perf_counter()
     _say(f"cold start: {shared.train.cold_start_steps} supervised steps on {shared.rollout.task}")
@@ -98,7 +103,7 @@ def run_comparison(config_path, out_dir, overrides=None, only=None) -> Path:
     for name, ovs in variants.items():
         cfg = config_from_dict(apply_overrides(copy.deepcopy(base), ovs))
         t1 = time.perf_counter()
-        train(cfg, run_dir=out / name, init_state=init, label=name)
+        train(cfg, run_dir=out / name, init_state=init, label=name, overwrite=True)
         walls[name] = time.perf_counter() - t1
         if not dist.is_initialized() or dist.get_rank() == 0:
             (out / name / "wall_time.json").write_text(json.dumps({"seconds": walls[name], "overrides": ovs}))
@@ -115,14 +120,3 @@ def _say(msg: str) -> None:
 
     if os.environ.get("RANK", "0") == "0":  # torchrun's global rank (before the process group exists)
         print(msg, file=sys.stderr, flush=True)
-
-
-if __name__ == "__main__":  # python -m moe_gspo.compare --config C --out DIR (same as `moe-gspo compare`)
-    import argparse
-
-    from moe_gspo.trainer_cli import add_compare_subparser
-
-    parser = argparse.ArgumentParser(prog="python -m moe_gspo.compare")
-    add_compare_subparser(parser.add_subparsers())
-    ns = parser.parse_args(["compare", *sys.argv[1:]])
-    sys.exit(ns.func(ns))

@@ -1,44 +1,48 @@
-"""`moe-gspo rollout`: sample responses from the policy, score them, and check engine vs training log-probs.
+"""Sample a batch of responses from the policy, score them, and compare engine vs training log-probs.
 
     moe-gspo rollout --config configs/tiny_cpu.yaml --num-prompts 4 --out rollout.jsonl [--seed 0] [a.b=c ...]
+    moe-gspo rollout --from runs/train_tiny_cpu --out rollout.jsonl       # a trained run's newest checkpoint
 
 Writes one JSON line per response (prompt, response text, token ids, log-probs, reward or reward error, finish
-reason, routed-experts shape) and prints the engine-vs-training log-prob difference (rollout_probs_diff_*).
-The lead's moe_gspo/cli.py calls `add_subparser(subparsers)`; `run_rollout` is the testable body.
+reason, routed-experts shape); returns the reward metrics and the engine-vs-training log-prob difference
+(rollout_probs_diff_*). `run_rollout` is the body `rollout_command` (the CLI's) and the tests call.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 
 
-def add_subparser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("rollout", help="sample, score and log a batch of responses",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="YAML config (configs/tiny_cpu.yaml)")
-    p.add_argument("--num-prompts", type=int, default=4, help="prompts to sample (each gets rollout.group_size)")
-    p.add_argument("--out", required=True, help="JSONL file to write, one line per response")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: train.seed)")
-    p.add_argument("overrides", nargs="*", help="config overrides a.b=value")
-    p.set_defaults(func=main)
-    return p
-
-
-def main(args) -> int:
+def rollout_command(config: str | None, run_dir: str | None, overrides: list[str], num_prompts: int,
+                    out: str | Path, seed: int | None = None) -> tuple[Path, dict[str, float]]:
+    """Build the policy from a config, or from a run directory's config.yaml and newest checkpoint; sample."""
     from moe_gspo import load_policy
-    from moe_gspo.config import load_config
+    from moe_gspo.config import ConfigError, load_config
+    from moe_gspo.train.checkpoint import Checkpoints
 
-    cfg = load_config(args.config, args.overrides)
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts={num_prompts} must be >= 1")
+    if run_dir is not None:
+        run = Path(run_dir)
+        if not (run / "config.yaml").is_file():
+            raise FileNotFoundError(f"--from {run}: no config.yaml (not a `moe-gspo train` run directory)")
+        cfg = load_config(run / "config.yaml", overrides)
+    else:
+        cfg = load_config(config, overrides)
     if cfg.rollout.engine == "hf":  # transformers must be imported before megatron's CPU shims are applied
         import moe_gspo.rollout.hf_engine  # noqa: F401
     policy = load_policy(cfg)
-    metrics = run_rollout(cfg, policy, args.num_prompts, args.out, args.seed)
-    print(" ".join(f"{k}={v:.3g}" for k, v in metrics.items()))
-    return 0
+    if run_dir is not None:
+        ckpts = Checkpoints(Path(run_dir) / "checkpoints")
+        step = ckpts.latest()
+        if not step:
+            raise ConfigError(f"--from {run_dir}: no complete checkpoint in {ckpts.root}")
+        ckpts.load_weights(step, policy)
+    out = Path(out)
+    return out, run_rollout(cfg, policy, num_prompts, out, seed)
 
 
 def policy_logits(policy, input_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -54,12 +58,13 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
     from moe_gspo.rewards import score_responses
     from moe_gspo.rollout.base import SamplingParams, build_engine
     from moe_gspo.rollout.batch import rollout_probs_diff, token_logprobs_from_logits
-    from moe_gspo.tasks import CharTokenizer, task_from_config
+    from moe_gspo.tasks import task_from_config
+    from moe_gspo.train.data import build_tokenizer
 
     if num_prompts < 1:
         raise ValueError(f"--num-prompts={num_prompts} must be >= 1")
-    tok = CharTokenizer()
-    if cfg.model.vocab_size < tok.num_tokens:
+    tok = build_tokenizer(cfg)
+    if cfg.model.init_from is None and cfg.model.vocab_size < tok.num_tokens:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the character tokenizer's "
                          f"{tok.num_tokens} ids")
     seed = cfg.train.seed if seed is None else seed

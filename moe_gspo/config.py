@@ -449,7 +449,8 @@ def _culprit(path, from_file: dict, overrides, err: ConfigError) -> str:
         except ConfigError as e:
             alone = str(e)
         if alone != str(err):
-            named = [o for o in overrides if o.split("=", 1)[0].strip() in str(err)]
+            last = {o.split("=", 1)[0].strip(): o for o in overrides}  # the last override of a key wins
+            named = [o for k, o in last.items() if k in str(err)]
             return f"command-line override {' '.join(named or overrides)}"
     return str(path) if path is not None else "config"
 

@@ -7,8 +7,12 @@ import torch
 
 
 def fresh_seed() -> int:
-    """A new seed every run (printed by the caller on failure), overridable with KERNEL_TEST_SEED."""
-    return int(os.environ.get("KERNEL_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    """This test's seed: fixed per test (a hash of its pytest node id), so a failure reproduces by rerunning the
+    test; KERNEL_TEST_SEED=N shifts every test's seed by N to try other inputs (the seed is in each message)."""
+    import zlib
+
+    node = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    return (zlib.crc32(node.encode()) + int(os.environ.get("KERNEL_TEST_SEED", "0"))) % 2**31
 
 
 def logprobs_f64(hidden, weight, targets, temperature=1.0, ignore_index=-100):

@@ -111,20 +111,24 @@ def test_parquet_dataset_and_bad_row(tmp_path):
 
 
 def test_cold_start_raises_heldout_accuracy():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """The trainer's cold start (megatron's optimizer on the megatron policy) learns the task's demonstrations."""
+    import moe_gspo
+    from moe_gspo.config import load_config
+    from moe_gspo.tasks.sft import demonstration_batch, greedy_accuracy
+    from moe_gspo.train.optim import wrap_ddp
+    from moe_gspo.train.step import cold_start
 
-    from moe_gspo.tasks.sft import cold_start, demonstration_batch, greedy_accuracy
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=128, norm_topk_prob=True, max_position_embeddings=64)
-    model = Qwen3MoeForCausalLM(cfg)
+    cfg = load_config(None, ["model.vocab_size=128", "model.hidden_size=64", "model.num_hidden_layers=2",
+                             "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.head_dim=16",
+                             "model.num_experts=4", "model.moe_intermediate_size=128",
+                             "model.max_position_embeddings=64", "train.cold_start_steps=150",
+                             "train.cold_start_lr=0.003", "train.cold_start_batch_size=32"])
+    policy = moe_gspo.load_policy(cfg)
     task = AdditionTask(1, 1, heldout_fraction=0.2)
     ids, mask = demonstration_batch(task.examples(2), TOK)
     assert TOK.decode(ids[0][mask[0]].tolist()) == task.examples(2)[0].answer  # loss only on answer + eos
-    before = greedy_accuracy(model, task, n=48)
-    losses = cold_start(model, task, steps=150, batch_size=32, lr=1e-2, seed=0)
-    after = greedy_accuracy(model, task, n=48)
+    before = greedy_accuracy(policy, task, n=48)
+    losses = cold_start(policy, wrap_ddp(policy, False), cfg.train, task, TOK, dp=1, dp_rank=0)
+    after = greedy_accuracy(policy, task, n=48)
     assert losses[-1] < losses[0] / 4
     assert after > before and after >= 0.2, (before, after)

@@ -34,7 +34,9 @@ def test_tp2_fused_logprobs_match_eager_and_an_rl_step_runs(tmp_path):
     run_torchrun(ROOT / "tests/dist/trainer_tp.py", "--out", tmp_path, *overrides)
     assert (tmp_path / "ok").exists()
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert rec["grad_norm"] >= 0 and rec["rollout_probs_diff_max"] < 1e-4  # engine (full weights) == TP=2 trainer
+    # a group with reward variance gives a non-zero advantage, hence a gradient
+    assert rec["grad_norm"] > 0 or rec["groups/with_variance"] == 0
+    assert rec["rollout_probs_diff_max"] < 1e-4  # engine (full weights) == TP=2 trainer
 
 
 RESHARD = TINY + ["train.checkpoint_every=2", "train.cold_start_steps=2", "train.lr_warmup_steps=8",

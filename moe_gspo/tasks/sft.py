@@ -1,8 +1,8 @@
-"""Supervised cold start: fine-tune on task demonstrations so that RL begins with nonzero reward variance.
+"""Supervised demonstrations for the cold start (moe_gspo.train.step.cold_start runs it) and greedy evaluation.
 
-    acc0 = greedy_accuracy(policy, task, n=64)
-    losses = cold_start(policy, task, steps=200, batch_size=32, lr=3e-3)
-    acc1 = greedy_accuracy(policy, task, n=64)          # held-out prompts ("test" split)
+    ids, mask = demonstration_batch(examples, tokenizer)
+    loss = sft_loss(policy, ids, mask)
+    acc = greedy_accuracy(policy, task, n=64)          # held-out prompts ("test" split)
 
 Works with any model object callable as `model(input_ids) -> logits (B, T, V)` (the megatron policy) or returning
 an object with `.logits` (a transformers model), with `.parameters()`. A demonstration is bos + prompt + completion
@@ -12,7 +12,6 @@ needs no attention mask and greedy decoding reads each row's logits at its own l
 
 from __future__ import annotations
 
-import random
 
 import torch
 
@@ -50,35 +49,6 @@ def sft_loss(model, input_ids_BT: torch.Tensor, loss_mask_BT: torch.Tensor) -> t
     logits = _logits(model, input_ids_BT)[:, :-1].float()  # (B, T-1, V) predicts tokens 1..T-1
     tgt, m = input_ids_BT[:, 1:].to(logits.device), loss_mask_BT[:, 1:].to(logits.device)
     return torch.nn.functional.cross_entropy(logits[m], tgt[m])
-
-
-def cold_start(model, task: Task, tokenizer: CharTokenizer | None = None, steps: int = 200, batch_size: int = 32,
-               lr: float = 3e-3, weight_decay: float = 0.0, seed: int = 0, grad_clip: float = 1.0,
-               log_every: int = 0) -> list[float]:
-    """Train `model` in place on `steps` batches of train-split demonstrations; returns the loss per step."""
-    tokenizer = tokenizer or CharTokenizer()
-    rng = random.Random(seed)
-    dev = _device(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    was_training = model.training
-    model.train()
-    losses = []
-    try:
-        for step in range(steps):
-            ids, mask = demonstration_batch([task.sample(rng, "train") for _ in range(batch_size)], tokenizer)
-            loss = sft_loss(model, ids.to(dev), mask.to(dev))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            opt.step()
-            losses.append(float(loss.detach()))
-            if log_every and (step + 1) % log_every == 0:
-                print(f"cold start step {step + 1}/{steps} loss {losses[-1]:.4f}")
-    finally:
-        model.train(was_training)
-    return losses
 
 
 @torch.no_grad()

@@ -5,6 +5,10 @@
 Both models are measured in this run, alternating, with the same batch; the table reports medians and the
 ratio against transformers. Variants: moe-gspo with SDPA attention (default) and with megatron's local
 unfused attention; transformers with its default experts implementation and with eager experts.
+
+--optimizer adds a second table: a whole training step (forward, backward, optimizer step with clipping) of the
+policy under the trainer's optimizer (megatron DDP buffers, megatron's Adam on fp32 main params, its grad norm and
+LR schedule) against the same policy under plain torch.optim.AdamW + clip_grad_norm_, same weights and batch.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--optimizer", action="store_true", help="also time whole train steps: megatron's optimizer vs AdamW")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -103,9 +108,55 @@ def main():
     print(f"{'implementation':45s} {'s/step':>8s} {'tokens/s':>10s} {'vs transformers':>16s}")
     for r in rows:
         print(f"{r['impl']:45s} {r['seconds']:8.3f} {r['tokens_per_s']:10.0f} {r['speedup_vs_transformers']:15.2f}x")
+    if args.optimizer:
+        result["optimizer_rows"] = optimizer_rows(args, cfg, policy, x, y, V)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def optimizer_rows(args, cfg, policy, x, y, V):
+    """Seconds per train step (fwd + bwd + optimizer) with the trainer's megatron optimizer vs torch AdamW."""
+    import moe_gspo
+    from moe_gspo.train.optim import Optimizer, wrap_ddp
+
+    mega = moe_gspo.load_policy(cfg)
+    mega.load_full_megatron_state(policy.full_megatron_state())
+    opt = Optimizer.from_config(wrap_ddp(mega, False), mega, cfg.train, total_steps=10**6)
+    plain = moe_gspo.load_policy(cfg)
+    plain.load_full_megatron_state(policy.full_megatron_state())
+    adamw = torch.optim.AdamW(plain.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+
+    def loss(m):
+        return torch.nn.functional.cross_entropy(m(x).reshape(-1, V), y.reshape(-1))
+
+    def mega_step():
+        opt.zero_grad()
+        loss(mega).backward()
+        opt.step()
+
+    def plain_step():
+        adamw.zero_grad(set_to_none=True)
+        loss(plain).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.train.grad_clip)
+        adamw.step()
+
+    steps = {"megatron optimizer (DDP buffers, fp32 main params, clip, schedule)": mega_step,
+             "torch AdamW + clip_grad_norm_": plain_step}
+    for _ in range(args.warmup):
+        for fn in steps.values():
+            fn()
+    secs = {k: [] for k in steps}
+    for _ in range(args.iters):
+        for k, fn in steps.items():
+            secs[k].append(timed(fn, 0, 1))
+    base = statistics.median(secs["torch AdamW + clip_grad_norm_"])
+    rows = [{"impl": k, "seconds": statistics.median(v), "time_vs_adamw": statistics.median(v) / base}
+            for k, v in secs.items()]
+    print(f"\ntrain step (fwd + bwd + optimizer), {args.batch} x {args.seq} tokens")
+    for r in rows:
+        print(f"{r['impl']:70s} {r['seconds']:8.3f} s  x{r['time_vs_adamw']:.3f}")
+    return rows
 
 
 if __name__ == "__main__":

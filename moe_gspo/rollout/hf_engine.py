@@ -188,6 +188,7 @@ class HFEngine(RolloutEngine):
         gen = torch.Generator()
         gen.manual_seed(sp.seed) if sp.seed is not None else gen.seed()
         stop_ids = set(sp.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long)
 
         rows = [list(p) for p in prompts for _ in range(n_per_prompt)]
         B, P_max = len(rows), max(len(p) for p in rows)
@@ -213,9 +214,14 @@ class HFEngine(RolloutEngine):
                 tok = torch.where(finished, torch.full_like(tok, self.pad_token_id), tok)
                 tokens.append(tok), logps.append(torch.where(finished, torch.zeros_like(lp), lp))
                 lengths += (~finished).long()
-                for b in (~finished).nonzero().flatten().tolist():
-                    if int(tok[b]) in stop_ids or (sp.stop and self._hits_stop(tokens, b, lengths[b], sp.stop)):
-                        finished[b], finish[b] = True, "stop"
+                # stop tokens for the whole batch in one tensor op; stop strings need each live row's text
+                stopped = ~finished & torch.isin(tok, stop_tensor)
+                if sp.stop:
+                    for b in (~finished & ~stopped).nonzero().flatten().tolist():
+                        stopped[b] = self._hits_stop(tokens, b, lengths[b], sp.stop)
+                for b in stopped.nonzero().flatten().tolist():  # only the rows that end at this step
+                    finish[b] = "stop"
+                finished |= stopped
                 if bool(finished.all()) or step == sp.max_new_tokens - 1:
                     break
                 mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)

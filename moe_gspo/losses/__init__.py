@@ -1,13 +1,16 @@
-"""moe_gspo.losses: GRPO / GSPO / GSPO-token policy losses and group advantages, registered by name.
+"""moe_gspo.losses: GRPO / GSPO / GSPO-token / GMPO / RSPO policy losses and group advantages, registered by name.
 
     from moe_gspo.losses import get_policy_loss, get_advantage_estimator, DEFAULT_CLIP
     adv = get_advantage_estimator("grpo")(rewards, group_ids)                  # (N,)
     loss, metrics = get_policy_loss("gspo")(logp, old_logp, adv, mask)          # clip defaults (3e-4, 4e-4)
+    w = router_shift_weight(router_shift_ratio(cur_scores, old_scores), floor=0.8)   # RSPO's per-token weight
+    loss, metrics = get_policy_loss("rspo")(logp, old_logp, adv, mask, router_shift_weight=w)
 
 Formulas, defaults and aggregation pitfalls: docs/losses.md.
 """
 
 from moe_gspo.losses import policy as _policy  # noqa: F401  (registers grpo, gspo, gspo_token)
+from moe_gspo.losses import gmpo as _gmpo  # noqa: F401  (registers gmpo, rspo)
 from moe_gspo.losses.advantages import (
     ADVANTAGE_ESTIMATORS,
     get_advantage_estimator,
@@ -15,6 +18,7 @@ from moe_gspo.losses.advantages import (
     register_advantage_estimator,
 )
 from moe_gspo.losses.aggregation import AGG_MODES, agg_loss, agg_seq_loss, loss_denominator
+from moe_gspo.losses.gmpo import gmpo_loss
 from moe_gspo.losses.packed import pad_packed, unpad_to_packed
 from moe_gspo.losses.policy import gspo_loss, gspo_token_loss, grpo_loss, sequence_log_ratio
 from moe_gspo.losses.registry import (
@@ -22,16 +26,19 @@ from moe_gspo.losses.registry import (
     DEFAULT_CLIP,
     LOG_RATIO_CLAMP,
     POLICY_LOSSES,
+    ROUTER_SHIFT_LOSSES,
     get_policy_loss,
     KL_ESTIMATORS,
     kl_k3,
     kl_penalty,
     register_policy_loss,
 )
+from moe_gspo.losses.router_shift import router_shift_metrics, router_shift_ratio, router_shift_weight
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGG_MODES", "DEFAULT_AGG_MODE", "DEFAULT_CLIP", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
-    "agg_loss", "agg_seq_loss", "get_advantage_estimator", "get_policy_loss", "group_stats", "grpo_loss",
-    "gspo_loss", "gspo_token_loss", "KL_ESTIMATORS", "kl_k3", "kl_penalty", "loss_denominator", "pad_packed", "register_advantage_estimator",
-    "register_policy_loss", "sequence_log_ratio", "unpad_to_packed",
+    "ROUTER_SHIFT_LOSSES", "agg_loss", "agg_seq_loss", "get_advantage_estimator", "get_policy_loss", "gmpo_loss",
+    "group_stats", "grpo_loss", "gspo_loss", "gspo_token_loss", "KL_ESTIMATORS", "kl_k3", "kl_penalty",
+    "loss_denominator", "pad_packed", "register_advantage_estimator", "register_policy_loss", "router_shift_metrics",
+    "router_shift_ratio", "router_shift_weight", "sequence_log_ratio", "unpad_to_packed",
 ]

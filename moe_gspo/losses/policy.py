@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from moe_gspo.losses.aggregation import agg_loss, agg_seq_loss
-from moe_gspo.losses.registry import register_policy_loss
+from moe_gspo.losses.registry import ppo_kl, register_policy_loss
 
 
 def _frac(flag: Tensor, valid: Tensor) -> Tensor:
@@ -48,10 +48,6 @@ def _stats(values: Tensor, valid: Tensor, prefix: str) -> dict[str, Tensor]:
         f"{prefix}_min": torch.where(any_valid, vmin, one),
         f"{prefix}_max": torch.where(any_valid, vmax, one),
     }
-
-
-def _ppo_kl(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    return (torch.where(mask, old_logp - logp, 0).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
@@ -98,7 +94,7 @@ def grpo_loss(
         "pg_loss": pg_loss.detach(),
         "pg_clipfrac": _frac(clipped, mask),
         "pg_clipfrac_lower": _frac(dual, mask),
-        "ppo_kl": _ppo_kl(logp, old_logp, mask),
+        "ppo_kl": ppo_kl(logp, old_logp, mask),
         **_stats(ratio, mask, "ratio"),
     }
     return pg_loss, metrics
@@ -139,7 +135,7 @@ def gspo_loss(
         "pg_loss": pg_loss.detach(),
         "pg_clipfrac": _frac(clipped_B[:, None].expand_as(mask), mask),
         "pg_clipfrac_lower": torch.zeros((), device=mask.device),
-        "ppo_kl": _ppo_kl(logp, old_logp, mask),
+        "ppo_kl": ppo_kl(logp, old_logp, mask),
         "seq_clipfrac": _frac(clipped_B, nonempty_B),
         **_stats(seq_ratio, nonempty_B, "ratio"),
     }
@@ -178,7 +174,7 @@ def gspo_token_loss(
         "pg_loss": pg_loss.detach(),
         "pg_clipfrac": _frac(clipped, mask),
         "pg_clipfrac_lower": torch.zeros((), device=mask.device),
-        "ppo_kl": _ppo_kl(logp, old_logp, mask),
+        "ppo_kl": ppo_kl(logp, old_logp, mask),
         "seq_clipfrac": _frac(clipped.any(-1), nonempty_B),
         **_stats(torch.exp(seq_log_ratio), nonempty_B, "ratio"),
     }

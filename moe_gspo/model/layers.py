@@ -64,9 +64,10 @@ class SDPAttention(MegatronModule):
 class RoutingContext:
     """Per-forward bridge between megatron's token order and the caller's RoutingCapture.
 
-    Built by the policy for one forward. `local_pos` (N_local,), needed only to replay, gives, for each token this rank's router sees
-    (megatron's sequence-major order, this rank's sequence-parallel shard), its batch-major position b*T + t;
-    positions >= num_tokens are sequence-parallel padding: they route live. `layout` = (Tp, B, T) describes
+    Built by the policy for one forward. `local_pos` (N_local,), needed only to map batch-major tables onto this
+    rank's rows (replay, and scoring given experts), gives, for each token this rank's router sees (megatron's
+    sequence-major order, this rank's sequence-parallel shard), its batch-major position b*T + t; positions
+    >= num_tokens are sequence-parallel padding: they route live. `layout` = (Tp, B, T) describes
     the whole TP group's rows in the order `gather` concatenates them: sequence-major (s, b) over the padded
     length Tp; the capture turns them batch-major and drops s >= T when (and if) it is read.
     `gather` (TP > 1) collects (N_local, k) tensors from the TP group.
@@ -80,18 +81,32 @@ class RoutingContext:
         self.layout = layout
         self.gather = gather
 
-    def replay(self, layer: int) -> torch.Tensor | None:
-        idx = self.capture.replay_indices(layer)
-        if idx is None:
-            return None
-        if idx.dim() != 2 or idx.shape[0] != self.num_tokens:
-            raise ValueError(f"routing replay for MoE layer {layer}: expected indices of shape "
-                             f"(B*T={self.num_tokens}, k), got {tuple(idx.shape)}")
-        idx = idx.to(self.local_pos.device, torch.long)
-        padded = torch.cat([idx, idx.new_full((self.local_pos.numel(), idx.shape[1]), -1)])  # padding: -1 = live
+    def _local_rows(self, table: torch.Tensor, what: str, layer: int) -> torch.Tensor:
+        """A batch-major (B*T, k) expert table -> this rank's router rows (N_local, k) int64; -1 on padding."""
+        if table.dim() != 2 or table.shape[0] != self.num_tokens:
+            raise ValueError(f"{what} for MoE layer {layer}: expected indices of shape "
+                             f"(B*T={self.num_tokens}, k), got {tuple(table.shape)}")
+        table = table.to(self.local_pos.device, torch.long)
+        padded = torch.cat([table, table.new_full((self.local_pos.numel(), table.shape[1]), -1)])
         return padded[self.local_pos]
 
-    def record(self, layer: int, idx: torch.Tensor, weights: torch.Tensor, live: torch.Tensor | None):
+    def replay(self, layer: int) -> torch.Tensor | None:
+        idx = self.capture.replay_indices(layer)
+        return None if idx is None else self._local_rows(idx, "routing replay", layer)
+
+    def score_experts(self, layer: int, idx_NK: torch.Tensor) -> torch.Tensor | None:
+        """(N_local, k) experts whose router scores the capture records for this layer (the given ones, the routed
+        idx_NK where none is given), or None when it records no scores."""
+        if not self.capture.record_scores:
+            return None
+        given = self.capture.score_indices(layer)
+        if given is None:
+            return idx_NK
+        given = self._local_rows(given, "router-score experts", layer)
+        return torch.where(given < 0, idx_NK, given)
+
+    def record(self, layer: int, idx: torch.Tensor, weights: torch.Tensor, live: torch.Tensor | None,
+               scores: torch.Tensor | None = None):
         """Hand this layer's (unsorted, sequence-major) routing to the capture; under TP gather the group's rows
         first (a collective, so every rank records in step)."""
         if not self.capture.record:
@@ -99,7 +114,8 @@ class RoutingContext:
         if self.gather is not None:
             idx, weights = self.gather(idx), self.gather(weights)
             live = None if live is None else self.gather(live)
-        self.capture.put(layer, idx, weights, live, layout=self.layout)
+            scores = None if scores is None else self.gather(scores)
+        self.capture.put(layer, idx, weights, live, layout=self.layout, scores=scores)
 
 
 class Qwen3Router(TopKRouter):
@@ -107,7 +123,8 @@ class Qwen3Router(TopKRouter):
 
     Softmax over the top-k logits equals Qwen's softmax -> top-k -> renormalize. With a RoutingContext set
     (`self.routing_context`, managed by the policy per forward), it replays given expert indices (the live scores
-    still give the weights, so the router keeps its gradient) and records what it used.
+    still give the weights, so the router keeps its gradient) and records what it used, and, when the capture asks,
+    the router scores log softmax(logits)[e] (detached) of the routed or of given experts.
     """
 
     norm_topk_prob: bool = True
@@ -128,5 +145,9 @@ class Qwen3Router(TopKRouter):
         probs_NE = torch.zeros_like(logits_NE).scatter(1, idx_NK, w_NK)
         routing_map_NE = torch.zeros_like(logits_NE, dtype=torch.bool).scatter(1, idx_NK, True)
         if ctx is not None:
-            ctx.record(layer, idx_NK, w_NK, None if replayed is None else live_idx_NK)
+            score_idx_NK = ctx.score_experts(layer, idx_NK)
+            scores_NK = None
+            if score_idx_NK is not None:
+                scores_NK = torch.log_softmax(logits_NE.detach(), dim=-1).gather(1, score_idx_NK)
+            ctx.record(layer, idx_NK, w_NK, None if replayed is None else live_idx_NK, scores_NK)
         return probs_NE, routing_map_NE

@@ -8,13 +8,27 @@ Usage:
     capture = RoutingCapture(replay=source)          # replay: source.indices(layer) -> (B*T, k) int64
     policy(input_ids, routing=capture)               # the router uses those experts, weights from live scores
 
+    capture = RoutingCapture(scores=True)            # also record router scores of the routed experts
+    capture.scores_stacked()                         # (B*T, L, k) float32, same order as capture.stacked()
+    capture = RoutingCapture(score_at=old)           # scores of the experts old.indices(layer) names instead
+    capture.scores_stacked()                         # (B*T, L, k) float32, in old's order (RSPO's current scores)
+
 Token order is always batch-major over the whole local batch [B, T] (prompt, response and padding positions),
 whatever megatron does inside ([s, b] sequence-major, sequence-parallel shards): the policy converts at the
 boundary. Layer numbers are 0-based over the decoder's MoE layers.
 
 A replay source is anything with `indices(layer: int) -> Tensor (B*T, k)`; a row of -1 means "route live" for
-that token (padding). The router then computes its live scores, takes the given indices and renormalizes the
-live scores over them exactly as its live top-k would, so router weights keep receiving gradients.
+that token (padding), and None means the whole layer routes live. The router then computes its live scores, takes
+the given indices and renormalizes the live scores over them exactly as its live top-k would, so router weights
+keep receiving gradients.
+
+Router scores (RSPO): the log-probability of an expert under the router's softmax over all experts, computed in
+float32 from the router logits and detached (a measurement, never a path for gradients). With `scores=True` the
+router records them for the experts it routes to; with `score_at` (a source like a replay source, naming the old
+policy's experts per token) for those experts instead, whatever it routes to. Both come back batch-major like the
+routing, under TP/SP (gathered over the TP group) and EP alike. Mapping a batch-major table onto this rank's router
+rows is what the policy does for replay sources, so a capture with `score_at` and no replay source replays
+nothing (ROUTE_LIVE) to get that map.
 """
 
 from __future__ import annotations
@@ -26,8 +40,18 @@ import torch
 
 
 class ReplaySource(Protocol):
-    def indices(self, layer: int) -> torch.Tensor:  # (B*T, k) integer, batch-major; -1 rows route live
+    def indices(self, layer: int) -> torch.Tensor | None:  # (B*T, k) integer, batch-major; -1 rows route live
         ...
+
+
+class _RouteLive:
+    """A replay source that replays nothing: every layer routes live."""
+
+    def indices(self, layer: int) -> None:
+        return None
+
+
+ROUTE_LIVE = _RouteLive()
 
 
 @dataclass
@@ -47,6 +71,7 @@ class _Raw:
     weights: torch.Tensor  # (Tp*B, k) float32
     live: torch.Tensor | None  # (Tp*B, k) int64 or None
     layout: tuple[int, int, int] | None  # (Tp, B, T): rows are (s, b) for s < Tp; None: already (B*T) batch-major
+    scores: torch.Tensor | None = None  # (Tp*B, k) float32 router scores (of idx, or of the score_at experts)
 
 
 class RoutingCapture:
@@ -56,22 +81,34 @@ class RoutingCapture:
     forward), and the batch-major, per-token-sorted view is built on first access: for all layers at once by
     stacked() / live_stacked(), or per layer through `layers`."""
 
-    def __init__(self, replay: ReplaySource | None = None, record: bool = True):
-        self.replay = replay
+    def __init__(self, replay: ReplaySource | None = None, record: bool = True, scores: bool = False,
+                 score_at: ReplaySource | None = None):
+        if score_at is not None and not record:
+            raise ValueError("RoutingCapture(score_at=...) records scores: it needs record=True")
+        self.replay = ROUTE_LIVE if replay is None and score_at is not None else replay
         self.record = record
+        self.score_at = score_at
+        self.record_scores = record and (scores or score_at is not None)
         self._raw: dict[int, _Raw] = {}
         self._layers: dict[int, LayerRouting] | None = None
 
     def replay_indices(self, layer: int) -> torch.Tensor | None:
         return None if self.replay is None else self.replay.indices(layer)
 
+    def score_indices(self, layer: int) -> torch.Tensor | None:
+        """(B*T, k) experts to score in this layer (batch-major), or None: score the routed experts."""
+        return None if self.score_at is None else self.score_at.indices(layer)
+
     def put(self, layer: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-            live_idx: torch.Tensor | None = None, layout: tuple[int, int, int] | None = None) -> None:
+            live_idx: torch.Tensor | None = None, layout: tuple[int, int, int] | None = None,
+            scores: torch.Tensor | None = None) -> None:
         """Record one layer: (N, k) indices and weights, batch-major (layout None) or the router's (Tp*B, k)
-        sequence-major rows with layout (Tp, B, T) (positions t >= T are padding and are dropped)."""
+        sequence-major rows with layout (Tp, B, T) (positions t >= T are padding and are dropped); optionally the
+        (N, k) router scores in the same row order."""
         if self.record:
             live = None if live_idx is None else live_idx.detach()
-            self._raw[layer] = _Raw(topk_idx.detach(), topk_weights.detach(), live, layout)
+            sc = None if scores is None else scores.detach()
+            self._raw[layer] = _Raw(topk_idx.detach(), topk_weights.detach(), live, layout, sc)
             self._layers = None
 
     @staticmethod
@@ -113,3 +150,25 @@ class RoutingCapture:
     def stacked(self) -> torch.Tensor:
         """All layers' indices as (N, L, k) int64, layers in increasing order, sorted ascending per token."""
         return self._stack(live=False)
+
+    def scores_stacked(self) -> torch.Tensor:
+        """All layers' router scores as (N, L, k) float32, batch-major: with `score_at`, for its experts in its
+        order; otherwise for the routed experts, in the order of stacked() (ascending expert id)."""
+        raws = [r for _, r in sorted(self._raw.items())]
+        if not raws or any(r.scores is None for r in raws):
+            raise RuntimeError("RoutingCapture holds no router scores: build it with scores=True or score_at=...")
+        layouts = {r.layout for r in raws}
+        if len(layouts) == 1:  # one transpose for all layers
+            layout = layouts.pop()
+            sc = self._batch_major(torch.stack([r.scores for r in raws], dim=1), layout)  # (N, L, k)
+            if self.score_at is None:
+                order = torch.argsort(self._batch_major(torch.stack([r.idx for r in raws], dim=1), layout), dim=-1)
+                sc = sc.gather(-1, order)
+            return sc.float()
+        out = []
+        for r in raws:
+            sc = self._batch_major(r.scores, r.layout)
+            if self.score_at is None:
+                sc = sc.gather(-1, torch.argsort(self._batch_major(r.idx, r.layout), dim=-1))
+            out.append(sc)
+        return torch.stack(out, dim=1).float()

@@ -3,6 +3,10 @@
     old, ref = old_logprob_pass(ctx, pb, sample_ids)       # no grad; records R2 routing and the flip reference
     for idx in minibatches: metrics += update_minibatch(ctx, pb, old, adv, sample_ids, idx, ref)
 
+With the router shift (algorithm.loss=rspo or algorithm.router_shift), the old pass also keeps the old policy's
+experts and router scores in ctx.old_router, and each update forward scores the same experts under the current
+router; their shift gives every response token the weight that rescales its importance ratio (docs/losses.md).
+
 Global denominators (docs/losses.md): the count D of a minibatch is summed over data-parallel ranks once, and
 every micro-batch's loss is divided by D / dp and summed, so gradient accumulation over micro-batches and the
 data-parallel mean equal one step on the whole minibatch.
@@ -15,8 +19,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moe_gspo.losses import get_policy_loss, loss_denominator
+from moe_gspo.losses import (ROUTER_SHIFT_LOSSES, get_policy_loss, loss_denominator, router_shift_metrics,
+                             router_shift_ratio, router_shift_weight)
 from moe_gspo.model.routing_capture import RoutingCapture
+from moe_gspo.routing import SCORE_DTYPES, OldRouterScores
 from moe_gspo.parallel.state import comm_device
 from moe_gspo.train.logprob import batch_logprobs
 from moe_gspo.train.metrics import MetricMean
@@ -36,9 +42,16 @@ class StepContext:
     dp: int = 1
     reference: torch.nn.Module | None = None  # frozen pi_ref for the KL penalty (algorithm.kl_beta > 0)
     loss_fn: object = field(default=None)
+    old_router: OldRouterScores | None = None  # the old policy's experts and router scores of this step's batch
 
     def __post_init__(self):
         self.loss_fn = get_policy_loss(self.cfg.algorithm.loss)
+
+    @property
+    def router_shift(self) -> bool:
+        """Whether importance ratios get the router-shift weight (rspo, or algorithm.router_shift)."""
+        a = self.cfg.algorithm
+        return a.loss in ROUTER_SHIFT_LOSSES or a.router_shift
 
 
 def routing_mask(response_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -61,11 +74,13 @@ def old_logprob_pass(ctx: StepContext, pb, sample_ids: torch.Tensor,
     cfg, policy = ctx.cfg, ctx.policy
     B, T = pb.input_ids.shape
     out, live, ref = [], [], []
+    if ctx.router_shift:
+        ctx.old_router = OldRouterScores(B, T, cfg.model.num_experts, SCORE_DTYPES[cfg.algorithm.router_score_dtype])
     for sl in _micro(B, cfg.train.micro_batch_size):
         replay = None
         if r3_source is not None:
             replay = _RowsSource(r3_source, sl, T)
-        cap = RoutingCapture(replay=replay)
+        cap = RoutingCapture(replay=replay, scores=ctx.router_shift)
         logp, _ = batch_logprobs(policy, pb.input_ids[sl], cap, cfg.train.logprob_impl, cfg.rollout.temperature,
                                  want_entropy=False)
         out.append(logp)
@@ -73,6 +88,8 @@ def old_logprob_pass(ctx: StepContext, pb, sample_ids: torch.Tensor,
             ref.append(batch_logprobs(ctx.reference, pb.input_ids[sl], None, cfg.train.logprob_impl,
                                       cfg.rollout.temperature, want_entropy=False)[0])
         live.append(cap.live_stacked())  # (b*T, L, k) what the old policy's router chose
+        if ctx.router_shift:  # the experts pi_old activated (replayed ones under R3) and their router scores
+            ctx.old_router.record(sl, cap.stacked(), cap.scores_stacked())
         if ctx.replay.mode == "r2":
             lengths = pb.attention_mask[sl].sum(-1)
             ctx.replay.record_capture(sample_ids[sl], lengths, cap)
@@ -114,19 +131,28 @@ def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: 
     if a.kl_beta > 0 and ref is None:
         raise RuntimeError("algorithm.kl_beta > 0 but the step has no reference log-probs")
     denom = global_count(mask, a.loss_agg_mode, ctx)
+    if ctx.router_shift and ctx.old_router is None:
+        raise RuntimeError("the router shift needs the old router scores, which old_logprob_pass records")
     ctx.optim.zero_grad()
     acc = MetricMean()
     ent_sum = torch.zeros((), dtype=torch.float64, device=mask.device)
+    gammas = []
     for sl in _micro(len(idx), cfg.train.micro_batch_size):
         src = ctx.replay.replay_source(sids[sl], seq_len=T, device=ids.device)  # None when off
-        cap = RoutingCapture(replay=src)
+        old_src = ctx.old_router.source(idx[sl], T, ids.device) if ctx.router_shift else None
+        cap = RoutingCapture(replay=src, score_at=old_src)
         logp, ent = batch_logprobs(policy, ids[sl], cap, cfg.train.logprob_impl, cfg.rollout.temperature)
         if src is not None:
             src.check_complete()
+        shift = {}
+        if old_src is not None:
+            gamma = _router_shift_ratio(ctx, cap, old_src, mask[sl].shape)
+            gammas.append(gamma[mask[sl]])
+            shift["router_shift_weight"] = router_shift_weight(gamma, a.router_shift_floor)
         loss, m = ctx.loss_fn(logp, old[sl], adv[sl], mask[sl], clip_low=a.clip_low, clip_high=a.clip_high,
                               loss_agg_mode=a.loss_agg_mode, loss_denominator=denom,
                               ref_logp=None if ref is None else ref[sl], beta=a.kl_beta,
-                              kl_estimator=a.kl_estimator)
+                              kl_estimator=a.kl_estimator, **shift)
         loss.backward()
         if ctx.tracker is not None:
             ctx.tracker.observe(sids[sl], cap.live_stacked(), routing_mask(mask[sl]).reshape(-1))
@@ -136,7 +162,17 @@ def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: 
     out = acc.result()
     out["entropy"] = float(ent_sum) / max(int(mask.sum()), 1)
     out["grad_norm"] = gnorm
+    if gammas:  # over this minibatch's response tokens (the loop averages minibatches, then ranks)
+        out.update({k: float(v) for k, v in router_shift_metrics(torch.cat(gammas), a.router_shift_floor).items()})
     return out
+
+
+def _router_shift_ratio(ctx: StepContext, cap: RoutingCapture, old_src, shape_BT) -> torch.Tensor:
+    """(b, T) router-shift ratio gamma per token, aligned with the log-probs: token j's is that of the routing at
+    position j - 1, which produced it (column 0, a prompt token, gets 1)."""
+    cur = ctx.old_router.round(cap.scores_stacked())  # (b*T, L, k) rounded like the stored old scores
+    gamma = router_shift_ratio(cur, old_src.scores).view(shape_BT)  # by routing position
+    return torch.nn.functional.pad(gamma[:, :-1], (1, 0), value=1.0)
 
 
 def cold_start(policy, ddp, tc, task, tok, dp: int, dp_rank: int, log=None) -> list[float]:

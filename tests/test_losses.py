@@ -63,9 +63,10 @@ def grad_of(loss, x):
 
 
 def test_registry_and_defaults():
-    assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo_token"}
-    assert DEFAULT_CLIP == {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4)}
-    with pytest.raises(ValueError, match="grpo, gspo, gspo_token"):
+    assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo_token", "gmpo", "rspo"}
+    assert DEFAULT_CLIP == {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4),
+                            "gmpo": (0.4, 0.4), "rspo": (0.4, 0.4)}  # gmpo/rspo: log-space bounds
+    with pytest.raises(ValueError, match="gmpo, grpo, gspo, gspo_token, rspo"):
         get_policy_loss("ppo")
 
 
@@ -242,7 +243,9 @@ def test_extreme_log_ratio_is_clamped_and_finite():
     logp = torch.zeros(2, 3, requires_grad=True)
     old = torch.tensor([[-200.0, 0.0, 0.0], [300.0, 0.0, 0.0]])
     for name in POLICY_LOSSES:
-        loss, m = get_policy_loss(name)(logp, old, torch.tensor([-1.0, 1.0]), torch.ones(2, 3, dtype=torch.bool))
+        extra = {"router_shift_weight": torch.ones(2, 3)} if name == "rspo" else {}  # rspo needs its weight
+        loss, m = get_policy_loss(name)(logp, old, torch.tensor([-1.0, 1.0]), torch.ones(2, 3, dtype=torch.bool),
+                                        **extra)
         assert torch.isfinite(loss) and torch.isfinite(grad_of(loss, logp)).all()
         assert m["ratio_max"] <= math.exp(20) * 1.001
 

@@ -60,6 +60,17 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def max_over_ranks(n: int) -> int:
+    """max of an int over every rank (n itself outside a multi-rank job). Used to give every rank the same padded
+    length: megatron's token dispatcher exchanges equal-sized blocks between expert-parallel ranks, and those
+    ranks belong to different data-parallel replicas, which pad their own rollouts."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return int(n)
+    t = torch.tensor([int(n)], dtype=torch.long, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def init_distributed(backend: str = "auto", timeout_min: int = 10) -> None:
     """Join the torchrun job (RANK/WORLD_SIZE/MASTER_* set) or start a one-process group. Idempotent.
 

@@ -25,6 +25,7 @@ import yaml
 
 from moe_gspo.config import Config, ConfigError, to_dict
 from moe_gspo.losses import get_advantage_estimator
+from moe_gspo.parallel.state import max_over_ranks
 from moe_gspo.rollout import SamplingParams, build_engine, rollout_probs_diff
 from moe_gspo.rewards import score_responses
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
@@ -201,7 +202,8 @@ class Run:
 
     def pad(self, batch, valid):
         """(PaddedRollout with skipped samples masked out, sample ids); under R3 the cache takes the engine routing."""
-        pb = batch.to_padded(pad_id=self.tok.pad_id)
+        longest = max(p.numel() + r.numel() for p, r in zip(batch.prompt_ids, batch.response_ids))
+        pb = batch.to_padded(pad_id=self.tok.pad_id, max_len=max_over_ranks(longest))  # one T on every rank
         pb.response_mask &= valid[:, None]  # skipped samples carry no loss
         if self.replay.mode == "r3":  # rows 0 .. P+R-2: every position whose routing shapes a response log-prob
             lengths = pb.attention_mask.sum(-1).tolist()

@@ -23,7 +23,7 @@ from moe_gspo.losses import (ROUTER_SHIFT_LOSSES, get_policy_loss, loss_denomina
                              router_shift_ratio, router_shift_weight)
 from moe_gspo.model.routing_capture import RoutingCapture
 from moe_gspo.routing import SCORE_DTYPES, OldRouterScores
-from moe_gspo.parallel.state import comm_device
+from moe_gspo.parallel.state import comm_device, max_over_ranks
 from moe_gspo.train.logprob import batch_logprobs
 from moe_gspo.train.metrics import MetricMean
 from moe_gspo.train.optim import Optimizer
@@ -124,7 +124,8 @@ def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: 
     cfg, policy = ctx.cfg, ctx.policy
     a = cfg.algorithm
     ids, mask = pb.input_ids[idx], pb.response_mask[idx]
-    T = int(pb.attention_mask[idx].sum(-1).max())  # trim padding shared by the whole minibatch
+    # trim the padding the whole minibatch shares, to the same length on every rank (see max_over_ranks)
+    T = max_over_ranks(int(pb.attention_mask[idx].sum(-1).max()))
     ids, mask = ids[:, :T], mask[:, :T]
     old, adv, sids = old_logp_BT[idx][:, :T], adv_B[idx], sample_ids[idx]
     ref = ref_logp_BT[idx][:, :T] if a.kl_beta > 0 and ref_logp_BT is not None else None

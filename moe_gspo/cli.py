@@ -4,7 +4,8 @@
     moe-gspo train --config configs/train_tiny_cpu.yaml [--resume | --overwrite] [--out DIR] [a.b=v ...]
     moe-gspo train-lm --config configs/tiny_cpu.yaml [a.b=v ...]
     moe-gspo rollout (--config C | --from RUN_DIR) --out FILE.jsonl [--num-prompts N] [--seed S] [a.b=v ...]
-    moe-gspo compare --config configs/compare_tiny_cpu.yaml --out DIR [--only grpo,gspo] [a.b=v ...]
+    moe-gspo compare --config configs/compare_tiny_cpu.yaml --out DIR [--only grpo,gspo] [--seeds N] [--jobs K]
+                     [a.b=v ...]
     moe-gspo report volatility RUN_DIR [RUN_DIR ...] [--out FILE.html]
     moe-gspo report compare DIR
     torchrun --nproc-per-node 2 -m moe_gspo.cli train --config C parallel.ep=2      # any command, distributed
@@ -104,10 +105,13 @@ def _rollout(args) -> int:
 
 
 def _compare(args) -> int:
-    from moe_gspo.experiments.compare import run_comparison
+    from moe_gspo.experiments.compare import run_comparison, run_one
 
+    if args.run_one:  # one run of a --jobs comparison, in its own process
+        run_one(args.config, args.out, args.run_one)
+        return 0
     report = run_comparison(args.config, args.out, args.overrides, only=args.only.split(",") if args.only else None,
-                            overwrite=args.overwrite)
+                            overwrite=args.overwrite, seeds=args.seeds, jobs=args.jobs)
     if os.environ.get("RANK", "0") == "0":
         print(report)
     return 0
@@ -170,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="output directory: DIR/<variant>/ and DIR/report.html")
     c.add_argument("--only", default=None, help="comma-separated subset of the variants to run")
     c.add_argument("--overwrite", action="store_true", help="replace a previous comparison in DIR")
+    c.add_argument("--seeds", type=int, default=None,
+                   help="runs per variant with train.seed + 0..N-1, paired across variants (default: compare.seeds)")
+    c.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time, each in its own process with OMP_NUM_THREADS = cores // jobs (default 1)")
+    c.add_argument("--run-one", default=None, metavar="WEIGHTS", help=argparse.SUPPRESS)  # what --jobs starts
     _overrides(c)
     c.set_defaults(func=_compare)
 

@@ -312,6 +312,38 @@ class Config:
     """Metrics."""
 
 
+@dataclass
+class CompareConfig:
+    """The `compare:` section of a `moe-gspo compare` config, beside its `variants` (read by
+    moe_gspo.experiments.compare; not part of a run's Config)."""
+
+    seeds: int = 1
+    """Seeds per variant: runs use train.seed + 0 .. seeds-1, the same seeds for every variant (paired); each seed
+    has its own cold start (initial weights and demonstrations), shared by the variants of that seed."""
+    final_window: int = 10
+    """The final reward of a run is the mean of its last `final_window` logged steps."""
+    smooth_window: int = 5
+    """Trailing moving-average window of the curves and of the collapse detector."""
+    collapse_fraction: float = 0.5
+    """A run collapses when its smoothed reward falls below this fraction of its running peak ..."""
+    collapse_patience: int = 10
+    """... and stays below it for this many logged steps."""
+    collapse_min_peak: float = 0.1
+    """Running peaks below this count as this value (noise near zero reward is not a collapse)."""
+
+    def __post_init__(self):
+        _positive(self, "seeds", "final_window", "smooth_window", "collapse_patience")
+        if not 0 < self.collapse_fraction < 1:
+            raise ConfigError(f"compare.collapse_fraction={self.collapse_fraction} must be in (0, 1)")
+        if self.collapse_min_peak < 0:
+            raise ConfigError(f"compare.collapse_min_peak={self.collapse_min_peak} must be >= 0")
+
+
+def compare_config_from_dict(data: dict) -> CompareConfig:
+    """A validated CompareConfig from the `compare:` mapping without its `variants` (unknown keys raise)."""
+    return _build(CompareConfig, data or {}, "compare")
+
+
 # --------------------------------------------------------------------------------------------------------------
 def _positive(obj, *names):
     section = _SECTION.get(type(obj), type(obj).__name__)
@@ -329,7 +361,7 @@ def _choice(obj, name, choices):
 
 
 _SECTION = {ModelConfig: "model", ParallelConfig: "parallel", AlgorithmConfig: "algorithm",
-            RolloutConfig: "rollout", TrainConfig: "train", LoggingConfig: "logging"}
+            RolloutConfig: "rollout", TrainConfig: "train", LoggingConfig: "logging", CompareConfig: "compare"}
 
 
 def _coerce(value, tp, where: str):
@@ -415,22 +447,26 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def read_yaml(path: str | Path) -> dict:
+    """The mapping in a YAML config file (empty file: {}); a missing file or bad YAML raises one line naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = _yaml_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        what = " ".join(str(getattr(e, "problem", None) or e).split())  # one line
+        raise ConfigError(f"{where}: invalid YAML: {what}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a YAML file (or nothing: defaults), apply overrides, validate."""
-    data: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = _yaml_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-            what = " ".join(str(getattr(e, "problem", None) or e).split())  # one line
-            raise ConfigError(f"{where}: invalid YAML: {what}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: top level must be a mapping")
+    data: dict = read_yaml(path) if path is not None else {}
     from_file = copy.deepcopy(data)
     data = apply_overrides(data, list(overrides or []))
     try:

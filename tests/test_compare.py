@@ -1,45 +1,85 @@
-"""`moe-gspo compare`: config handling, the report from metrics files, and a tiny end-to-end run of two variants."""
+"""`moe-gspo compare`: config handling, the report from metrics files (seeds, intervals, verdicts, collapses), and
+tiny end-to-end runs: seeds paired across variants, `--jobs 2` equal to `--jobs 1`."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
 from moe_gspo.config import ConfigError
 
 
-def _fake_run(d, clip, flip, reward0, steps=6, layers=2):
+def _fake_run(d, clip, flip, rewards, layers=2, wall=12.5):
     d.mkdir(parents=True)
     with (d / "metrics.jsonl").open("w") as f:
-        for s in range(1, steps + 1):
-            rec = {"step": s, "reward/mean": reward0 + 0.01 * s, "accuracy": reward0 + 0.01 * s, "pg_clipfrac": clip,
+        for s, r in enumerate(rewards, 1):
+            rec = {"step": s, "reward/mean": r, "accuracy": r, "pg_clipfrac": clip,
                    "moe/flip_rate": flip, "moe/rollout_train_mismatch": 0.01, "rollout_probs_diff_mean": 1e-3,
                    **{f"moe/flip_rate/layer_{i}": flip * (i + 1) / layers for i in range(layers)},
                    **{f"moe/churn_out/expert_{e}": 0.01 * e for e in range(4)}}
             if s == 2:
                 rec["pg_clipfrac"] = 0.0  # a step with nothing clipped must not break the log scale
             f.write(json.dumps(rec) + "\n")
-    (d / "wall_time.json").write_text(json.dumps({"seconds": 12.5}))
+    (d / "wall_time.json").write_text(json.dumps({"seconds": wall}))
 
 
-def test_report_from_metrics_files(tmp_path):
-    from moe_gspo.report.compare import summary_rows, write_compare_report
-    from moe_gspo.report.plots import load_runs
+def _text(report):
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", report.read_text()))
 
-    _fake_run(tmp_path / "grpo", clip=0.002, flip=0.05, reward0=0.3)
-    _fake_run(tmp_path / "gspo", clip=0.2, flip=0.04, reward0=0.3)
-    report = write_compare_report(tmp_path, ["grpo", "gspo"])
-    text = report.read_text()
+
+def test_report_with_seeds_intervals_verdicts_and_collapses(tmp_path):
+    """3 seeds: gspo ends 0.2 above grpo at every seed (distinguishable), grpo_r2 equals grpo up to +-0.01
+    (not distinguishable), and one grpo_r2 seed collapses."""
+    from moe_gspo.experiments.stats import t_interval
+    from moe_gspo.report.compare import load_variants, run_walls, summary_rows, variant_stats, write_compare_report
+    from moe_gspo.config import CompareConfig
+
+    seeds = [0, 1, 2]
+    level = {0: 0.3, 1: 0.5, 2: 0.4}  # seed-level spread shared by the variants of a seed
+    for s in seeds:
+        grpo = [level[s]] * 30
+        _fake_run(tmp_path / "grpo" / f"seed_{s}", clip=0.002, flip=0.05, rewards=grpo)
+        _fake_run(tmp_path / "gspo" / f"seed_{s}", clip=0.2, flip=0.04, rewards=[x + 0.2 for x in grpo])
+        r2 = [x + 0.01 * (s - 1) for x in grpo]
+        if s == 1:
+            r2 = r2[:12] + [0.0] * 18  # falls to 0 at step 13 for good
+        _fake_run(tmp_path / "grpo_r2" / f"seed_{s}", clip=0.002, flip=0.05, rewards=r2)
+    (tmp_path / "compare.json").write_text(json.dumps({"variants": {"grpo": [], "grpo_r2": [], "gspo": []},
+                                                       "seeds": seeds, "settings": {"final_window": 10}}))
+    report = write_compare_report(tmp_path, ["grpo", "grpo_r2", "gspo"])
+    text = _text(report)
     for png in ("compare_reward.png", "compare_accuracy.png", "compare_clipfrac.png", "compare_mismatch.png",
                 "volatility_flip_rate.png", "volatility_heatmap.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
-        assert png in text
-    rows = {r[0]: r for r in summary_rows(load_runs([tmp_path / "grpo", tmp_path / "gspo"]), {"grpo": 1.0})}
-    ratio = rows["gspo"][7]
-    assert math.isclose(ratio, (0.2 * 5 / 6) / (0.002 * 5 / 6))  # clip fraction ratio GSPO / GRPO = 100
-    assert rows["grpo"][-1] == 1.0 and "12.5" in text  # wall time given, or read from wall_time.json
+        assert png in report.read_text()
+    assert "gspo higher than grpo" in text
+    assert "3 seeds per variant" in text and "Student-t" in text
+
+    variants = load_variants(tmp_path, ["grpo", "grpo_r2", "gspo"], seeds)
+    base, stats = variant_stats(variants, CompareConfig())
+    assert base == "grpo"
+    assert stats["gspo"].diff.mean == pytest.approx(0.2) and stats["gspo"].diff.lo > 0
+    assert stats["gspo"].final.mean == pytest.approx(0.6)
+    assert stats["gspo"].final.lo == pytest.approx(t_interval([0.5, 0.7, 0.6]).lo)  # the seeds' spread
+    assert [bool(c) for c in stats["grpo_r2"].collapses] == [False, True, False]
+    assert stats["grpo_r2"].verdict == "not distinguishable at this budget"  # the collapse drags one seed to 0
+    rows = {r[0]: r for r in summary_rows(variants, stats, base, run_walls(variants))}
+    assert rows["grpo_r2"][6] == "1/3" and rows["grpo"][6] == "0/3"
+    assert math.isclose(rows["gspo"][8], (0.2 * 29 / 30) / (0.002 * 29 / 30))  # clip fraction ratio = 100
+    assert rows["grpo"][-1] == pytest.approx(3 * 12.5)  # wall time of all seeds, from wall_time.json
+    assert "step 15" in text  # where the 5-step average fell below half its peak (0.2 < 0.25), in the runs table
+
+
+def test_report_of_one_seed_says_there_is_no_interval(tmp_path):
+    from moe_gspo.report.compare import write_compare_report
+
+    _fake_run(tmp_path / "grpo", clip=0.002, flip=0.05, rewards=[0.3 + 0.01 * s for s in range(6)])
+    _fake_run(tmp_path / "gspo", clip=0.2, flip=0.04, rewards=[0.3 + 0.01 * s for s in range(6)])
+    text = _text(write_compare_report(tmp_path, ["grpo", "gspo"]))
+    assert "one seed per variant: no intervals" in text and "1 seed: no interval, cannot tell" in text
     assert "Identical reward curves" in text and "grpo = gspo" in text  # the fake runs share their rewards
 
 
@@ -53,27 +93,83 @@ def test_compare_config_errors(tmp_path):
     p.write_text("compare: {runs: 3}\n")
     with pytest.raises(ConfigError, match="unknown keys under 'compare'"):
         read_compare_config(p)
-    p.write_text("train: {steps: 2}\n")
-    base, variants = read_compare_config(p, ["train.lr=0.5"])
-    assert variants == DEFAULT_VARIANTS and base["train"] == {"steps": 2, "lr": 0.5}
+    p.write_text("compare: {seeds: 0}\n")
+    with pytest.raises(ConfigError, match="compare.seeds=0"):
+        read_compare_config(p)
+    p.write_text("compare: {collapse_fraction: 2}\n")
+    with pytest.raises(ConfigError, match="compare.collapse_fraction=2"):
+        read_compare_config(p)
+    p.write_text("train: {steps: 2}\ncompare: {seeds: 2}\n")
+    base, variants, settings = read_compare_config(p, ["train.lr=0.5", "compare.seeds=4"])
+    assert variants == DEFAULT_VARIANTS and base["train"] == {"steps": 2, "lr": 0.5} and settings.seeds == 4
     with pytest.raises(ConfigError, match="config file not found"):
         read_compare_config(tmp_path / "missing.yaml")
 
 
-def test_compare_cli_end_to_end_two_variants(tmp_path):
-    from helpers import TINY
+def test_cold_start_shared_only_where_it_is_the_same(tmp_path):
+    from moe_gspo.experiments.compare import plan_jobs
 
+    base = {"train": {"seed": 3, "cold_start_steps": 5}}
+    same = {"a": ["algorithm.loss=grpo", "train.lr=0.1"], "b": ["algorithm.loss=gspo"]}
+    jobs, files = plan_jobs(tmp_path, base, same, [3, 4])
+    assert [(j.label, j.init.name) for j in jobs] == [
+        ("a/seed_3", "seed_3.safetensors"), ("b/seed_3", "seed_3.safetensors"),
+        ("a/seed_4", "seed_4.safetensors"), ("b/seed_4", "seed_4.safetensors")]
+    assert [c.train.seed for c in files.values()] == [3, 4]
+    deeper = {"a": [], "deep": ["model.num_hidden_layers=6"]}  # another model needs its own cold start
+    jobs, files = plan_jobs(tmp_path, base, deeper, [3])
+    assert [j.init.name for j in jobs] == ["seed_3_a.safetensors", "seed_3_deep.safetensors"]
+
+
+SMALL = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+         "model.num_key_value_heads=1", "model.head_dim=16", "model.num_experts=4", "model.moe_intermediate_size=32",
+         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3", "train.minibatches=2",
+         "train.micro_batch_size=4", "train.steps=3", "train.checkpoint_every=0", "logging.progress=false",
+         "logging.tensorboard=false", "rollout.task_args=max_digits=1,num_operands=2", "train.cold_start_steps=40",
+         "train.cold_start_lr=0.01", "rollout.engine_dtype=float32"]
+
+
+def _records(run_dir):
+    from helpers import records, strip_timing
+
+    return [strip_timing(r) for r in records(run_dir)]
+
+
+def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch):
+    """2 variants x 2 seeds, 3 steps, run one at a time in this process and then two at a time in separate
+    processes: every metric (timings aside) is equal. Seeds are paired: one seed's first rollouts are the same in
+    both variants, and the two seeds differ."""
     from moe_gspo.cli import main
 
-    assert main(["compare", "--config", "configs/compare_tiny_cpu.yaml", "--out", str(tmp_path), "--only",
-                 "grpo_r3,gspo", *TINY, "rollout.engine_dtype=float32"]) == 0
-    assert (tmp_path / "report.html").exists()
-    info = json.loads((tmp_path / "compare.json").read_text())
-    assert list(info["variants"]) == ["grpo_r3", "gspo"]
-    first = {v: json.loads((tmp_path / v / "metrics.jsonl").read_text().splitlines()[0]) for v in ("grpo_r3", "gspo")}
-    # same weights, prompts and seeds: the first rollout batch is identical across variants
-    assert first["grpo_r3"]["reward/mean"] == first["gspo"]["reward/mean"]
-    assert first["grpo_r3"]["moe/rollout_train_mismatch"] == 0.0  # fp32 engine routes exactly like the trainer
-    assert main(["compare", "--config", "configs/compare_tiny_cpu.yaml", "--out", str(tmp_path), "--only", "nope"]) == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = ["compare", "--config", "configs/compare_tiny_cpu.yaml", "--only", "grpo_r3,gspo", "--seeds", "2", *SMALL]
+    assert main([*args, "--out", str(tmp_path / "seq")]) == 0
+    assert main([*args, "--out", str(tmp_path / "par"), "--jobs", "2"]) == 0
+    info = json.loads((tmp_path / "par" / "compare.json").read_text())
+    assert list(info["variants"]) == ["grpo_r3", "gspo"] and info["seeds"] == [0, 1] and info["jobs"] == 2
+    assert (tmp_path / "par" / "cold_start" / "seed_1.safetensors").is_file()
+    seq = {(v, s): _records(tmp_path / "seq" / v / f"seed_{s}") for v in ("grpo_r3", "gspo") for s in (0, 1)}
+    par = {(v, s): _records(tmp_path / "par" / v / f"seed_{s}") for v in ("grpo_r3", "gspo") for s in (0, 1)}
+    assert seq == par
+    # the runs learn something, or equality would be trivial
+    assert any(r["grad_norm"] > 0 for rs in seq.values() for r in rs)
+    for s in (0, 1):  # paired: same cold start, prompts and sampling in step 1 of one seed
+        assert seq["grpo_r3", s][0]["reward/mean"] == seq["gspo", s][0]["reward/mean"]
+        assert seq["grpo_r3", s][0]["moe/rollout_train_mismatch"] == 0.0  # fp32 engine routes like the trainer
+    assert seq["gspo", 0][0] != seq["gspo", 1][0]
+    text = _text(tmp_path / "par" / "report.html")
+    assert "2 seeds per variant" in text and "gspo" in text
     # a second comparison into the same directory is refused unless told to replace the first
-    assert main(["compare", "--config", "configs/compare_tiny_cpu.yaml", "--out", str(tmp_path), "--only", "gspo"]) == 2
+    assert main([*args, "--out", str(tmp_path / "seq")]) == 2
+
+
+def test_compare_cli_errors(tmp_path, capsys):
+    from moe_gspo.cli import main
+
+    base = ["compare", "--config", "configs/compare_tiny_cpu.yaml", "--out", str(tmp_path / "c")]
+    for extra, msg in [(["--seeds", "0"], "--seeds=0 must be >= 1"), (["--jobs", "0"], "--jobs=0 must be >= 1"),
+                       (["--only", "nope"], "--only ['nope']: not among the variants"),
+                       (["compare.final_window=0"], "compare.final_window=0 must be > 0")]:
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("moe-gspo compare: error: ") and msg in err[0], err

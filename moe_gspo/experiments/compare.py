@@ -1,30 +1,48 @@
-"""`moe-gspo compare`: GRPO, GRPO + R2, GRPO + R3, GSPO and GSPO-token on the same model, data and seed.
+"""`moe-gspo compare`: GRPO, GRPO + R2, GRPO + R3, GSPO and GSPO-token on the same model, data and seeds.
 
-    moe-gspo compare --config configs/compare_tiny_cpu.yaml --out DIR [--only grpo,gspo] [a.b=v ...]
+    moe-gspo compare --config configs/compare_tiny_cpu.yaml --out DIR [--only grpo,gspo] [--seeds N] [--jobs K]
+                     [a.b=v ...]
 
-The config is an ordinary run config plus a `compare:` section:
+The config is an ordinary run config plus a `compare:` section (fields: moe_gspo.config.CompareConfig):
 
     compare:
+      seeds: 3                       # runs per variant, with train.seed + 0, 1, 2 (--seeds wins)
       variants:                      # name -> overrides applied on top of the shared config (default: below)
         grpo: [algorithm.loss=grpo]                 # routing_replay defaults to off
         ...
 
-The cold-start stage runs once; every variant starts from the same fine-tuned weights, samples the same prompts with
-the same seeds (so step 1's rollouts are identical), and writes DIR/<name>/ (metrics.jsonl, tensorboard,
-checkpoints, wall_time.json). Then DIR/report.html compares them (moe_gspo/report/compare.py).
+Every variant runs with the same seeds (paired). Seed s sets train.seed = s for the run (initial weights, prompts,
+sampling) and has its own cold start: the supervised stage runs once per seed (and per distinct model / task /
+cold-start settings among the variants), and every variant of that seed starts from its weights, which are kept in
+DIR/cold_start/seed_<s>.safetensors. So step 1's rollouts of one seed are identical across variants, and the spread
+over seeds includes the spread of the cold start. Each run writes DIR/<variant>/seed_<s>/ (metrics.jsonl,
+tensorboard, checkpoints, wall_time.json); then DIR/compare.json and DIR/report.html (moe_gspo/report/compare.py).
+
+`--jobs K` runs K variant-seed runs at a time, each in its own process (`python -m moe_gspo.cli compare --run-one`,
+reading its config from YAML and its weights from the safetensors file) with OMP_NUM_THREADS = T // K, T being the
+threads of the calling process (OMP_NUM_THREADS, else the cores), and its output in DIR/<variant>/seed_<s>/log.txt.
+A run's metrics depend on its config, its weights and its thread count only, not on the runs beside it: `--jobs K`
+equals `--jobs 1` under OMP_NUM_THREADS = T // K bit for bit (CPU kernels split float reductions by thread, so
+runs with 1 and with 2 threads differ in rounding).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import os
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from moe_gspo.config import ConfigError, apply_overrides, config_from_dict
+from moe_gspo.config import (CompareConfig, ConfigError, apply_overrides, compare_config_from_dict, config_from_dict,
+                             load_config, read_yaml, to_dict)
 from moe_gspo.train.data import check_names
 
 DEFAULT_VARIANTS = {
@@ -35,27 +53,67 @@ DEFAULT_VARIANTS = {
     "gspo_token": ["algorithm.loss=gspo_token"],
 }
 
+# train.* fields the supervised cold start never reads: variants that differ only in these share a cold start
+_RL_ONLY_TRAIN = {"steps", "lr", "lr_warmup_steps", "lr_decay", "min_lr", "minibatches", "micro_batch_size",
+                  "seq_len", "batch_size", "checkpoint_every", "keep_checkpoints", "out_dir", "logprob_impl"}
 
-def read_compare_config(path, overrides=None) -> tuple[dict, dict[str, list[str]]]:
-    """(shared config dict with overrides applied, {variant name: its overrides})."""
+
+@dataclass(frozen=True)
+class Job:
+    """One run of a comparison: a variant at a seed, trained into `dir` from the cold-start weights `init`."""
+
+    variant: str
+    seed: int
+    overrides: tuple[str, ...]
+    dir: Path
+    init: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.variant}/seed_{self.seed}"
+
+
+def read_compare_config(path, overrides=None) -> tuple[dict, dict[str, list[str]], CompareConfig]:
+    """(shared config dict, {variant name: its overrides}, the compare settings), overrides applied (a
+    `compare.seeds=3` override sets the compare section); every variant is validated before any compute."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = apply_overrides(read_yaml(path), list(overrides or []))
     section = raw.pop("compare", None) or {}
-    unknown = set(section) - {"variants"}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: 'compare' must be a mapping")
+    valid = ["variants", *(f.name for f in dataclasses.fields(CompareConfig))]
+    unknown = set(section) - set(valid)
     if unknown:
-        raise ConfigError(f"{path}: unknown keys under 'compare': {sorted(unknown)}; valid: ['variants']")
+        raise ConfigError(f"{path}: unknown keys under 'compare': {sorted(unknown)}; valid: {valid}")
+    try:
+        settings = compare_config_from_dict({k: v for k, v in section.items() if k != "variants"})
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     variants = section.get("variants") or DEFAULT_VARIANTS
     if not isinstance(variants, dict) or not all(isinstance(v, list) for v in variants.values()):
         raise ConfigError(f"{path}: compare.variants must map names to lists of 'a.b=value' overrides")
-    base = apply_overrides(raw, list(overrides or []))
+    for name in variants:
+        if not isinstance(name, str) or not name or "/" in name or name in ("cold_start",) or name.startswith("."):
+            raise ConfigError(f"{path}: compare.variants: {name!r} cannot name a run directory")
     for name, ovs in variants.items():  # validate every variant before spending any compute
         try:
-            check_names(config_from_dict(apply_overrides(copy.deepcopy(base), ovs)))
+            check_names(config_from_dict(apply_overrides(copy.deepcopy(raw), [str(x) for x in ovs])))
         except ConfigError as e:
             raise ConfigError(f"{path}: variant {name!r}: {e}") from None
-    return base, {k: [str(x) for x in v] for k, v in variants.items()}
+    return raw, {k: [str(x) for x in v] for k, v in variants.items()}, settings
+
+
+def run_config(base: dict, overrides, seed: int, extra=()):
+    """The Config of one run: the shared dict, the variant's overrides, train.seed = seed, then `extra`."""
+    return config_from_dict(apply_overrides(copy.deepcopy(base), [*overrides, f"train.seed={seed}", *extra]))
+
+
+def cold_start_key(cfg) -> str:
+    """What the cold start of `cfg` depends on (model, parallel layout, task, seed and cold-start settings)."""
+    d = to_dict(cfg)
+    train = {k: v for k, v in d["train"].items() if k not in _RL_ONLY_TRAIN}
+    task = {k: d["rollout"][k] for k in ("task", "task_args", "dataset_path")}
+    return json.dumps([d["model"], d["parallel"], task, train], sort_keys=True)
 
 
 def cold_start_state(cfg) -> dict:
@@ -73,18 +131,42 @@ def cold_start_state(cfg) -> dict:
     if cfg.train.cold_start_steps:
         ddp = wrap_ddp(policy, cfg.train.distributed_optimizer)
         cold_start(policy, ddp, cfg.train, task_from_config(cfg.rollout), build_tokenizer(cfg), info.dp, info.dp_rank)
-    return {k: v.detach().clone() for k, v in policy.full_megatron_state().items()}
+    return {k: v.detach().clone().contiguous() for k, v in policy.full_megatron_state().items()}
 
 
-def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: bool = False) -> Path:
-    """Run every variant into out_dir/<name>/ and write out_dir/report.html; returns the report's path.
-    A directory that already holds a comparison is refused unless overwrite=True."""
+def plan_jobs(out: Path, base: dict, variants: dict[str, list[str]], seeds: list[int]) -> tuple[list[Job], dict]:
+    """The runs (seed-major) and, per cold-start weights file, the config that produces it."""
+    jobs, files = [], {}
+    for seed in seeds:
+        keys = {name: cold_start_key(run_config(base, ovs, seed)) for name, ovs in variants.items()}
+        groups = list(dict.fromkeys(keys.values()))  # distinct cold starts of this seed, in variant order
+        for name, ovs in variants.items():
+            first = next(n for n in variants if keys[n] == keys[name])
+            f = out / "cold_start" / (f"seed_{seed}.safetensors" if len(groups) == 1 else
+                                      f"seed_{seed}_{first}.safetensors")
+            files.setdefault(f, run_config(base, variants[first], seed))
+            jobs.append(Job(name, seed, tuple(ovs), out / name / f"seed_{seed}", f))
+    return jobs, files
+
+
+def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: bool = False,
+                   seeds: int | None = None, jobs: int = 1) -> Path:
+    """Run every variant at every seed into out_dir/<name>/seed_<s>/ and write out_dir/report.html; returns the
+    report's path. `seeds` (the --seeds option) replaces compare.seeds; `jobs` > 1 runs that many at a time in
+    separate processes. A directory that already holds a comparison is refused unless overwrite=True."""
     import torch.distributed as dist
 
     from moe_gspo.report.compare import write_compare_report
-    from moe_gspo.train.loop import train
 
-    base, variants = read_compare_config(config_path, overrides)
+    if seeds is not None and seeds < 1:
+        raise ConfigError(f"--seeds={seeds} must be >= 1")
+    if jobs < 1:
+        raise ConfigError(f"--jobs={jobs} must be >= 1")
+    if jobs > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"--jobs={jobs} starts its own processes and cannot run under torchrun (use --jobs 1)")
+    base, variants, settings = read_compare_config(config_path, overrides)
+    if seeds is not None:
+        settings = dataclasses.replace(settings, seeds=seeds)
     if only:
         missing = [n for n in only if n not in variants]
         if missing:
@@ -94,29 +176,142 @@ def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: b
     if (out / "compare.json").exists() and not overwrite:
         raise ConfigError(f"{out} holds a previous comparison (compare.json): pass --overwrite to replace it or "
                           f"choose another --out")
-    shared = config_from_dict(copy.deepcopy(base))
+    seed_list = [config_from_dict(copy.deepcopy(base)).train.seed + i for i in range(settings.seeds)]
+    plan, files = plan_jobs(out, base, variants, seed_list)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     t0 = time.perf_counter()
-    _say(f"cold start: {shared.train.cold_start_steps} supervised steps on {shared.rollout.task}")
-    init = cold_start_state(shared)
-    cold_s = time.perf_counter() - t0
-    walls = {}
-    for name, ovs in variants.items():
-        cfg = config_from_dict(apply_overrides(copy.deepcopy(base), ovs))
-        t1 = time.perf_counter()
-        train(cfg, run_dir=out / name, init_state=init, label=name, overwrite=True)
-        walls[name] = time.perf_counter() - t1
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            (out / name / "wall_time.json").write_text(json.dumps({"seconds": walls[name], "overrides": ovs}))
-    if dist.is_initialized() and dist.get_rank() != 0:
+    cold_s = {}
+    threads = max(1, _thread_budget() // jobs)
+    if jobs == 1:
+        walls = _run_in_process(plan, files, base, cold_s)
+    else:
+        for f, cfg in files.items():
+            cold_s[f.name] = _cold_start_to_file(cfg, f)
+        walls = _run_in_processes(plan, base, jobs, threads)
+    if dist.is_initialized() and not rank0:
         return out / "report.html"
-    (out / "compare.json").write_text(json.dumps({"variants": variants, "wall_seconds": walls,
-                                                  "cold_start_seconds": cold_s,
-                                                  "total_seconds": time.perf_counter() - t0}, indent=1))
-    return write_compare_report(out, list(variants), walls, cold_start_seconds=cold_s)
+    meta = {"variants": variants, "seeds": seed_list, "jobs": jobs, "threads_per_run": threads,
+            "settings": dataclasses.asdict(settings),
+            "wall_seconds": walls, "cold_start_seconds": cold_s, "total_seconds": time.perf_counter() - t0}
+    (out / "compare.json").write_text(json.dumps(meta, indent=1))
+    return write_compare_report(out, list(variants), walls)
+
+
+def _run_in_process(plan: list[Job], files: dict, base: dict, cold_s: dict) -> dict[str, float]:
+    """Runs one after another in this process (also under torchrun); each seed's cold starts just before its runs."""
+    walls: dict[str, float] = {}
+    states: dict[Path, dict] = {}
+    seed = None
+    for job in plan:
+        if job.seed != seed:  # a new seed: the previous seed's weights are no longer needed
+            states, seed = {}, job.seed
+        if job.init not in states:
+            cold_s[job.init.name] = _cold_start_to_file(files[job.init], job.init, states)
+        cfg = run_config(base, job.overrides, job.seed)
+        walls[job.label] = train_one(cfg, job.dir, states[job.init], job.label, job.overrides)
+    return walls
+
+
+def _cold_start_to_file(cfg, path: Path, keep: dict | None = None) -> float:
+    """Cold-start `cfg` and write its weights to `path` (safetensors, rank 0); seconds taken."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    _say(f"cold start (seed {cfg.train.seed}): {cfg.train.cold_start_steps} supervised steps on {cfg.rollout.task}")
+    t = time.perf_counter()
+    state = cold_start_state(cfg)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(path))
+    if keep is not None:
+        keep[path] = state
+    return time.perf_counter() - t
+
+
+def train_one(cfg, run_dir: Path, init_state: dict, label: str, overrides=()) -> float:
+    """One run of the loop from `init_state`, replacing any previous run in run_dir; writes wall_time.json
+    (seconds of train(), excluding process start-up) and returns those seconds."""
+    import torch.distributed as dist
+
+    from moe_gspo.train.loop import train
+
+    t = time.perf_counter()
+    train(cfg, run_dir=run_dir, init_state=init_state, label=label, overwrite=True)
+    seconds = time.perf_counter() - t
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (Path(run_dir) / "wall_time.json").write_text(json.dumps({"seconds": seconds, "overrides": list(overrides),
+                                                                  "seed": cfg.train.seed}))
+    return seconds
+
+
+def run_one(config_path, run_dir, weights) -> float:
+    """What `moe-gspo compare --run-one WEIGHTS --config RUN.yaml --out RUN_DIR` does in a --jobs process: train the
+    plain run config RUN.yaml into RUN_DIR from the weights in WEIGHTS (safetensors)."""
+    from safetensors.torch import load_file
+
+    weights, run_dir = Path(weights), Path(run_dir)
+    if not weights.is_file():
+        raise FileNotFoundError(f"--run-one {weights}: weights file not found")
+    cfg = load_config(config_path)
+    job = run_dir / "job.json"  # the variant's overrides, recorded in wall_time.json as in-process runs do
+    overrides = json.loads(job.read_text()).get("overrides", []) if job.is_file() else []
+    return train_one(cfg, run_dir, load_file(str(weights)), f"{run_dir.parent.name}/{run_dir.name}", overrides)
+
+
+def _thread_budget() -> int:
+    """The threads this process computes with (OMP_NUM_THREADS, else torch's default: the cores), which --jobs
+    divides among its runs. A run's float results depend on its thread count (CPU kernels split reductions by
+    thread), so `--jobs K` reproduces `--jobs 1` exactly when each gets the same number of threads."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _run_in_processes(plan: list[Job], base: dict, jobs: int, threads: int) -> dict[str, float]:
+    """Runs `jobs` at a time, each a `moe-gspo compare --run-one` process with `threads` OpenMP threads. After a
+    failure no new run starts; the error names the run and the tail of its log."""
+    import moe_gspo
+
+    pkg_root = str(Path(moe_gspo.__file__).resolve().parent.parent)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
+    _say(f"{len(plan)} runs, {jobs} at a time, {threads} thread(s) each; logs in <run dir>/log.txt")
+    failed: list[tuple[int, str]] = []  # (exit code, message)
+
+    def launch(job: Job) -> float | None:
+        if failed:
+            return None
+        job.dir.mkdir(parents=True, exist_ok=True)
+        cfg = run_config(base, job.overrides, job.seed, ["logging.progress=false"])
+        (job.dir / "job.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        (job.dir / "job.json").write_text(json.dumps({"variant": job.variant, "seed": job.seed,
+                                                      "overrides": list(job.overrides), "init": str(job.init)}))
+        cmd = [sys.executable, "-m", "moe_gspo.cli", "compare", "--config", str(job.dir / "job.yaml"), "--out",
+               str(job.dir), "--run-one", str(job.init)]
+        with (job.dir / "log.txt").open("w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        if rc:
+            last = ((job.dir / "log.txt").read_text().strip().splitlines() or [""])[-1]
+            failed.append((rc, f"{job.label}: {last} (exit {rc}; log: {job.dir / 'log.txt'})"))
+            return None
+        return json.loads((job.dir / "wall_time.json").read_text())["seconds"]
+
+    walls: dict[str, float] = {}
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(launch, job): job for job in plan}
+        for fut in as_completed(futures):
+            job, seconds = futures[fut], fut.result()
+            if seconds is not None:
+                walls[job.label] = seconds
+                _say(f"[{len(walls)}/{len(plan)}] {job.label}: {seconds:.0f} s")
+    if failed:
+        text = "; ".join(msg for _, msg in failed)
+        if all(rc == 2 for rc, _ in failed):  # the CLI's exit code for an error the user can fix: one line
+            raise ConfigError(text)
+        raise RuntimeError(f"comparison runs failed: {text}")
+    return {j.label: walls[j.label] for j in plan}
 
 
 def _say(msg: str) -> None:
-    import os
-
     if os.environ.get("RANK", "0") == "0":  # torchrun's global rank (before the process group exists)
         print(msg, file=sys.stderr, flush=True)

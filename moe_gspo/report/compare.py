@@ -1,127 +1,286 @@
-"""The comparison report: DIR/report.html from the variant runs DIR/<name>/metrics.jsonl of `moe-gspo compare`.
+"""The comparison report: DIR/report.html from the runs DIR/<variant>/seed_<s>/metrics.jsonl of `moe-gspo compare`.
 
-    write_compare_report("runs/compare", ["grpo", "grpo_r2", "grpo_r3", "gspo", "gspo_token"], walls)
-    python -m moe_gspo.report.compare DIR            # re-draw from existing runs
+    write_compare_report("runs/compare", ["grpo", "grpo_r2", "grpo_r3", "gspo", "gspo_token"])
+    moe-gspo report compare DIR                      # re-draw from existing runs
 
-Figures (PNG next to the HTML): reward and accuracy curves, clip fractions on a log scale, the expert flip rate per
-step and per layer (the volatility report's figures, moe_gspo/report/volatility.py), rollout-vs-train routing
-mismatch and log-prob difference; and a summary table. Reads only the JSONL metrics.
+The seeds and the statistics settings (final window, smoothing, collapse rule) come from DIR/compare.json when it
+is there (CompareConfig defaults otherwise; a variant directory holding metrics.jsonl itself is one run).
+Statistics (moe_gspo/experiments/stats.py): a run's final reward is the mean of its last `final_window` steps; a
+variant's is the mean over seeds with a 95% Student-t interval; each variant is compared with GRPO (or the first
+variant when GRPO is absent) by the per-seed paired difference of final rewards, with its t-interval and a verdict;
+collapses are counted per run. Figures (PNG next to the HTML): reward and accuracy curves (mean over seeds of the
+smoothed curves with their 95% band), clip fractions on a log scale, the expert flip rate per step and per layer
+(the volatility report's figures, of each variant's first seed), rollout-vs-train routing mismatch and log-prob
+difference. Reads only the JSONL metrics and compare.json.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import sys
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from moe_gspo.config import CompareConfig
+from moe_gspo.experiments.stats import Interval, band, collapses, final_value, smooth, t_interval, verdict
 from moe_gspo.report import html
-from moe_gspo.report.plots import Run, _save, colors, load_runs, plt
+from moe_gspo.report.plots import Run, _save, colors, load_metrics, plt
 from moe_gspo.report.volatility import write_volatility_report
 
 REWARD, ACC, CLIP, CLIP_LO, FLIP = "reward/mean", "accuracy", "pg_clipfrac", "pg_clipfrac_lower", "moe/flip_rate"
 MISMATCH, PDIFF = "moe/rollout_train_mismatch", "rollout_probs_diff_mean"
-
-
-def _mean(run: Run, key: str, last: int | None = None) -> float | None:
-    _, v = run.series(key)
-    if last:
-        v = v[-last:]
-    return float(v.mean()) if len(v) else None
-
-
 STYLES = ["-", "--", "-.", ":", (0, (6, 2, 1, 2))]  # distinct dashes: identical runs overlap visibly
 
 
-def smooth(y: np.ndarray, window: int) -> np.ndarray:
-    """Trailing moving average over up to `window` steps (fewer at the start)."""
-    c = np.cumsum(np.insert(np.asarray(y, dtype=float), 0, 0.0))  # c[i] = sum(y[:i])
-    i = np.arange(1, len(y) + 1)
-    lo = np.maximum(i - window, 0)
-    return (c[i] - c[lo]) / (i - lo)
+@dataclass
+class Variant:
+    """The runs of one variant, one per seed (seed None: a single run without a seed directory)."""
+
+    name: str
+    runs: list[Run]
+    seeds: list[int | None]
+
+    def matrix(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps (T,), values (seeds, T)) over the steps that every run logged `key` at."""
+        series = [r.series(key) for r in self.runs]
+        common = sorted(set.intersection(*(set(x.tolist()) for x, _ in series))) if series else []
+        steps = np.array(common, dtype=float)
+        rows = [y[np.searchsorted(x, steps)] for x, y in series] if len(steps) else []
+        return steps, np.array(rows, dtype=float).reshape(len(series), len(steps))
+
+    def mean_of(self, key: str, last: int | None = None) -> float | None:
+        """Mean over seeds of each run's mean of `key` (over its last `last` steps when given)."""
+        vals = []
+        for r in self.runs:
+            _, v = r.series(key)
+            v = v[-last:] if last else v
+            if len(v):
+                vals.append(float(v.mean()))
+        return float(np.mean(vals)) if vals else None
 
 
-def curves(path: Path, runs: Sequence[Run], key: str, title: str, ylabel: str, window: int = 5,
-           log: bool = False) -> Path:
-    """One line per run (its own dash style), raw values faint and a `window`-step moving average bold.
+def load_variants(out: Path, names: Sequence[str], seeds: Sequence[int] | None = None) -> list[Variant]:
+    """Each variant's runs: DIR/<name>/seed_<s>/ for the given seeds (else every seed_<s> found), or DIR/<name>/
+    itself when it holds metrics.jsonl."""
+    variants = []
+    for name in names:
+        d = out / name
+        if seeds is not None:
+            found = list(seeds)
+        elif (d / "metrics.jsonl").is_file():
+            variants.append(Variant(name, [Run(d, name, load_metrics(d))], [None]))
+            continue
+        else:
+            found = sorted(int(m.group(1)) for p in d.glob("seed_*") if (m := re.fullmatch(r"seed_(\d+)", p.name)))
+            if not found:
+                raise FileNotFoundError(f"{d}: no runs (neither metrics.jsonl nor seed_<s>/ directories)")
+        runs = [Run(d / f"seed_{s}", f"{name}/seed_{s}", load_metrics(d / f"seed_{s}")) for s in found]
+        variants.append(Variant(name, runs, list(found)))
+    return variants
 
-    On a log axis, zeros are left out (gaps) and counted in the legend."""
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    for i, (r, c) in enumerate(zip(runs, colors(len(runs)))):
-        x, y = r.series(key)
+
+@dataclass
+class Stats:
+    """What the report states about one variant."""
+
+    finals: list[float]
+    """Final reward of each run (mean of its last final_window steps), in seed order."""
+    final: Interval
+    """Their mean over seeds with the 95% t-interval."""
+    collapses: list[list]
+    """Per run, the collapses of its reward curve (moe_gspo.experiments.stats.Collapse)."""
+    diff: Interval | None = None
+    """Paired difference of final rewards against the baseline (None for the baseline itself)."""
+    verdict: str = ""
+
+
+def variant_stats(variants: Sequence[Variant], settings: CompareConfig) -> tuple[str, dict[str, Stats]]:
+    """(baseline name, {variant: Stats}); the baseline is grpo when present, else the first variant."""
+    base = "grpo" if any(v.name == "grpo" for v in variants) else variants[0].name
+    out = {}
+    for v in variants:
+        rewards = [r.series(REWARD)[1] for r in v.runs]
+        finals = [final_value(y, settings.final_window) if len(y) else float("nan") for y in rewards]
+        events = [collapses(y, settings.collapse_fraction, settings.collapse_patience, settings.collapse_min_peak,
+                            settings.smooth_window) if len(y) else [] for y in rewards]
+        out[v.name] = Stats(finals, t_interval(finals), events)
+    b = next(v for v in variants if v.name == base)
+    for v in variants:
+        if v.name == base:
+            continue
+        paired = [(x, out[base].finals[b.seeds.index(s)]) for s, x in zip(v.seeds, out[v.name].finals)
+                  if s in b.seeds]
+        if paired:
+            d = t_interval([x - y for x, y in paired])
+            out[v.name].diff, out[v.name].verdict = d, verdict(v.name, base, d)
+    return base, out
+
+
+def summary_rows(variants: Sequence[Variant], stats: dict[str, Stats], base: str, walls: dict[str, float]
+                 ) -> list[list]:
+    """One row per variant, columns as in SUMMARY_HEADER."""
+    base_clip = next((v.mean_of(CLIP) for v in variants if v.name == base), None)
+    rows = []
+    for v in variants:
+        st = stats[v.name]
+        clip = v.mean_of(CLIP)
+        first = [r.series(REWARD)[1][0] for r in v.runs if len(r.series(REWARD)[1])]
+        wall = [walls[r.label] for r in v.runs if r.label in walls]
+        rows.append([v.name, len(v.runs), max((len(r.records) for r in v.runs), default=0),
+                     float(np.mean(first)) if first else None, st.final.mean, _interval_cell(st.final),
+                     f"{sum(bool(e) for e in st.collapses)}/{len(st.collapses)}",
+                     clip, clip / base_clip if clip is not None and base_clip else None, v.mean_of(FLIP),
+                     v.mean_of(MISMATCH), v.mean_of(PDIFF), float(sum(wall)) if wall else None])
+    return rows
+
+
+def _interval_cell(iv: Interval) -> str:
+    return "\u2014 (1 seed)" if iv.lo is None else f"[{iv.lo:.3g}, {iv.hi:.3g}]"
+
+
+def diff_rows(variants: Sequence[Variant], stats: dict[str, Stats]) -> list[list]:
+    """One row per variant other than the baseline, columns as in DIFF_HEADER."""
+    return [[v.name, stats[v.name].diff.n, stats[v.name].diff.mean, _interval_cell(stats[v.name].diff),
+             stats[v.name].verdict] for v in variants if stats[v.name].diff is not None]
+
+
+def run_rows(variants: Sequence[Variant], stats: dict[str, Stats], walls: dict[str, float]) -> list[list]:
+    """One row per run, columns as in RUN_HEADER."""
+    rows = []
+    for v in variants:
+        st = stats[v.name]
+        for i, (r, s) in enumerate(zip(v.runs, v.seeds)):
+            steps, _ = r.series(REWARD)
+            col = ", ".join(f"step {int(steps[c.start])}" + ("" if c.end is None else
+                                                            f" (back at step {int(steps[c.end])})")
+                            for c in st.collapses[i]) or "none"
+            rows.append([v.name, "\u2014" if s is None else s, st.finals[i], col, walls.get(r.label)])
+    return rows
+
+
+def identical_variants(variants: Sequence[Variant], key: str) -> list[tuple[str, str]]:
+    """Pairs of variants whose `key` series are exactly equal at every seed (and non-empty)."""
+    out = []
+    for i, a in enumerate(variants):
+        for b in variants[i + 1:]:
+            if a.seeds != b.seeds:
+                continue
+            same = True
+            for ra, rb in zip(a.runs, b.runs):
+                (xa, ya), (xb, yb) = ra.series(key), rb.series(key)
+                same &= bool(len(ya)) and np.array_equal(xa, xb) and np.array_equal(ya, yb)
+            if same:
+                out.append((a.name, b.name))
+    return out
+
+
+def mean_curves(path: Path, variants: Sequence[Variant], key: str, title: str, ylabel: str, window: int = 5,
+                log: bool = False, marks: dict[str, list[tuple[float, float]]] | None = None) -> Path:
+    """Per variant: the mean over seeds of the raw values (faint) and of the `window`-step moving averages (bold),
+    with the 95% t-band of the smoothed curves across seeds (shaded, 2+ seeds). On a log axis: the mean over seeds
+    only, zeros left out (gaps) and counted in the legend. `marks`: {variant: [(step, value)]} drawn as crosses."""
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    for i, (v, c) in enumerate(zip(variants, colors(len(variants)))):
+        x, Y = v.matrix(key)
         if not len(x):
             continue
-        label = r.label
+        ls = STYLES[i % len(STYLES)]
+        n = Y.shape[0]
+        label = v.name + (f" (mean of {n} seeds)" if n > 1 else "")
         if log:
+            y = Y.mean(0)
             zeros = int((y <= 0).sum())
             label += f" ({zeros} steps at 0)" if zeros else ""
-            y = np.where(y > 0, y, np.nan)
-        ls = STYLES[i % len(STYLES)]
-        if window > 1 and len(y) > window and not log:
-            ax.plot(x, y, color=c, lw=0.8, alpha=0.3, ls=ls)
-            ax.plot(x, smooth(y, window), color=c, lw=2.0, ls=ls, label=f"{label} ({window}-step mean)")
-        else:
-            ax.plot(x, y, color=c, lw=1.6, ls=ls, marker="o" if len(x) < 30 else None, ms=3, label=label)
+            ax.plot(x, np.where(y > 0, y, np.nan), color=c, lw=1.6, ls=ls, marker="o" if len(x) < 30 else None,
+                    ms=3, label=label)
+            continue
+        S = np.stack([smooth(row, window) for row in Y])
+        mean, lo, hi = band(S)
+        ax.plot(x, Y.mean(0), color=c, lw=0.8, alpha=0.3, ls=ls)
+        ax.plot(x, mean, color=c, lw=2.0, ls=ls, label=label)
+        if lo is not None:
+            ax.fill_between(x, lo, hi, color=c, alpha=0.15, lw=0)
+        for sx, sy in (marks or {}).get(v.name, []):
+            ax.plot([sx], [sy], marker="x", ms=9, mew=2, color=c, ls="none")
     if log:
         ax.set_yscale("log")
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return _save(fig, path)
 
 
-def summary_rows(runs: Sequence[Run], walls: dict[str, float], last: int = 10) -> list[list]:
-    base = next((r for r in runs if r.label == "grpo"), None)
-    base_clip = _mean(base, CLIP) if base is not None else None
-    rows = []
-    for r in runs:
-        clip = _mean(r, CLIP)
-        ratio = clip / base_clip if clip is not None and base_clip else None
-        _, rew = r.series(REWARD)
-        tail = rew[-last:]
-        se = float(tail.std(ddof=1) / np.sqrt(len(tail))) if len(tail) > 1 else None
-        rows.append([r.label, len(r.records), float(rew[0]) if len(rew) else None, _mean(r, REWARD, last), se,
-                     _mean(r, ACC, last), clip, ratio, _mean(r, FLIP), _mean(r, MISMATCH), _mean(r, PDIFF),
-                     walls.get(r.label)])
-    return rows
+SUMMARY_HEADER = ["variant", "seeds", "steps", "reward, step 1 (mean over seeds)", "final reward (mean over seeds)",
+                  "95% t-interval", "runs that collapsed", "mean pg_clipfrac", "clip fraction / baseline's",
+                  "mean flip rate", "mean rollout-train mismatch", "mean rollout_probs_diff",
+                  "wall time (s, all seeds)"]
+DIFF_HEADER = ["variant", "seeds paired", "mean difference of final reward", "95% t-interval", "verdict"]
+RUN_HEADER = ["variant", "seed", "final reward", "collapses", "wall time (s)"]
 
 
-def identical_pairs(runs: Sequence[Run], key: str) -> list[tuple[str, str]]:
-    """Pairs of runs whose `key` series are exactly equal (and non-empty)."""
-    out = []
-    for i, a in enumerate(runs):
-        for b in runs[i + 1:]:
-            (xa, ya), (xb, yb) = a.series(key), b.series(key)
-            if len(ya) and np.array_equal(xa, xb) and np.array_equal(ya, yb):
-                out.append((a.label, b.label))
-    return out
+def run_walls(variants: Sequence[Variant], walls: dict[str, float] | None = None) -> dict[str, float]:
+    """Seconds per run label: `walls` where given, else the run directory's wall_time.json (a re-drawn report)."""
+    walls = dict(walls or {})
+    for v in variants:
+        for r in v.runs:
+            wt = r.dir / "wall_time.json"
+            if r.label not in walls and wt.is_file():
+                walls[r.label] = json.loads(wt.read_text())["seconds"]
+    return walls
 
 
-HEADER = ["variant", "steps", "reward, step 1", "final reward (mean of last 10 steps)", "\u00b1 s.e.",
-          "final accuracy (last 10)",
-          "mean pg_clipfrac", "clip fraction / GRPO's", "mean flip rate", "mean rollout-train mismatch",
-          "mean rollout_probs_diff", "wall time (s)"]
+def _read_meta(out: Path) -> dict:
+    p = out / "compare.json"
+    return json.loads(p.read_text()) if p.is_file() else {}
 
 
 def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[str, float] | None = None,
-                         cold_start_seconds: float | None = None) -> Path:
+                         cold_start_seconds=None) -> Path:
+    """Write DIR/report.html and its PNGs from the runs of `names`; returns the HTML path. `walls`: seconds per run
+    label ('grpo/seed_0'), else read from each run's wall_time.json."""
     out = Path(out_dir)
-    runs = load_runs([out / n for n in names])
-    walls = dict(walls or {})
-    for r in runs:  # wall times from the run dirs when not given (re-drawing a finished comparison)
-        wt = r.dir / "wall_time.json"
-        if r.label not in walls and wt.is_file():
-            walls[r.label] = json.loads(wt.read_text())["seconds"]
+    meta = _read_meta(out)
+    known = {f.name for f in dataclasses.fields(CompareConfig)}
+    settings = CompareConfig(**{k: v for k, v in (meta.get("settings") or {}).items() if k in known})
+    variants = load_variants(out, names, meta.get("seeds"))
+    walls = run_walls(variants, walls)
+    base, stats = variant_stats(variants, settings)
+    n_seeds = max(len(v.runs) for v in variants)
+    cold = cold_start_seconds if cold_start_seconds is not None else meta.get("cold_start_seconds")
+    cold_total = sum(cold.values()) if isinstance(cold, dict) else cold
     png = lambda name: out / f"compare_{name}.png"  # noqa: E731
-    parts = [f"<p class='note'>Variants: {html.esc(', '.join(names))}; same cold-started weights, prompts and "
-             "sampling seeds. GRPO uses the token-level ratio with clip (0.2, 0.27); GSPO the length-normalized "
-             "sequence ratio with clip (3e-4, 4e-4) unless the config overrides them. R2 replays the training "
-             "engine's old routing, R3 the rollout engine's."
-             + (f" Cold start took {cold_start_seconds:.0f} s." if cold_start_seconds else "") + "</p>"]
-    parts.append("<h2>Summary</h2>" + html.table(HEADER, summary_rows(runs, walls)))
-    same = identical_pairs(runs, REWARD)
+    seeds_text = (f"{n_seeds} seeds per variant ({', '.join(str(s) for s in variants[0].seeds)}), the same for "
+                  "every variant: a seed sets the initial weights, the cold start, the prompts and the sampling, "
+                  "and all variants of a seed start from the same cold-started weights" if n_seeds > 1 else
+                  "one seed per variant: no intervals (run with --seeds N, N >= 2, for them); all variants start "
+                  "from the same cold-started weights with the same prompts and sampling seeds")
+    parts = [f"<p class='note'>Variants: {html.esc(', '.join(names))}; {html.esc(seeds_text)}. GRPO uses the "
+             "token-level ratio with clip (0.2, 0.27); GSPO the length-normalized sequence ratio with clip "
+             "(3e-4, 4e-4) unless the config overrides them. R2 replays the training engine's old routing, R3 the "
+             "rollout engine's."
+             + (f" Cold start took {cold_total:.0f} s in all." if cold_total else "") + "</p>"]
+    parts.append("<h2>Summary</h2>" + html.table(SUMMARY_HEADER, summary_rows(variants, stats, base, walls)))
+    parts.append(
+        f"<p class='note'>Final reward: the mean training reward of a run's last {settings.final_window} steps; per "
+        "variant, the mean over seeds with its 95% Student-t interval (mean \u00b1 t<sub>0.975, n\u22121</sub> "
+        "\u00b7 s / \u221an over the n seeds' final rewards). A run collapses when its "
+        f"{settings.smooth_window}-step moving-average reward falls below {settings.collapse_fraction:g} of its "
+        f"running peak (peaks below {settings.collapse_min_peak:g} count as {settings.collapse_min_peak:g}) and "
+        f"stays below for at least {settings.collapse_patience} steps.</p>")
+    drows = diff_rows(variants, stats)
+    if drows:
+        parts.append(f"<h2>Each variant vs {html.esc(base)}</h2>" + html.table(DIFF_HEADER, drows)
+                     + f"<p class='note'>Per seed, the variant's final reward minus {html.esc(base)}'s at the same "
+                     "seed (same cold start, same prompts); the interval is the Student-t interval of these "
+                     "differences. An interval that covers 0 reads \u201cnot distinguishable at this budget\u201d: "
+                     "more seeds or steps could still separate them.</p>")
+    parts.append("<h2>Runs</h2>" + html.table(RUN_HEADER, run_rows(variants, stats, walls)))
+    same = identical_variants(variants, REWARD)
     if same:
         parts.append("<p class='note'>Identical reward curves (the variants computed the same thing here, e.g. R2 and "
                      "R3 when the rollout engine routes exactly like the trainer): "
@@ -131,30 +290,44 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                  "(~15% vs ~0.13%) with better training reward; a tiny model trained for a few steps need not "
                  "reproduce that.</p>")
 
+    w = settings.smooth_window
+    marks = {}
+    for v in variants:
+        for r, events in zip(v.runs, stats[v.name].collapses):
+            x, y = r.series(REWARD)
+            s = smooth(y, w) if len(y) else y
+            marks.setdefault(v.name, []).extend((x[c.start], s[c.start]) for c in events)
+    band_text = ("bold: mean over seeds of each run's " f"{w}-step moving average, shaded: its 95% t-band across "
+                 "seeds, faint: the mean of the raw values" if n_seeds > 1 else
+                 f"faint raw, bold {w}-step moving average (one seed: no band)")
     figs = [
-        (curves(png("reward"), runs, REWARD, "Training reward (mean over the rollout batch)", "reward"),
-         "Mean reward of each step's rollouts: faint raw, bold 5-step moving average. Curves of variants that "
-         "compute the same thing (e.g. GSPO and GSPO-token) lie on top of each other."),
-        (curves(png("accuracy"), runs, ACC, "Accuracy of sampled responses", "fraction with reward 1"),
-         "Fraction of sampled responses that are correct (faint raw, bold 5-step moving average)."),
-        (curves(png("clipfrac"), runs, CLIP, "Clip fraction (log scale)", "pg_clipfrac", log=True),
-         "Fraction of response tokens on the clipped branch per step (GSPO: tokens of clipped sequences); "
-         "steps with nothing clipped are gaps."),
-        (curves(png("mismatch"), runs, MISMATCH, "Rollout engine vs training engine routing (old policy)",
-                "fraction of top-k slots differing"),
-         "Set-wise routing mismatch of rollout tokens between the rollout engine and the megatron training "
-         "forward at the same weights (bold: 5-step moving average)."),
-        (curves(png("probs_diff"), runs, PDIFF, "Rollout vs recomputed token probabilities (log scale)",
-                "mean |p_engine - p_train|", log=True),
-         "Mean absolute difference of response-token probabilities, rollout engine vs training engine."),
+        (mean_curves(png("reward"), variants, REWARD, "Training reward (mean over the rollout batch)", "reward", w,
+                     marks=marks),
+         f"Mean reward of each step's rollouts ({band_text}); crosses mark where a collapse began. Curves of "
+         "variants that compute the same thing (e.g. GSPO and GSPO-token) lie on top of each other."),
+        (mean_curves(png("accuracy"), variants, ACC, "Accuracy of sampled responses", "fraction with reward 1", w),
+         f"Fraction of sampled responses that are correct ({band_text})."),
+        (mean_curves(png("clipfrac"), variants, CLIP, "Clip fraction (log scale)", "pg_clipfrac", log=True),
+         "Fraction of response tokens on the clipped branch per step, mean over seeds (GSPO: tokens of clipped "
+         "sequences); steps with nothing clipped are gaps."),
+        (mean_curves(png("mismatch"), variants, MISMATCH, "Rollout engine vs training engine routing (old policy)",
+                     "fraction of top-k slots differing", w),
+         f"Set-wise routing mismatch of rollout tokens between the rollout engine and the megatron training "
+         f"forward at the same weights ({band_text})."),
+        (mean_curves(png("probs_diff"), variants, PDIFF, "Rollout vs recomputed token probabilities (log scale)",
+                     "mean |p_engine - p_train|", log=True),
+         "Mean absolute difference of response-token probabilities, rollout engine vs training engine, mean over "
+         "seeds."),
     ]
     parts.append("<h2>Reward and accuracy</h2>" + "".join(html.figure(f.name, c) for f, c in figs[:2]))
     parts.append("<h2>Clipping</h2>" + html.figure(figs[2][0].name, figs[2][1]))
+    firsts = [v.runs[0] for v in variants]
     try:
-        vol = write_volatility_report([r.dir for r in runs], out / "volatility.html")
+        vol = write_volatility_report([r.dir for r in firsts], out / "volatility.html")
+        which = "" if n_seeds == 1 else f" Runs of seed {variants[0].seeds[0]} only."
         parts.append("<h2>Expert volatility</h2><p class='note'>From the volatility report "
                      f"(<a href='{vol.name}'>{vol.name}</a>): flip rate of the same rollout tokens' experts "
-                     "between the old policy and the policy being trained, per step and per layer.</p>"
+                     f"between the old policy and the policy being trained, per step and per layer.{which}</p>"
                      + html.figure(f"{vol.stem}_flip_rate.png", "Flip rate per step (all MoE layers)")
                      + html.figure(f"{vol.stem}_heatmap.png", "Flip rate per layer and step"))
     except ValueError as e:  # no flip metrics (track_flips off)

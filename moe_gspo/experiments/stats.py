@@ -1,0 +1,177 @@
+"""Statistics of a comparison over seeds: t-intervals, paired differences, smoothing and a collapse detector.
+
+    final = final_value(rewards, window=10)                 # mean of the last 10 logged steps of one run
+    ci = t_interval([0.52, 0.57, 0.61])                     # Interval(mean, lo, hi, n): 95% Student-t interval
+    d = t_interval(np.subtract(gspo_finals, grpo_finals))   # paired by seed
+    verdict("gspo", "grpo", d)                              # "not distinguishable at this budget" (covers 0)
+    collapses(rewards, fraction=0.5, patience=10)           # [Collapse(start, peak, ...)]
+
+The interval is the Student-t interval of a mean: mean +- t_{(1+level)/2, n-1} * s / sqrt(n), s the sample standard
+deviation (ddof=1). It assumes the n seed-level values are independent draws of a roughly normal quantity; with
+3-5 seeds it is wide, which is the honest answer at that budget. One seed gives no interval (lo = hi = None).
+Pure numpy; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def t_two_sided_cdf(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with integer df >= 1 (closed forms in theta = atan(t / sqrt(df)),
+    Abramowitz & Stegun 26.7.3-4: a finite series in cos(theta))."""
+    if df < 1:
+        raise ValueError(f"df={df} must be >= 1")
+    t = abs(float(t))
+    theta = math.atan(t / math.sqrt(df))
+    s, c2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2 == 0:  # sin(theta) * (1 + c2/2 + 1*3/(2*4) c2^2 + ... up to c2^((df-2)/2))
+        term, acc = 1.0, 1.0
+        for k in range(1, df // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            acc += term
+        return s * acc
+    # odd: 2/pi * (theta + sin(theta) cos(theta) (1 + 2/3 c2 + 2*4/(3*5) c2^2 + ... up to c2^((df-3)/2)))
+    if df == 1:
+        return 2.0 * theta / math.pi
+    term, acc = 1.0, 1.0
+    for k in range(1, (df - 1) // 2):
+        term *= c2 * (2 * k) / (2 * k + 1)
+        acc += term
+    return 2.0 / math.pi * (theta + s * math.sqrt(c2) * acc)
+
+
+def t_critical(df: int, level: float = 0.95) -> float:
+    """The t such that P(|T| <= t) = level for Student's t with df degrees of freedom (bisection to 1e-12)."""
+    if not 0 < level < 1:
+        raise ValueError(f"level={level} must be in (0, 1)")
+    lo, hi = 0.0, 1.0
+    while t_two_sided_cdf(hi, df) < level:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_two_sided_cdf(mid, df) < level else (lo, mid)
+        if hi - lo < 1e-12:
+            break
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean with its two-sided t-interval; lo/hi are None for a single value (no spread to estimate)."""
+
+    mean: float
+    lo: float | None
+    hi: float | None
+    n: int
+    level: float = 0.95
+
+    @property
+    def half_width(self) -> float | None:
+        return None if self.lo is None else (self.hi - self.lo) / 2
+
+    def covers(self, x: float) -> bool | None:
+        return None if self.lo is None else self.lo <= x <= self.hi
+
+    def text(self, digits: int = 3) -> str:
+        """'0.571 [0.52, 0.62]' or '0.571 (1 seed: no interval)'."""
+        if self.lo is None:
+            return f"{self.mean:.{digits}g} (1 seed: no interval)"
+        return f"{self.mean:.{digits}g} [{self.lo:.{digits}g}, {self.hi:.{digits}g}]"
+
+
+def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:
+    """Mean of `values` with its Student-t interval (n - 1 degrees of freedom)."""
+    x = np.asarray(values, dtype=float)
+    if x.ndim != 1 or not len(x):
+        raise ValueError("t_interval needs a non-empty 1-D sequence of values")
+    m = float(x.mean())
+    if len(x) == 1:
+        return Interval(m, None, None, 1, level)
+    half = t_critical(len(x) - 1, level) * float(x.std(ddof=1)) / math.sqrt(len(x))
+    return Interval(m, m - half, m + half, len(x), level)
+
+
+def band(rows: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Per column of rows (seeds, steps): (mean, lo, hi) of the t-interval across seeds; lo, hi None for 1 row."""
+    rows = np.asarray(rows, dtype=float)
+    mean = rows.mean(0)
+    n = rows.shape[0]
+    if n < 2:
+        return mean, None, None
+    half = t_critical(n - 1, level) * rows.std(0, ddof=1) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def verdict(name: str, base: str, diff: Interval) -> str:
+    """Plain words for the paired difference `name - base`."""
+    if diff.lo is None:
+        return "1 seed: no interval, cannot tell"
+    if diff.covers(0.0):
+        return "not distinguishable at this budget"
+    return f"{name} {'higher' if diff.mean > 0 else 'lower'} than {base}"
+
+
+def final_value(values: Sequence[float], window: int) -> float:
+    """Mean of the last `window` values (all of them when there are fewer)."""
+    x = np.asarray(values, dtype=float)
+    if not len(x):
+        raise ValueError("final_value of an empty series")
+    return float(x[-window:].mean())
+
+
+def smooth(y: Sequence[float], window: int) -> np.ndarray:
+    """Trailing moving average over up to `window` values (fewer at the start)."""
+    y = np.asarray(y, dtype=float)
+    c = np.cumsum(np.insert(y, 0, 0.0))  # c[i] = sum(y[:i])
+    i = np.arange(1, len(y) + 1)
+    lo = np.maximum(i - window, 0)
+    return (c[i] - c[lo]) / (i - lo)
+
+
+@dataclass(frozen=True)
+class Collapse:
+    """A collapse of one run: at index `start` the smoothed reward fell below `fraction * peak`, `peak` being its
+    running maximum then, and stayed below that level for at least `patience` logged steps; `end` is the first
+    index back at or above the level (None: it never recovered)."""
+
+    start: int
+    peak: float
+    end: int | None
+
+
+def collapses(values: Sequence[float], fraction: float = 0.5, patience: int = 10, min_peak: float = 0.1,
+              window: int = 5) -> list[Collapse]:
+    """Collapses of a reward series (one value per logged step), on its `window`-step trailing moving average.
+
+    A collapse starts where the smoothed reward s_t drops below fraction * P_t (P_t = max of s up to t, at least
+    `min_peak`, so that noise around a near-zero reward is not a collapse) and s stays below that level for
+    `patience` consecutive values. A dip shorter than `patience` is not a collapse; neither is a drop in the last
+    `patience - 1` values (it cannot have lasted long enough yet). After a collapse that recovers (s back at or
+    above its level), a later drop counts again."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"collapse fraction={fraction} must be in (0, 1)")
+    if patience < 1 or window < 1:
+        raise ValueError(f"collapse patience={patience} and window={window} must be >= 1")
+    s = smooth(values, window)
+    out: list[Collapse] = []
+    peak = -math.inf
+    t = 0
+    while t < len(s):
+        peak = max(peak, s[t])
+        level = fraction * peak
+        if peak >= min_peak and s[t] < level:
+            above = np.nonzero(s[t:] >= level)[0]
+            end = t + int(above[0]) if len(above) else None
+            if (end if end is not None else len(s)) - t >= patience:
+                out.append(Collapse(t, float(peak), end))
+            if end is None:
+                break
+            t = end  # the peak carries on from where the reward came back
+            continue
+        t += 1
+    return out

@@ -1,0 +1,99 @@
+"""Statistics of `moe-gspo compare`: Student-t intervals against textbook quantiles and a known distribution,
+paired verdicts, and the collapse detector on constructed reward curves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_gspo.experiments.stats import (band, collapses, final_value, smooth, t_critical, t_interval,
+                                        t_two_sided_cdf, verdict)
+
+
+@pytest.mark.parametrize("df,t95,t90", [(1, 12.706, 6.314), (2, 4.303, 2.920), (3, 3.182, 2.353), (4, 2.776, 2.132),
+                                        (9, 2.262, 1.833), (29, 2.045, 1.699)])
+def test_t_quantiles_match_the_tables(df, t95, t90):
+    assert t_critical(df) == pytest.approx(t95, abs=1e-3)
+    assert t_critical(df, 0.90) == pytest.approx(t90, abs=1e-3)
+    assert t_two_sided_cdf(t95, df) == pytest.approx(0.95, abs=1e-4)
+
+
+def test_t_cdf_tends_to_the_normal():
+    assert t_critical(2000) == pytest.approx(1.96, abs=2e-3)
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_interval_covers_a_known_mean_95_percent_of_the_time(n):
+    """Seed-level values drawn from N(0.3, 0.2^2): the 95% t-interval holds 0.3 in about 95% of 4000 draws, while
+    the normal-quantile interval (1.96) of the same draws covers clearly less at small n."""
+    rng = np.random.default_rng(0)
+    draws = rng.normal(0.3, 0.2, size=(4000, n))
+    ivs = [t_interval(d) for d in draws]
+    coverage = np.mean([iv.lo <= 0.3 <= iv.hi for iv in ivs])
+    assert 0.935 <= coverage <= 0.965, coverage
+    z = np.mean(np.abs(draws.mean(1) - 0.3) <= 1.96 * draws.std(1, ddof=1) / np.sqrt(n))
+    assert z < coverage - 0.02, (z, coverage)
+    assert all(iv.mean == pytest.approx(d.mean()) for iv, d in zip(ivs[:10], draws[:10]))
+
+
+def test_one_value_has_no_interval():
+    iv = t_interval([0.42])
+    assert (iv.mean, iv.lo, iv.hi, iv.n) == (0.42, None, None, 1)
+    assert "no interval" in iv.text() and iv.covers(0.0) is None
+    assert verdict("gspo", "grpo", iv) == "1 seed: no interval, cannot tell"
+    with pytest.raises(ValueError):
+        t_interval([])
+
+
+def test_paired_verdicts():
+    rng = np.random.default_rng(1)
+    grpo = rng.uniform(0.3, 0.7, size=5)  # seeds differ a lot; pairing removes that spread
+    better = grpo + 0.05 + rng.normal(0, 0.005, size=5)
+    same = grpo + rng.normal(0, 0.02, size=5)
+    assert verdict("gspo", "grpo", t_interval(better - grpo)) == "gspo higher than grpo"
+    assert verdict("x", "grpo", t_interval(grpo - better)) == "x lower than grpo"
+    assert verdict("gspo", "grpo", t_interval(same - grpo)) == "not distinguishable at this budget"
+    # unpaired, the seed-to-seed spread swamps the same 0.05 shift
+    assert t_interval(better).covers(float(grpo.mean()))
+
+
+def test_band_across_seeds():
+    rows = np.array([[0.0, 1.0], [2.0, 1.0], [4.0, 1.0]])
+    mean, lo, hi = band(rows)
+    assert mean.tolist() == [2.0, 1.0]
+    assert hi[0] - mean[0] == pytest.approx(t_critical(2) * 2.0 / np.sqrt(3))
+    assert lo[1] == hi[1] == 1.0
+    assert band(rows[:1])[1] is None
+
+
+def test_final_value_and_smoothing():
+    assert final_value([0, 0, 1, 2, 3], 3) == 2.0
+    assert final_value([5.0], 10) == 5.0
+    assert smooth([0, 2, 4, 6], 2).tolist() == [0, 1, 3, 5]
+
+
+def _curve(*pieces):
+    return np.concatenate([np.full(n, v, dtype=float) for n, v in pieces])
+
+
+def test_collapse_detector_on_constructed_curves():
+    # rises to 0.6, then falls to 0.05 for good: one collapse, never recovered
+    rise = np.linspace(0.2, 0.6, 20)
+    c = collapses(np.concatenate([rise, np.full(30, 0.05)]), fraction=0.5, patience=10, window=5)
+    assert len(c) == 1 and c[0].end is None and c[0].peak == pytest.approx(rise[-5:].mean())  # smoothed peak
+    assert 20 <= c[0].start <= 24  # the 5-step average crosses 0.3 within the window after the drop
+    # the same drop lasting 6 steps, then back: a dip, not a collapse
+    assert collapses(_curve((20, 0.6), (6, 0.05), (30, 0.6)), patience=10, window=1) == []
+    # ... but with patience 5 it is one, recovered where the reward returns
+    dip = collapses(_curve((20, 0.6), (6, 0.05), (30, 0.6)), patience=5, window=1)
+    assert [(d.start, d.end) for d in dip] == [(20, 26)]
+    # flat curves: at 0.5, and at 0 (below min_peak) with noise
+    assert collapses(np.full(60, 0.5)) == []
+    assert collapses(np.random.default_rng(0).uniform(0, 0.05, 60), min_peak=0.1) == []
+    # a drop in the last steps has not lasted `patience` yet
+    assert collapses(_curve((40, 0.6), (5, 0.0)), patience=10, window=1) == []
+    # two collapses with a recovery in between
+    two = collapses(_curve((10, 0.5), (12, 0.1), (10, 0.5), (15, 0.0)), patience=10, window=1)
+    assert [(d.start, d.end) for d in two] == [(10, 22), (32, None)]
+    with pytest.raises(ValueError, match="fraction"):
+        collapses([0.1], fraction=1.5)

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from moe_gspo.tasks import (AdditionTask, CharTokenizer, CountdownTask, DatasetError, DatasetTask, MultiplicationTask,
-                            get_task, load_examples)
+from moe_gspo.tasks import (AdditionTask, CharTokenizer, ColumnAdditionTask, CountdownTask, DatasetError, DatasetTask,
+                            Example, MultiplicationTask, get_task, load_examples)
 
 TOK = CharTokenizer()
 
@@ -31,7 +31,8 @@ def test_tokenizer_roundtrip_and_ids_fit_vocab():
 
 
 @pytest.mark.parametrize("task", [AdditionTask(1, 3, num_operands=3), MultiplicationTask(1, 2),
-                                  CountdownTask(num_numbers=4, max_number=12, max_target=200)])
+                                  CountdownTask(num_numbers=4, max_number=12, max_target=200),
+                                  ColumnAdditionTask(4, 12)])
 def test_tasks_are_seeded_split_and_solvable(task):
     a, b = task.examples(30, seed=3), task.examples(30, seed=3)
     assert a == b and a != task.examples(30, seed=4)
@@ -57,6 +58,79 @@ def test_difficulty_knobs():
         AdditionTask(3, 2)
     with pytest.raises(KeyError, match="valid"):
         get_task("sudoku")
+
+
+COLUMN = Example("4738+2951=", "8+1+0=9,3+5+0=8,7+9+0=16,4+2+1=7;7689")
+
+
+@pytest.mark.parametrize("response,reward", [
+    ("8+1+0=9,3+5+0=8,7+9+0=16,4+2+1=7;7689", 1.0),
+    ("  8+1+0=9,3+5+0=8,7+9+0=16,4+2+1=7;7689\n", 1.0),   # surrounding whitespace is not part of the answer
+    ("8+1+0=9,3+5+0=8,7+9+0=16,4+2+1=7;7688", 0.0),        # wrong sum
+    ("8+1+0=9,3+5+0=8,7+9+0=15,4+2+1=7;7689", 0.0),        # right sum after a wrong column
+    ("8+1+0=9,3+5+0=8,7+9+0=16,4+2+0=6;7689", 0.0),        # carry dropped
+    ("7689", 0.0),                                          # the sum without the work
+    (";7689", 0.0),
+    ("8+1+0=9,3+5+0=8,7+9+0=16,4+2+1=7", 0.0),             # work without the sum
+    ("8+1+0=9,3+5+0=8,7+9+0=16,4+2+1=7;7689;7689", 0.0),   # trailing text
+    ("", 0.0), ("8+1+0=9 3+5+0=8 7+9+0=16 4+2+1=7 7689", 0.0),
+])
+def test_column_addition_reward_table(response, reward):
+    task = get_task("column_addition")
+    assert ColumnAdditionTask.solution(4738, 2951) == COLUMN.answer
+    assert task.reward(response, COLUMN) == reward
+
+
+def test_column_addition_lengths_follow_the_digits_knob():
+    """Solutions of d-digit operands are 9d..10d+1 characters (one token each), 36..121 over the knob's range."""
+    lengths = {}
+    for d in range(ColumnAdditionTask.MIN_DIGITS, ColumnAdditionTask.MAX_DIGITS + 1):
+        for ex in ColumnAdditionTask(d, d).examples(200, seed=d):
+            a, b = ex.meta["operands"]
+            assert ex.prompt == f"{a}+{b}=" and len(str(a)) == len(str(b)) == d
+            assert ex.answer.endswith(f";{a + b}") and ex.answer.count(",") == d - 1
+            n = len(TOK.encode(ex.completion, strict=True))
+            assert 9 * d <= n <= 10 * d + 1 and 32 <= n <= 128
+            lengths.setdefault(d, []).append(n)
+    assert min(lengths[4]) < 41 and max(lengths[12]) > 110  # the knob spans the range
+    mixed = {ex.meta["digits"] for ex in ColumnAdditionTask(4, 6).examples(100)}
+    assert mixed == {4, 5, 6}
+    for bad in ((3, 5), (4, 13), (6, 5)):
+        with pytest.raises(ValueError, match="digits"):
+            ColumnAdditionTask(*bad)
+    with pytest.raises(Exception, match="max_digits=13"):
+        from moe_gspo.config import load_config
+        from moe_gspo.tasks import task_from_config
+
+        task_from_config(load_config(None, ["rollout.task=column_addition",
+                                            "rollout.task_args=max_digits=13"]).rollout)
+
+
+def test_column_addition_cold_start_learns_the_demonstrations():
+    """A short cold start of a tiny policy (60 steps, about 5 s on one core) more than halves the held-out
+    demonstration loss of the long task (mostly its format at this length of training; configs/compare_seeds_cpu.yaml
+    trains longer, to held-out accuracy)."""
+    import moe_gspo
+    from moe_gspo.config import load_config
+    from moe_gspo.tasks.sft import demonstration_batch, sft_loss
+    from moe_gspo.train.optim import wrap_ddp
+    from moe_gspo.train.step import cold_start
+
+    cfg = load_config(None, ["model.vocab_size=128", "model.hidden_size=64", "model.num_hidden_layers=2",
+                             "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.head_dim=16",
+                             "model.num_experts=4", "model.moe_intermediate_size=128",
+                             "model.max_position_embeddings=64", "train.cold_start_steps=60",
+                             "train.cold_start_lr=0.003", "train.cold_start_batch_size=16"])
+    policy = moe_gspo.load_policy(cfg)
+    task = ColumnAdditionTask(4, 4)
+    heldout = demonstration_batch(task.examples(32, seed=5, split="test"), TOK)
+    with torch.no_grad():
+        before = float(sft_loss(policy, *heldout))
+    losses = cold_start(policy, wrap_ddp(policy, False), cfg.train, task, TOK, dp=1, dp_rank=0)
+    with torch.no_grad():
+        after = float(sft_loss(policy, *heldout))
+    assert losses[-1] < losses[0] / 2
+    assert after < before / 2, (before, after)
 
 
 def _write_jsonl(path, lines):

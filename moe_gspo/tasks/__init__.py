@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from moe_gspo.tasks.base import Example, Task
 from moe_gspo.tasks.datasets import DatasetError, DatasetTask, load_examples
-from moe_gspo.tasks.synthetic import AdditionTask, CountdownTask, MultiplicationTask
+from moe_gspo.tasks.synthetic import AdditionTask, ColumnAdditionTask, CountdownTask, MultiplicationTask
 from moe_gspo.tasks.tokenizer import CharTokenizer
 
 TASKS = {"addition": AdditionTask, "multiplication": MultiplicationTask, "countdown": CountdownTask,
-         "jsonl": DatasetTask, "parquet": DatasetTask}
+         "column_addition": ColumnAdditionTask, "jsonl": DatasetTask, "parquet": DatasetTask}
 
 
 def get_task(name: str, **knobs) -> Task:
@@ -62,6 +62,6 @@ def task_from_config(rollout_cfg) -> Task:
         raise ConfigError(f"rollout.task: {e.args[0] if e.args else e}") from None
 
 
-__all__ = ["AdditionTask", "CharTokenizer", "CountdownTask", "DatasetError", "DatasetTask", "Example",
-           "MultiplicationTask", "TASKS", "Task", "get_task", "load_examples", "parse_task_args",
+__all__ = ["AdditionTask", "CharTokenizer", "ColumnAdditionTask", "CountdownTask", "DatasetError", "DatasetTask",
+           "Example", "MultiplicationTask", "TASKS", "Task", "get_task", "load_examples", "parse_task_args",
            "task_from_config"]

@@ -3,9 +3,11 @@
     AdditionTask(min_digits=1, max_digits=2, num_operands=2)   "37+5="        -> "42"
     MultiplicationTask(min_digits=1, max_digits=2)             "12*7="        -> "84"
     CountdownTask(num_numbers=3, max_number=9)                 "3 5 7->56:"   -> "(3+5)*7" (any correct expression)
+    ColumnAdditionTask(min_digits=4, max_digits=5)             "4738+2951="   -> "8+1+0=9,3+5+0=8,7+9+0=16,4+2+1=7;7689"
 
 Rewards are exact (`moe_gspo.rewards.synthetic`): the answer string for arithmetic, and for countdown any
-+ - * / expression that uses each given number exactly once and equals the target.
++ - * / expression that uses each given number exactly once and equals the target. Column addition's answer is the
+whole worked solution (36 to 121 characters), so its reward is 1.0 only when every column and the sum are right.
 """
 
 from __future__ import annotations
@@ -103,3 +105,44 @@ class CountdownTask(Task):
                 prompt = " ".join(map(str, nums)) + f"->{out[1]}:"
                 return Example(prompt, str(out[1]), {"numbers": nums, "target": out[1]}, demonstration=expr)
         raise RuntimeError(f"{self.name}: no reachable target found; loosen max_target={self.max_target}")
+
+
+class ColumnAdditionTask(Task):
+    """Addition of two d-digit numbers written out column by column, right to left: a long-response task.
+
+    Each column is written `a+b+c=s` (the two digits, the carry in, their sum 0..19), columns are separated by
+    commas, then `;` and the sum: "4738+2951=" -> "8+1+0=9,3+5+0=8,7+9+0=16,4+2+1=7;7689". The format leaves one
+    way to write a correct solution, so the gold answer is that whole text and the reward is exact match (no
+    partial credit): a right sum after wrong work, or the sum alone, scores 0, and responses cannot get shorter
+    than the work. A solution of d digits is 9d to 10d+1 characters (one token each with the character tokenizer);
+    d is drawn uniformly from min_digits..max_digits, so the knob sets the response length: 36..41 characters at
+    d = 4, 108..121 at d = 12 (the allowed range, keeping every solution within 32..128 tokens).
+    """
+
+    name = "column_addition"
+    MIN_DIGITS, MAX_DIGITS = 4, 12
+
+    def __init__(self, min_digits: int = 4, max_digits: int = 5, heldout_fraction: float = 0.1):
+        _check_digits(self.name, min_digits, max_digits)
+        if not self.MIN_DIGITS <= min_digits <= max_digits <= self.MAX_DIGITS:
+            raise ValueError(f"{self.name}: min_digits={min_digits}, max_digits={max_digits} must lie in "
+                             f"{self.MIN_DIGITS}..{self.MAX_DIGITS} (solutions of 36..121 characters)")
+        self.min_digits, self.max_digits = min_digits, max_digits
+        self.heldout_fraction = heldout_fraction
+        self.reward_fn = exact_match
+
+    @staticmethod
+    def solution(a: int, b: int) -> str:
+        """The worked solution of a + b for two numbers of the same number of digits."""
+        da, db = str(a)[::-1], str(b)[::-1]  # least significant digit first
+        steps, carry = [], 0
+        for x, y in zip(da, db):
+            s = int(x) + int(y) + carry
+            steps.append(f"{x}+{y}+{carry}={s}")
+            carry = s // 10
+        return ",".join(steps) + f";{a + b}"
+
+    def _draw(self, rng):
+        d = rng.randint(self.min_digits, self.max_digits)
+        a, b = (rng.randint(10 ** (d - 1), 10**d - 1) for _ in range(2))
+        return Example(f"{a}+{b}=", self.solution(a, b), {"operands": [a, b], "sum": a + b, "digits": d})

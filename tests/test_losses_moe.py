@@ -298,7 +298,7 @@ def rollout_batch(cfg, B=5, T=9, seed=0):
     lengths = torch.tensor([9, 6, 8, 9, 4][:B])
     att = torch.arange(T)[None] < lengths[:, None]
     resp = att & (torch.arange(T)[None] >= 3)
-    return SimpleNamespace(input_ids=ids, attention_mask=att, response_mask=resp)
+    return SimpleNamespace(input_ids=ids, attention_mask=att, response_mask=resp, routing=None)
 
 
 def test_recorded_scores_are_router_log_probs_of_the_routed_experts(tiny):

@@ -33,7 +33,8 @@ from moe_gspo.tasks import task_from_config
 from moe_gspo.train import data
 from moe_gspo.train.checkpoint import Checkpoints
 from moe_gspo.train.metrics import MetricMean, MetricsWriter, Progress, StepTimer, reduce_across_ranks
-from moe_gspo.train.step import StepContext, cold_start, old_logprob_pass, routing_mask, update_minibatch
+from moe_gspo.train.step import (StepContext, cold_start, old_logprob_pass, record_engine_routing,
+                                 update_minibatch)
 
 
 def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir: str | Path | None = None,
@@ -50,7 +51,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
             with t("rollout"):
                 batch, examples, texts = run.rollout(step)  # prompts x G responses, engine log-probs + routing
                 adv, valid, reward_m = run.score(batch, examples, texts, step)  # rewards -> group advantages
-                pb, sids = run.pad(batch, valid)  # (B, T) training tensors; R3 records the engine's routing
+                pb, sids = run.pad(batch, valid)  # (B, T) training tensors on the policy's device
+                record_engine_routing(run.ctx, pb, sids)  # R3: the engine's routing into the replay cache
                 adv = adv.to(pb.input_ids.device)
             with t("logprob"):
                 old, ref, diff = run.old_logprobs(pb, sids)  # pi_old (and pi_ref); R2 records; flip reference
@@ -201,27 +203,23 @@ class Run:
         return adv, valid, m
 
     def pad(self, batch, valid):
-        """(PaddedRollout with skipped samples masked out, sample ids); under R3 the cache takes the engine routing."""
+        """(PaddedRollout on the policy's device with skipped samples masked out, sample ids)."""
         longest = max(p.numel() + r.numel() for p, r in zip(batch.prompt_ids, batch.response_ids))
         pb = batch.to_padded(pad_id=self.tok.pad_id, max_len=max_over_ranks(longest))  # one T on every rank
         pb.response_mask &= valid[:, None]  # skipped samples carry no loss
-        if self.replay.mode == "r3":  # rows 0 .. P+R-2: every position whose routing shapes a response log-prob
-            lengths = pb.attention_mask.sum(-1).tolist()
-            self.replay.record_rollouts(batch.sample_ids, [pb.routing[b, :n - 1] for b, n in enumerate(lengths)])
         return pb.to(self.policy.device), batch.sample_ids
 
     def old_logprobs(self, pb, sids):
         """(pi_old log-probs (B, T), pi_ref log-probs (B, T) or None, engine-vs-training log-prob metrics).
 
-        With algorithm.use_engine_logprobs, no R2, no flip tracking and no KL, the training-engine pass is skipped."""
-        if (self.cfg.algorithm.use_engine_logprobs and self.tracker is None and self.replay.mode != "r2"
-                and self.ctx.reference is None):
+        With algorithm.use_engine_logprobs and nothing else needing the old policy's forward (no R2, no flip
+        tracking, no KL, no router shift), the training-engine pass is skipped."""
+        ctx = self.ctx
+        if (self.cfg.algorithm.use_engine_logprobs and ctx.tracker is None and ctx.replay.mode != "r2"
+                and ctx.reference is None and not ctx.router_shift):
             return pb.old_logprobs, None, {}
-        table = None if pb.routing is None else pb.routing.reshape(-1, *pb.routing.shape[2:])  # (B*T, L, k)
-        old, ref = old_logprob_pass(self.ctx, pb, sids, table if self.replay.mode == "r3" else None)
+        old, ref = old_logprob_pass(ctx, pb, sids)
         diff = rollout_probs_diff(pb.old_logprobs, old, pb.response_mask)
-        if self.tracker is not None and table is not None:
-            self.tracker.observe_rollout(sids, table, routing_mask(pb.response_mask).reshape(-1))
         return (pb.old_logprobs if self.cfg.algorithm.use_engine_logprobs else old), ref, diff
 
     def minibatches(self, step: int) -> list[torch.Tensor]:

@@ -14,16 +14,20 @@ data-parallel mean equal one step on the whole minibatch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from moe_gspo.config import Config
 from moe_gspo.losses import (ROUTER_SHIFT_LOSSES, get_policy_loss, loss_denominator, router_shift_metrics,
                              router_shift_ratio, router_shift_weight)
+from moe_gspo.model.policy import MoEPolicy
 from moe_gspo.model.routing_capture import RoutingCapture
-from moe_gspo.routing import SCORE_DTYPES, OldRouterScores
 from moe_gspo.parallel.state import comm_device, max_over_ranks
+from moe_gspo.rollout.batch import PaddedRollout
+from moe_gspo.routing import SCORE_DTYPES, ExpertFlipTracker, OldRouterScores, RoutingReplayCache
 from moe_gspo.train.logprob import batch_logprobs
 from moe_gspo.train.metrics import MetricMean
 from moe_gspo.train.optim import Optimizer
@@ -33,15 +37,15 @@ from moe_gspo.train.optim import Optimizer
 class StepContext:
     """What the per-step functions need (built once by the trainer)."""
 
-    policy: torch.nn.Module
+    policy: MoEPolicy
     optim: Optimizer | None  # None until the RL optimizer is built (after the cold start)
-    cfg: object  # moe_gspo.config.Config
-    replay: object  # RoutingReplayCache
-    tracker: object | None  # ExpertFlipTracker or None
-    dp_group: object = None
+    cfg: Config
+    replay: RoutingReplayCache
+    tracker: ExpertFlipTracker | None
+    dp_group: dist.ProcessGroup | None = None
     dp: int = 1
-    reference: torch.nn.Module | None = None  # frozen pi_ref for the KL penalty (algorithm.kl_beta > 0)
-    loss_fn: object = field(default=None)
+    reference: MoEPolicy | None = None  # frozen pi_ref for the KL penalty (algorithm.kl_beta > 0)
+    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = field(default=None)
     old_router: OldRouterScores | None = None  # the old policy's experts and router scores of this step's batch
 
     def __post_init__(self):
@@ -64,15 +68,27 @@ def _micro(n: int, size: int):
 
 
 @torch.no_grad()
-def old_logprob_pass(ctx: StepContext, pb, sample_ids: torch.Tensor,
-                     r3_source=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(pi_old log-probs (B, T), pi_ref log-probs (B, T) or None) of the local rollout batch, micro-batched;
-    records what R2 and the tracker need.
+def record_engine_routing(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tensor) -> None:
+    """R3: the engine's routing of every position whose routing shapes a response log-prob (rows 0 .. P+R-2) goes
+    into the replay cache; a no-op in the other replay modes."""
+    if ctx.replay.mode != "r3":
+        return
+    lengths = pb.attention_mask.sum(-1).tolist()
+    ctx.replay.record_rollouts(sample_ids, [pb.routing[b, :n - 1] for b, n in enumerate(lengths)])
 
-    r3_source: the engine's routing as a replay table (R3 replays it in this pass too, as in arXiv:2510.11370).
-    The reference policy routes live (its own router): it is a different model, not a replay target."""
+
+def old_logprob_pass(ctx: StepContext, pb: PaddedRollout,
+                     sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(pi_old log-probs (B, T), pi_ref log-probs (B, T) or None) of the local rollout batch, micro-batched.
+
+    Records what R2 and the flip tracker need, and has the tracker compare the engine's routing (when the rollout
+    carries it) with the old policy's. Under R3 the engine's routing is replayed in this pass too (as in
+    arXiv:2510.11370). The reference policy routes live (its own router): it is a different model, not a replay
+    target."""
     cfg, policy = ctx.cfg, ctx.policy
     B, T = pb.input_ids.shape
+    table = None if pb.routing is None else pb.routing.reshape(-1, *pb.routing.shape[2:])  # (B*T, L, k)
+    r3_source = table if ctx.replay.mode == "r3" else None
     out, live, ref = [], [], []
     if ctx.router_shift:
         ctx.old_router = OldRouterScores(B, T, cfg.model.num_experts, SCORE_DTYPES[cfg.algorithm.router_score_dtype])
@@ -94,7 +110,10 @@ def old_logprob_pass(ctx: StepContext, pb, sample_ids: torch.Tensor,
             lengths = pb.attention_mask[sl].sum(-1)
             ctx.replay.record_capture(sample_ids[sl], lengths, cap)
     if ctx.tracker is not None:
-        ctx.tracker.set_reference(sample_ids, torch.cat(live), routing_mask(pb.response_mask).reshape(-1))
+        mask = routing_mask(pb.response_mask).reshape(-1)
+        ctx.tracker.set_reference(sample_ids, torch.cat(live), mask)
+        if table is not None:
+            ctx.tracker.observe_rollout(sample_ids, table, mask)
     return torch.cat(out), (torch.cat(ref) if ref else None)
 
 

@@ -58,7 +58,7 @@ def main():
     per = B // dp
     rows = slice(dp_rank * per, (dp_rank + 1) * per)
     pb = SimpleNamespace(input_ids=ids[rows], attention_mask=att[rows],
-                         response_mask=att[rows] & (torch.arange(T)[None] >= PROMPT))
+                         response_mask=att[rows] & (torch.arange(T)[None] >= PROMPT), routing=None)
     sids = torch.arange(B)[rows]
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[rows]
 

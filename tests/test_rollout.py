@@ -12,7 +12,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from moe_gspo.rollout import RolloutBatch, SamplingParams, build_engine, rollout_probs_diff, token_logprobs_from_logits
-from moe_gspo.rollout.hf_engine import HFEngine, checkpoint_to_model_state, hf_forward_with_routing
+from moe_gspo.rollout.hf_engine import HFEngine, checkpoint_to_model_state, copy_into_model, hf_forward_with_routing
 from moe_gspo.tasks import CharTokenizer
 
 TOK = CharTokenizer()
@@ -153,8 +153,17 @@ def test_update_weights_from_export_hf(model, prompts, tmp_path):
     sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
     assert _same(eng.generate(prompts, 2, sp), HFEngine(model, tokenizer=TOK).generate(prompts, 2, sp))
     built = eng.model
-    eng.update_weights(policy)  # same config: weights reloaded into the same module
-    assert eng.model is built
+    ptrs = {k: v.data_ptr() for k, v in built.named_parameters()}
+    with torch.no_grad():  # new weights in the exporting policy: every tensor changes
+        policy.state = {k: v + 0.01 * torch.randn_like(v) for k, v in policy.state.items()}
+    eng.update_weights(policy)  # same config: copied into the same module, tensor by tensor, in place
+    assert eng.model is built and {k: v.data_ptr() for k, v in built.named_parameters()} == ptrs
+    want = checkpoint_to_model_state(policy.state, built)
+    for k, v in built.state_dict().items():
+        if k in want:
+            assert torch.equal(v, want[k]), k
+    with pytest.raises(KeyError, match="missing"):
+        copy_into_model(built, {k: v for k, v in policy.state.items() if not k.endswith("experts.2.down_proj.weight")})
     bad = dict(policy.state)
     bad.pop(next(k for k in bad if k.endswith("experts.3.up_proj.weight")))
     with pytest.raises(KeyError, match="incomplete"):

@@ -72,6 +72,44 @@ def checkpoint_to_model_state(state_dict: dict[str, torch.Tensor], model) -> dic
     return out
 
 
+@torch.no_grad()
+def copy_into_model(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy a checkpoint-format state dict (per-expert gate/up/down) into `model`'s parameters in place, one tensor
+    at a time: no stacked copy of the experts and no second model. Raises KeyError naming missing or unused keys."""
+    params = dict(model.named_parameters())
+    written, unused, pieces = set(), [], {}
+    for key, t in state_dict.items():
+        if key in params:
+            params[key].copy_(t)
+            written.add(key)
+            continue
+        m = _EXPERT_KEY.match(key)
+        name = None if m is None else f"{m['pre']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
+        fused = params.get(name) if name else None
+        if fused is None:
+            unused.append(key)
+            continue
+        e = int(m["e"])
+        if m["proj"] == "down_proj":
+            fused[e].copy_(t)
+        else:  # gate rows first, then up
+            inter = fused.shape[1] // 2
+            (fused[e, :inter] if m["proj"] == "gate_proj" else fused[e, inter:]).copy_(t)
+        pieces.setdefault(name, set()).add((e, m["proj"]))
+    for name, got in pieces.items():  # a fused tensor is written once every expert's pieces arrived
+        E = params[name].shape[0]
+        need = {(e, "down_proj") for e in range(E)} if name.endswith("down_proj") else {
+            (e, proj) for e in range(E) for proj in ("gate_proj", "up_proj")}
+        if got == need:
+            written.add(name)
+    missing = sorted(set(params) - written)
+    if getattr(model.config, "tie_word_embeddings", False):
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unused:
+        raise KeyError(f"exported state dict does not match the HF model: missing {missing[:8]}"
+                       f"{'...' if len(missing) > 8 else ''}, unused {unused[:8]}{'...' if len(unused) > 8 else ''}")
+
+
 def model_from_export(config_dict: dict, state_dict: dict[str, torch.Tensor], dtype=torch.float32,
                       attn_implementation: str = "sdpa", model=None):
     """A transformers causal LM with the exported weights (reusing `model` when its config is the same)."""
@@ -167,9 +205,13 @@ class HFEngine(RolloutEngine):
         if isinstance(policy, PreTrainedModel):
             self.model = policy
         elif hasattr(policy, "export_hf"):
+            # the export holds views of the policy's own weights wherever the layouts agree (all but q/k/v)
             config_dict, state_dict = policy.export_hf()
-            self.model = model_from_export(config_dict, state_dict, self.dtype, self.attn_implementation,
-                                           model=self.model).to(self.device)
+            if self.model is not None and getattr(self.model, "_moe_gspo_export_config", None) == config_dict:
+                copy_into_model(self.model, state_dict)  # in place, tensor by tensor
+            else:
+                self.model = model_from_export(config_dict, state_dict, self.dtype, self.attn_implementation,
+                                               model=self.model).to(self.device)
         else:
             raise TypeError(f"update_weights needs a policy with export_hf() or a transformers PreTrainedModel, "
                             f"got {type(policy).__name__}")

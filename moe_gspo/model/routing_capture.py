@@ -17,7 +17,7 @@ Token order is always batch-major over the whole local batch [B, T] (prompt, res
 whatever megatron does inside ([s, b] sequence-major, sequence-parallel shards): the policy converts at the
 boundary. Layer numbers are 0-based over the decoder's MoE layers.
 
-A replay source is anything with `indices(layer: int) -> Tensor (B*T, k)`; a row of -1 means "route live" for
+A replay source (`ReplaySource`, below) gives `indices(layer) -> Tensor (B*T, k)`; a row of -1 means "route live" for
 that token (padding), and None means the whole layer routes live. The router then computes its live scores, takes
 the given indices and renormalizes the live scores over them exactly as its live top-k would, so router weights
 keep receiving gradients.
@@ -34,24 +34,62 @@ nothing (ROUTE_LIVE) to get that map.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 
-class ReplaySource(Protocol):
-    def indices(self, layer: int) -> torch.Tensor | None:  # (B*T, k) integer, batch-major; -1 rows route live
-        ...
+class ReplaySource:
+    """Expert ids per token and MoE layer to route by: `indices(layer)` -> (B*T, k) int64, batch-major, -1 rows
+    route live (padding); a source without a table routes every layer live. The one replay type: the replay cache
+    (R2/R3), a rollout's engine routing and the old policy's experts for router scores all hand one to a capture.
+
+    table: (B*T, L, k) integer, batch-major (any view); scores: optional (B*T, L, k) router scores of those experts.
+    strict=True counts consumption: each layer is read once per forward (`new_forward()` before an
+    activation-recompute pass or the next forward over the same batch), and `check_complete()` raises unless every
+    layer was read exactly once since the last `new_forward()`."""
+
+    def __init__(self, table: torch.Tensor | None, scores: torch.Tensor | None = None, strict: bool = False):
+        self.table, self.scores, self.strict = table, scores, strict
+        self.num_layers = 0 if table is None else table.shape[1]
+        self.forwards = 0
+        self._uses = [0] * self.num_layers
+
+    def rows(self, start: int, stop: int) -> ReplaySource:
+        """Rows [start, stop) of the batch-major table (a view), e.g. one micro-batch: b*T .. (b+n)*T."""
+        return ReplaySource(self.table[start:stop], None if self.scores is None else self.scores[start:stop],
+                            self.strict)
+
+    def indices(self, layer: int) -> torch.Tensor | None:
+        if self.table is None:
+            return None
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"replay: layer {layer} out of range, the source holds {self.num_layers} MoE layers")
+        if self.strict:
+            if self._uses[layer]:
+                raise RuntimeError(f"replay: layer {layer} consumed twice in one forward; call new_forward() "
+                                   f"before activation recompute or the next forward")
+            if not any(self._uses):
+                self.forwards += 1
+            self._uses[layer] += 1
+        return self.table[:, layer].long()
+
+    def new_forward(self) -> None:
+        """Allow every layer to be consumed again (next forward, or the recompute pass of this one)."""
+        self._uses = [0] * self.num_layers
+
+    def check_complete(self) -> None:
+        """Raise RuntimeError unless every layer was consumed exactly once since the last new_forward()."""
+        missing = [i for i, u in enumerate(self._uses) if u != 1]
+        if missing:
+            raise RuntimeError(f"replay: layers {missing} were not consumed by the forward "
+                               f"(model has fewer MoE layers than the source, or the forward did not use it)")
+
+    def stacked(self) -> torch.Tensor:
+        """(B*T, L, k) int64 of all layers (does not count as consumption), -1 rows where nothing is given."""
+        return self.table.long()
 
 
-class _RouteLive:
-    """A replay source that replays nothing: every layer routes live."""
-
-    def indices(self, layer: int) -> None:
-        return None
-
-
-ROUTE_LIVE = _RouteLive()
+ROUTE_LIVE = ReplaySource(None)  # replays nothing: every layer routes live
 
 
 @dataclass

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_gspo.model.routing_capture import ReplaySource
+
 FINISH_REASONS = ("stop", "length")
 
 
@@ -165,20 +167,10 @@ class PaddedRollout:
         return PaddedRollout(mv(self.input_ids), mv(self.attention_mask), mv(self.response_mask),
                              mv(self.old_logprobs), mv(self.routing), self.sample_ids, self.group_ids)
 
-    def replay_source(self) -> RoutingReplay:
+    def replay_source(self) -> ReplaySource:
         if self.routing is None:
             raise ValueError("this rollout carries no routing (generate with return_routing=True)")
-        return RoutingReplay(self.routing.reshape(-1, *self.routing.shape[2:]))
-
-
-@dataclass
-class RoutingReplay:
-    """A replay source for RoutingCapture: `indices(layer)` -> (B*T, k) int64, -1 rows route live."""
-
-    routing_NLK: torch.Tensor  # (B*T, L, k) int64
-
-    def indices(self, layer: int) -> torch.Tensor:
-        return self.routing_NLK[:, layer]
+        return ReplaySource(self.routing.reshape(-1, *self.routing.shape[2:]))
 
 
 def token_logprobs_from_logits(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor,

@@ -5,7 +5,8 @@ Imports only torch; talks to the model through duck typing (a capture with `.sta
 a replay source with `.indices(layer)`), see moe_gspo/model/routing_capture.py and docs/routing.md.
 """
 
-from moe_gspo.routing.cache import MODES, ReplaySource, RoutingReplayCache
+from moe_gspo.model.routing_capture import ReplaySource
+from moe_gspo.routing.cache import MODES, RoutingReplayCache
 from moe_gspo.routing.flips import flip_rate, slots_not_in
 from moe_gspo.routing.scores import SCORE_DTYPES, OldRouterScores
 from moe_gspo.routing.tracker import ExpertFlipTracker

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from moe_gspo.model.routing_capture import ReplaySource
+
 MODES = ("off", "r2", "r3")
 
 
@@ -76,48 +78,6 @@ def scatter_rows(chunks: Sequence[torch.Tensor], starts: Sequence[int], seq_len:
     pos = flat_positions(lengths, starts, seq_len)  # (total,)
     out[:, pos.to(out.device)] = packed.to(out.device, non_blocking=True).long().permute(1, 0, 2)
     return out
-
-
-class ReplaySource:
-    """The routing to replay for one local batch: `indices(layer)` -> (B*T, k) int64, -1 rows route live.
-
-    Each layer must be consumed exactly once per forward: a second `indices(l)` without `new_forward()` in between
-    raises (call `new_forward()` before an activation-recompute pass or the next forward over the same batch), and
-    `check_complete()` raises unless every layer was consumed exactly once since the last `new_forward()`.
-    """
-
-    def __init__(self, table_LNk: torch.Tensor, batch_size: int, seq_len: int):
-        self.table = table_LNk  # (L, B*T, k) int64
-        self.batch_size, self.seq_len = batch_size, seq_len
-        self.num_layers = table_LNk.shape[0]
-        self.forwards = 0
-        self._uses = [0] * self.num_layers
-
-    def indices(self, layer: int) -> torch.Tensor:
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"replay: layer {layer} out of range, the cache holds {self.num_layers} MoE layers")
-        if self._uses[layer]:
-            raise RuntimeError(f"replay: layer {layer} consumed twice in one forward; call new_forward() before "
-                               f"activation recompute or the next forward")
-        if not any(self._uses):
-            self.forwards += 1
-        self._uses[layer] += 1
-        return self.table[layer]
-
-    def new_forward(self) -> None:
-        """Allow every layer to be consumed again (next forward, or the recompute pass of this one)."""
-        self._uses = [0] * self.num_layers
-
-    def check_complete(self) -> None:
-        """Raise RuntimeError unless every layer was consumed exactly once since the last new_forward()."""
-        missing = [i for i, u in enumerate(self._uses) if u != 1]
-        if missing:
-            raise RuntimeError(f"replay: layers {missing} were not consumed by the forward "
-                               f"(model has fewer MoE layers than the cache, or the forward did not use the source)")
-
-    def stacked(self) -> torch.Tensor:
-        """(B*T, L, k) int64 view of all layers (does not count as consumption), -1 rows where nothing is stored."""
-        return self.table.permute(1, 0, 2)
 
 
 class RoutingReplayCache:
@@ -222,7 +182,7 @@ class RoutingReplayCache:
         if not ids:
             raise ValueError("replay_source: empty batch of sample ids")
         table = scatter_rows([t for t, _ in recs], [s for _, s in recs], seq_len, device)
-        return ReplaySource(table, len(ids), seq_len)
+        return ReplaySource(table.permute(1, 0, 2), strict=True)  # (B*T, L, k) view of the layer-major table
 
     def get(self, sample_id: int) -> torch.Tensor:
         """(tokens, L, k) stored routing of one sample (storage dtype)."""

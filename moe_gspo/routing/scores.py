@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_gspo.model.routing_capture import ReplaySource
+
 SCORE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -55,7 +57,7 @@ class OldRouterScores:
         self.idx[rows] = idx_NLK.view(n, self.seq_len, L, k).to("cpu", self.idx_dtype)
         self.scores[rows] = self.round(scores_NLK).view(n, self.seq_len, L, k).cpu()
 
-    def source(self, rows: torch.Tensor, seq_len: int, device: torch.device | str) -> _Rows:
+    def source(self, rows: torch.Tensor, seq_len: int, device: torch.device | str) -> ReplaySource:
         """The rows `rows` (local batch indices, any order), first `seq_len` positions, as a score_at source."""
         if self.idx is None:
             raise RuntimeError("no old router scores recorded for this step: the old-log-prob pass records them")
@@ -64,14 +66,6 @@ class OldRouterScores:
         rows = rows.cpu()
         idx = self.idx[rows, :seq_len].to(device, non_blocking=True)
         scores = self.scores[rows, :seq_len].to(device, non_blocking=True)
-        return _Rows(idx.flatten(0, 1), scores.flatten(0, 1))
+        return ReplaySource(idx.flatten(0, 1), scores.flatten(0, 1))
 
 
-class _Rows:
-    """A micro-batch's old experts (b*T, L, k) as a score_at source, with their old scores (b*T, L, k)."""
-
-    def __init__(self, idx_NLK: torch.Tensor, scores_NLK: torch.Tensor):
-        self.idx, self.scores = idx_NLK, scores_NLK
-
-    def indices(self, layer: int) -> torch.Tensor:
-        return self.idx[:, layer].long()

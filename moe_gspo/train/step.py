@@ -24,7 +24,7 @@ from moe_gspo.config import Config
 from moe_gspo.losses import (ROUTER_SHIFT_LOSSES, get_policy_loss, loss_denominator, router_shift_metrics,
                              router_shift_ratio, router_shift_weight)
 from moe_gspo.model.policy import MoEPolicy
-from moe_gspo.model.routing_capture import RoutingCapture
+from moe_gspo.model.routing_capture import ReplaySource, RoutingCapture
 from moe_gspo.parallel.state import comm_device, max_over_ranks
 from moe_gspo.rollout.batch import PaddedRollout
 from moe_gspo.routing import SCORE_DTYPES, ExpertFlipTracker, OldRouterScores, RoutingReplayCache
@@ -95,7 +95,7 @@ def old_logprob_pass(ctx: StepContext, pb: PaddedRollout,
     for sl in _micro(B, cfg.train.micro_batch_size):
         replay = None
         if r3_source is not None:
-            replay = _RowsSource(r3_source, sl, T)
+            replay = ReplaySource(r3_source[sl.start * T:sl.stop * T])
         cap = RoutingCapture(replay=replay, scores=ctx.router_shift)
         logp, _ = batch_logprobs(policy, pb.input_ids[sl], cap, cfg.train.logprob_impl, cfg.rollout.temperature,
                                  want_entropy=False)
@@ -115,16 +115,6 @@ def old_logprob_pass(ctx: StepContext, pb: PaddedRollout,
         if table is not None:
             ctx.tracker.observe_rollout(sample_ids, table, mask)
     return torch.cat(out), (torch.cat(ref) if ref else None)
-
-
-class _RowsSource:
-    """Rows `sl` of a (B*T, L, k) replay table as a replay source for one micro-batch."""
-
-    def __init__(self, table_NLK, sl: slice, T: int):
-        self.part = table_NLK[sl.start * T:sl.stop * T]
-
-    def indices(self, layer):
-        return self.part[:, layer]
 
 
 def global_count(mask_BT: torch.Tensor, mode: str, ctx: StepContext) -> torch.Tensor:

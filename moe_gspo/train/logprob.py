@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from moe_gspo.kernels import token_logprobs
+from moe_gspo.rollout.batch import token_logprobs_from_logits
 
 
 def _tp_group(policy):
@@ -28,12 +29,11 @@ def batch_logprobs(policy, input_ids_BT: torch.Tensor, routing=None, impl: str =
     """(logp (B, T) float32, entropy (B, T) float32 or None), token-aligned, column 0 = 0."""
     B, T = input_ids_BT.shape
     targets = input_ids_BT[:, 1:].reshape(-1)  # (B*(T-1),)
-    if impl == "eager":
-        logits = policy(input_ids_BT, routing=routing)[:, :-1].float() / temperature  # (B, T-1, V)
-        logp_all = torch.log_softmax(logits, -1)
-        logp = logp_all.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
-        ent = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else None
-    elif impl == "fused":
+    if impl == "eager":  # already token-aligned with column 0 = 0
+        out = token_logprobs_from_logits(policy(input_ids_BT, routing=routing), input_ids_BT, temperature,
+                                         return_entropy=want_entropy)
+        return out if want_entropy else (out, None)
+    if impl == "fused":
         hidden = policy(input_ids_BT, routing=routing, return_hidden=True)  # (B, T, H), same on every TP rank
         group = _tp_group(policy)
         H = hidden.shape[-1]

@@ -25,11 +25,12 @@ import yaml
 
 from moe_gspo.config import Config, ConfigError, to_dict
 from moe_gspo.losses import get_advantage_estimator
-from moe_gspo.parallel.state import max_over_ranks
-from moe_gspo.rollout import SamplingParams, build_engine, rollout_probs_diff
+from moe_gspo.model.policy import MoEPolicy
+from moe_gspo.parallel.state import ParallelInfo, max_over_ranks
+from moe_gspo.rollout import RolloutEngine, SamplingParams, build_engine, rollout_probs_diff
 from moe_gspo.rewards import score_responses
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
-from moe_gspo.tasks import task_from_config
+from moe_gspo.tasks import CharTokenizer, Task, task_from_config
 from moe_gspo.train import data
 from moe_gspo.train.checkpoint import Checkpoints
 from moe_gspo.train.metrics import MetricMean, MetricsWriter, Progress, StepTimer, reduce_across_ranks
@@ -79,15 +80,15 @@ class Run:
 
     cfg: Config
     dir: Path
-    policy: object
+    policy: MoEPolicy
     ctx: StepContext
-    engine: object
-    task: object
-    tok: object  # CharTokenizer, or data.HFTokenizer for a checkpoint with its own
+    engine: RolloutEngine
+    task: Task
+    tok: CharTokenizer | data.HFTokenizer  # the checkpoint's own tokenizer when it has one
     replay: RoutingReplayCache
     tracker: ExpertFlipTracker | None
     layout: data.Layout
-    info: object
+    info: ParallelInfo
     writer: MetricsWriter
     progress: Progress
     ckpts: Checkpoints

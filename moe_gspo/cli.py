@@ -6,6 +6,7 @@
     moe-gspo rollout (--config C | --from RUN_DIR) --out FILE.jsonl [--num-prompts N] [--seed S] [a.b=v ...]
     moe-gspo compare --config configs/compare_tiny_cpu.yaml --out DIR [--only grpo,gspo] [--seeds N] [--jobs K]
                      [a.b=v ...]
+    moe-gspo study volatility --config configs/study_volatility_cpu.yaml --out DIR [--overwrite] [a.b=v ...]
     moe-gspo report volatility RUN_DIR [RUN_DIR ...] [--out FILE.html]
     moe-gspo report compare DIR
     torchrun --nproc-per-node 2 -m moe_gspo.cli train --config C parallel.ep=2      # any command, distributed
@@ -105,15 +106,25 @@ def _rollout(args) -> int:
 
 
 def _compare(args) -> int:
-    from moe_gspo.experiments.compare import run_comparison, run_one
+    from moe_gspo.experiments.compare import cold_start_one, run_comparison, run_one
 
-    if args.run_one:  # one run of a --jobs comparison, in its own process
+    if args.cold_start_to:  # the processes a --jobs comparison starts: one cold start, or one run
+        cold_start_one(args.config, args.cold_start_to)
+        return 0
+    if args.run_one:
         run_one(args.config, args.out, args.run_one)
         return 0
     report = run_comparison(args.config, args.out, args.overrides, only=args.only.split(",") if args.only else None,
                             overwrite=args.overwrite, seeds=args.seeds, jobs=args.jobs)
     if os.environ.get("RANK", "0") == "0":
         print(report)
+    return 0
+
+
+def _study_volatility(args) -> int:
+    from moe_gspo.experiments.volatility import run_volatility_study
+
+    print(run_volatility_study(args.config, args.out, args.overrides, overwrite=args.overwrite))
     return 0
 
 
@@ -171,16 +182,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compare", help="variants (GRPO, +R2, +R3, GSPO, ...) side by side, with a report")
     c.add_argument("--config", required=True, help="YAML config with a `compare:` section")
-    c.add_argument("--out", required=True, help="output directory: DIR/<variant>/ and DIR/report.html")
+    c.add_argument("--out", required=True, help="output directory: DIR/<variant>/seed_<s>/ and DIR/report.html")
     c.add_argument("--only", default=None, help="comma-separated subset of the variants to run")
     c.add_argument("--overwrite", action="store_true", help="replace a previous comparison in DIR")
     c.add_argument("--seeds", type=int, default=None,
                    help="runs per variant with train.seed + 0..N-1, paired across variants (default: compare.seeds)")
     c.add_argument("--jobs", type=int, default=1,
                    help="runs at a time, each in its own process with OMP_NUM_THREADS = cores // jobs (default 1)")
-    c.add_argument("--run-one", default=None, metavar="WEIGHTS", help=argparse.SUPPRESS)  # what --jobs starts
+    c.add_argument("--cold-start-to", default=None, metavar="WEIGHTS", help=argparse.SUPPRESS)  # --jobs processes
+    c.add_argument("--run-one", default=None, metavar="WEIGHTS", help=argparse.SUPPRESS)
     _overrides(c)
     c.set_defaults(func=_compare)
+
+    st = sub.add_parser("study", help="grids of training runs measuring one effect, with a report")
+    studies = st.add_subparsers(dest="kind", required=True, metavar="KIND")
+    sv = studies.add_parser("volatility", help="expert flip rate vs depth, learning rate and minibatches")
+    sv.add_argument("--config", required=True, help="YAML config with a `study:` section "
+                                                    "(configs/study_volatility_cpu.yaml)")
+    sv.add_argument("--out", required=True, help="output directory: DIR/<point>/seed_<s>/ and DIR/report.html")
+    sv.add_argument("--overwrite", action="store_true", help="replace a previous study in DIR")
+    _overrides(sv)
+    sv.set_defaults(func=_study_volatility)
 
     rep = sub.add_parser("report", help="HTML reports from run directories")
     kinds = rep.add_subparsers(dest="kind", required=True, metavar="KIND")

@@ -18,9 +18,10 @@ DIR/cold_start/seed_<s>.safetensors. So step 1's rollouts of one seed are identi
 over seeds includes the spread of the cold start. Each run writes DIR/<variant>/seed_<s>/ (metrics.jsonl,
 tensorboard, checkpoints, wall_time.json); then DIR/compare.json and DIR/report.html (moe_gspo/report/compare.py).
 
-`--jobs K` runs K variant-seed runs at a time, each in its own process (`python -m moe_gspo.cli compare --run-one`,
-reading its config from YAML and its weights from the safetensors file) with OMP_NUM_THREADS = T // K, T being the
-threads of the calling process (OMP_NUM_THREADS, else the cores), and its output in DIR/<variant>/seed_<s>/log.txt.
+`--jobs K` runs K cold starts, then K variant-seed runs, at a time, each in its own process (`python -m moe_gspo.cli
+compare --cold-start-to WEIGHTS` / `--run-one WEIGHTS`, reading its config from YAML and writing or reading the
+weights as safetensors) with OMP_NUM_THREADS = T // K, T being the threads of the calling process (OMP_NUM_THREADS,
+else the cores), and its output in DIR/<variant>/seed_<s>/log.txt (DIR/cold_start/seed_<s>.log).
 A run's metrics depend on its config, its weights and its thread count only, not on the runs beside it: `--jobs K`
 equals `--jobs 1` under OMP_NUM_THREADS = T // K bit for bit (CPU kernels split float reductions by thread, so
 runs with 1 and with 2 threads differ in rounding).
@@ -152,8 +153,9 @@ def plan_jobs(out: Path, base: dict, variants: dict[str, list[str]], seeds: list
 def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: bool = False,
                    seeds: int | None = None, jobs: int = 1) -> Path:
     """Run every variant at every seed into out_dir/<name>/seed_<s>/ and write out_dir/report.html; returns the
-    report's path. `seeds` (the --seeds option) replaces compare.seeds; `jobs` > 1 runs that many at a time in
-    separate processes. A directory that already holds a comparison is refused unless overwrite=True."""
+    report's path. `seeds` (the --seeds option) replaces compare.seeds; `jobs` > 1 runs that many cold starts, then
+    that many runs, at a time in separate processes. A directory that already holds a comparison is refused unless
+    overwrite=True."""
     import torch.distributed as dist
 
     from moe_gspo.report.compare import write_compare_report
@@ -178,27 +180,25 @@ def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: b
                           f"choose another --out")
     seed_list = [config_from_dict(copy.deepcopy(base)).train.seed + i for i in range(settings.seeds)]
     plan, files = plan_jobs(out, base, variants, seed_list)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     t0 = time.perf_counter()
-    cold_s = {}
     threads = max(1, _thread_budget() // jobs)
     if jobs == 1:
-        walls = _run_in_process(plan, files, base, cold_s)
+        cold_s, walls = _run_in_process(plan, files, base)
     else:
-        for f, cfg in files.items():
-            cold_s[f.name] = _cold_start_to_file(cfg, f)
-        walls = _run_in_processes(plan, base, jobs, threads)
-    if dist.is_initialized() and not rank0:
+        cold_s, walls = _run_in_processes(plan, files, base, jobs, threads)
+    if dist.is_initialized() and dist.get_rank() != 0:
         return out / "report.html"
     meta = {"variants": variants, "seeds": seed_list, "jobs": jobs, "threads_per_run": threads,
-            "settings": dataclasses.asdict(settings),
-            "wall_seconds": walls, "cold_start_seconds": cold_s, "total_seconds": time.perf_counter() - t0}
+            "settings": dataclasses.asdict(settings), "wall_seconds": walls, "cold_start_seconds": cold_s,
+            "total_seconds": time.perf_counter() - t0}
     (out / "compare.json").write_text(json.dumps(meta, indent=1))
     return write_compare_report(out, list(variants), walls)
 
 
-def _run_in_process(plan: list[Job], files: dict, base: dict, cold_s: dict) -> dict[str, float]:
-    """Runs one after another in this process (also under torchrun); each seed's cold starts just before its runs."""
+def _run_in_process(plan: list[Job], files: dict, base: dict) -> tuple[dict, dict]:
+    """Cold starts and runs one after another in this process (also under torchrun), each seed's cold starts just
+    before its runs; ({weights file name: seconds}, {run label: seconds})."""
+    cold_s: dict[str, float] = {}
     walls: dict[str, float] = {}
     states: dict[Path, dict] = {}
     seed = None
@@ -206,26 +206,27 @@ def _run_in_process(plan: list[Job], files: dict, base: dict, cold_s: dict) -> d
         if job.seed != seed:  # a new seed: the previous seed's weights are no longer needed
             states, seed = {}, job.seed
         if job.init not in states:
-            cold_s[job.init.name] = _cold_start_to_file(files[job.init], job.init, states)
+            states[job.init], cold_s[job.init.name] = cold_start_to_file(files[job.init], job.init)
         cfg = run_config(base, job.overrides, job.seed)
         walls[job.label] = train_one(cfg, job.dir, states[job.init], job.label, job.overrides)
-    return walls
+    return cold_s, walls
 
 
-def _cold_start_to_file(cfg, path: Path, keep: dict | None = None) -> float:
-    """Cold-start `cfg` and write its weights to `path` (safetensors, rank 0); seconds taken."""
+def cold_start_to_file(cfg, path: Path) -> tuple[dict, float]:
+    """Cold-start `cfg`, write its weights to `path` (safetensors) and the seconds taken to path.json (rank 0);
+    (weights, seconds)."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     _say(f"cold start (seed {cfg.train.seed}): {cfg.train.cold_start_steps} supervised steps on {cfg.rollout.task}")
     t = time.perf_counter()
     state = cold_start_state(cfg)
+    seconds = time.perf_counter() - t
     if not dist.is_initialized() or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(state, str(path))
-    if keep is not None:
-        keep[path] = state
-    return time.perf_counter() - t
+        path.with_suffix(".json").write_text(json.dumps({"seconds": seconds, "seed": cfg.train.seed}))
+    return state, seconds
 
 
 def train_one(cfg, run_dir: Path, init_state: dict, label: str, overrides=()) -> float:
@@ -258,58 +259,88 @@ def run_one(config_path, run_dir, weights) -> float:
     return train_one(cfg, run_dir, load_file(str(weights)), f"{run_dir.parent.name}/{run_dir.name}", overrides)
 
 
+def cold_start_one(config_path, weights) -> float:
+    """What `moe-gspo compare --cold-start-to WEIGHTS --config RUN.yaml` does in a --jobs process: cold-start the
+    plain run config RUN.yaml and write WEIGHTS (safetensors) and WEIGHTS' .json (seconds)."""
+    return cold_start_to_file(load_config(config_path), Path(weights))[1]
+
+
 def _thread_budget() -> int:
     """The threads this process computes with (OMP_NUM_THREADS, else torch's default: the cores), which --jobs
-    divides among its runs. A run's float results depend on its thread count (CPU kernels split reductions by
-    thread), so `--jobs K` reproduces `--jobs 1` exactly when each gets the same number of threads."""
+    divides among its processes. A run's float results depend on its thread count (CPU kernels split reductions
+    by thread), so `--jobs K` reproduces `--jobs 1` exactly when each gets the same number of threads."""
     import torch
 
     return torch.get_num_threads()
 
 
-def _run_in_processes(plan: list[Job], base: dict, jobs: int, threads: int) -> dict[str, float]:
-    """Runs `jobs` at a time, each a `moe-gspo compare --run-one` process with `threads` OpenMP threads. After a
-    failure no new run starts; the error names the run and the tail of its log."""
+def _run_in_processes(plan: list[Job], files: dict, base: dict, jobs: int, threads: int) -> tuple[dict, dict]:
+    """The cold starts, then the runs, `jobs` at a time, each a `moe-gspo compare` process with `threads` OpenMP
+    threads, a YAML config and its weights in a safetensors file; ({weights file name: seconds}, {run: seconds})."""
+    cold = []
+    for f, cfg in files.items():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        y = f.with_suffix(".yaml")
+        y.write_text(yaml.safe_dump(to_dict(_quiet(cfg)), sort_keys=False))
+        cold.append((f"cold start {f.stem}", ["--config", str(y), "--out", str(f.parent), "--cold-start-to", str(f)],
+                     f.with_suffix(".log"), f.with_suffix(".json"), f.name))
+    runs = []
+    for job in plan:
+        job.dir.mkdir(parents=True, exist_ok=True)
+        cfg = _quiet(run_config(base, job.overrides, job.seed))
+        (job.dir / "job.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        (job.dir / "job.json").write_text(json.dumps({"variant": job.variant, "seed": job.seed,
+                                                      "overrides": list(job.overrides), "init": str(job.init)}))
+        runs.append((job.label, ["--config", str(job.dir / "job.yaml"), "--out", str(job.dir), "--run-one",
+                                 str(job.init)], job.dir / "log.txt", job.dir / "wall_time.json", job.label))
+    _say(f"{len(cold)} cold start(s), then {len(runs)} runs, {jobs} at a time with {threads} thread(s) each; "
+         "logs: <run dir>/log.txt")
+    return _processes(cold, jobs, threads), _processes(runs, jobs, threads)
+
+
+def _quiet(cfg):
+    """A config for a background process: no progress bar (its output goes to a log file)."""
+    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, progress=False))
+
+
+def _processes(tasks: list[tuple], jobs: int, threads: int) -> dict[str, float]:
+    """Run (label, compare arguments, log file, result JSON with "seconds", key) tasks `jobs` at a time as
+    `python -m moe_gspo.cli compare ...` processes; {key: seconds}. After a failure no new task starts; the error
+    names each failed task with the last line of its log (one line when all failed on user errors, exit code 2)."""
     import moe_gspo
 
     pkg_root = str(Path(moe_gspo.__file__).resolve().parent.parent)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
-    _say(f"{len(plan)} runs, {jobs} at a time, {threads} thread(s) each; logs in <run dir>/log.txt")
     failed: list[tuple[int, str]] = []  # (exit code, message)
 
-    def launch(job: Job) -> float | None:
+    def launch(task) -> float | None:
+        label, args, log_path, result, _ = task
         if failed:
             return None
-        job.dir.mkdir(parents=True, exist_ok=True)
-        cfg = run_config(base, job.overrides, job.seed, ["logging.progress=false"])
-        (job.dir / "job.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        (job.dir / "job.json").write_text(json.dumps({"variant": job.variant, "seed": job.seed,
-                                                      "overrides": list(job.overrides), "init": str(job.init)}))
-        cmd = [sys.executable, "-m", "moe_gspo.cli", "compare", "--config", str(job.dir / "job.yaml"), "--out",
-               str(job.dir), "--run-one", str(job.init)]
-        with (job.dir / "log.txt").open("w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        with log_path.open("w") as log:
+            rc = subprocess.run([sys.executable, "-m", "moe_gspo.cli", "compare", *args], stdout=log,
+                                stderr=subprocess.STDOUT, env=env).returncode
         if rc:
-            last = ((job.dir / "log.txt").read_text().strip().splitlines() or [""])[-1]
-            failed.append((rc, f"{job.label}: {last} (exit {rc}; log: {job.dir / 'log.txt'})"))
+            last = (log_path.read_text().strip().splitlines() or [""])[-1]
+            failed.append((rc, f"{label}: {last} (exit {rc}; log: {log_path})"))
             return None
-        return json.loads((job.dir / "wall_time.json").read_text())["seconds"]
+        return json.loads(result.read_text())["seconds"]
 
-    walls: dict[str, float] = {}
+    seconds: dict[str, float] = {}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(launch, job): job for job in plan}
+        futures = {pool.submit(launch, t): t for t in tasks}
         for fut in as_completed(futures):
-            job, seconds = futures[fut], fut.result()
-            if seconds is not None:
-                walls[job.label] = seconds
-                _say(f"[{len(walls)}/{len(plan)}] {job.label}: {seconds:.0f} s")
+            task, s = futures[fut], fut.result()
+            if s is not None:
+                seconds[task[4]] = s
+                _say(f"[{len(seconds)}/{len(tasks)}] {task[0]}: {s:.0f} s")
     if failed:
         text = "; ".join(msg for _, msg in failed)
         if all(rc == 2 for rc, _ in failed):  # the CLI's exit code for an error the user can fix: one line
             raise ConfigError(text)
         raise RuntimeError(f"comparison runs failed: {text}")
-    return {j.label: walls[j.label] for j in plan}
+    return {t[4]: seconds[t[4]] for t in tasks}
 
 
 def _say(msg: str) -> None:

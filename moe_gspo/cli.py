@@ -6,7 +6,8 @@
     moe-gspo rollout (--config C | --from RUN_DIR) --out FILE.jsonl [--num-prompts N] [--seed S] [a.b=v ...]
     moe-gspo compare --config configs/compare_tiny_cpu.yaml --out DIR [--only grpo,gspo] [--seeds N] [--jobs K]
                      [a.b=v ...]
-    moe-gspo study volatility --config configs/study_volatility_cpu.yaml --out DIR [--overwrite] [a.b=v ...]
+    moe-gspo study volatility --config configs/study_volatility_cpu.yaml --out DIR [--jobs K] [--overwrite]
+                              [a.b=v ...]
     moe-gspo report volatility RUN_DIR [RUN_DIR ...] [--out FILE.html]
     moe-gspo report compare DIR
     torchrun --nproc-per-node 2 -m moe_gspo.cli train --config C parallel.ep=2      # any command, distributed
@@ -124,7 +125,7 @@ def _compare(args) -> int:
 def _study_volatility(args) -> int:
     from moe_gspo.experiments.volatility import run_volatility_study
 
-    print(run_volatility_study(args.config, args.out, args.overrides, overwrite=args.overwrite))
+    print(run_volatility_study(args.config, args.out, args.overrides, overwrite=args.overwrite, jobs=args.jobs))
     return 0
 
 
@@ -201,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "(configs/study_volatility_cpu.yaml)")
     sv.add_argument("--out", required=True, help="output directory: DIR/<point>/seed_<s>/ and DIR/report.html")
     sv.add_argument("--overwrite", action="store_true", help="replace a previous study in DIR")
+    sv.add_argument("--jobs", type=int, default=None,
+                    help="cold-start groups at a time, each in its own process with cores // jobs threads "
+                         "(default: study.jobs)")
     _overrides(sv)
     sv.set_defaults(func=_study_volatility)
 

@@ -37,6 +37,7 @@ class PointStats:
     layer_means: np.ndarray  # (L,) mean over steps and seeds of moe/flip_rate/layer_<i>
     reward: float  # mean over steps and seeds of reward/mean
     with_variance: float  # mean fraction of groups whose rewards differ (groups that carry a gradient)
+    tokens: float  # mean response tokens observed per step (moe/flip_tokens): the sample behind a step's rate
     steps: int  # logged steps with a flip rate, summed over seeds
     wall: float  # seconds of all its runs (train(), cold start excluded)
 
@@ -53,7 +54,7 @@ def point_stats(out: Path, meta: dict) -> list[PointStats]:
         seed_means = np.array([r.series(FLIP)[1].mean() for r in runs if len(r.series(FLIP)[1])])
         stats.append(PointStats(
             p["name"], p["depth"], p["lr"], p["minibatches"], seed_means, _layer_means(runs, p["depth"]),
-            _mean(runs, "reward/mean"), _mean(runs, "groups/with_variance"),
+            _mean(runs, "reward/mean"), _mean(runs, "groups/with_variance"), _mean(runs, "moe/flip_tokens"),
             sum(len(r.series(FLIP)[1]) for r in runs),
             sum(meta["wall_seconds"].get(f"{p['name']}/seed_{s}", 0.0) for s in meta["seeds"])))
     return stats
@@ -76,19 +77,19 @@ def _mean(runs: list[Run], key: str) -> float:
 
 
 TABLE = ["point", "layers", "lr", "minibatches", "seeds", "flip_rate", "seed_min", "seed_max", "first_layer",
-         "last_layer", "most_volatile_layer", "reward", "groups_with_variance", "steps", "wall_s"]
+         "last_layer", "most_volatile_layer", "reward", "groups_with_variance", "tokens_per_step", "steps", "wall_s"]
 
 
 def table_rows(stats: list[PointStats]) -> list[list]:
     rows = []
     for s in stats:
         finite = np.isfinite(s.layer_means)
-        hot = int(np.nanargmax(s.layer_means)) if finite.any() else None
+        hot = int(np.nanargmax(s.layer_means)) if finite.any() and np.nanmax(s.layer_means) > 0 else None
         rows.append([s.name, s.depth, s.lr, s.minibatches, len(s.seed_means), s.flip_rate,
                      float(s.seed_means.min()) if s.seed_means.size else None,
                      float(s.seed_means.max()) if s.seed_means.size else None,
                      float(s.layer_means[0]) if finite[0] else None, float(s.layer_means[-1]) if finite[-1] else None,
-                     hot, s.reward, s.with_variance, s.steps, s.wall])
+                     hot, s.reward, s.with_variance, s.tokens, s.steps, s.wall])
     return rows
 
 
@@ -133,11 +134,11 @@ def write_study_report(out_dir: str | Path) -> Path:
 
     pct = lambda v: None if v is None else 100 * v  # noqa: E731 - the HTML table shows percent
     shown = [[r[0], r[1], f"{r[2]:g}", r[3], r[4], pct(r[5]), pct(r[6]), pct(r[7]), pct(r[8]), pct(r[9]), r[10],
-              r[11], r[12], r[13], r[14]] for r in rows]
+              *r[11:]] for r in rows]
     parts.append("<h2>All points</h2>" + html.table(
         ["point", "layers", "lr", "minibatches", "seeds", "flip rate %", "seed min %", "seed max %",
-         "first layer %", "last layer %", "most volatile layer", "reward", "groups with variance", "steps (all seeds)",
-         "wall s (all seeds)"], shown)
+         "first layer %", "last layer %", "most volatile layer", "reward", "groups with variance",
+         "tokens per step", "steps (all seeds)", "wall s (all seeds)"], shown)
         + "<p class='note'>flip rate: mean over steps and seeds of moe/flip_rate; the same numbers as fractions are "
           "in study_table.csv. Wall seconds exclude the cold starts.</p>")
     report = out / "report.html"
@@ -170,8 +171,8 @@ def _intro(meta: dict, cfg: dict) -> str:
         ["base point", f"{meta['base']['depth']} layers, lr {meta['base']['lr']:g}, "
                        f"{meta['base']['minibatches']} minibatches"],
         ["runs", f"{len(meta['points'])} points x {len(meta['seeds'])} seeds"],
-        ["wall time", f"{total:.0f} s ({meta.get('cpu_seconds', float('nan')):.0f} s of CPU time) with "
-                      f"{meta.get('threads')} thread(s); 1-minute load average "
+        ["wall time", f"{total:.0f} s ({meta.get('cpu_seconds', float('nan')):.0f} s of CPU time), "
+                      f"{meta.get('jobs', 1)} job(s) x {meta.get('threads')} thread(s); 1-minute load average "
                       f"{f'{load:.1f}' if load is not None else 'unknown'} (mean after each run) on "
                       f"{meta.get('cpus')} CPUs" if total else "unknown"],
     ]
@@ -196,7 +197,7 @@ def _sweep_axes(ax, pts: list[PointStats], x_of, color, label: str) -> None:
 
 
 def _depth_figure(path: Path, pts: list[PointStats]) -> Path:
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.2))
     if pts:
         _sweep_axes(ax, pts, lambda s: s.depth, colors(1)[0], "this study (mean of seeds, min-max band)")
     ax.scatter([PAPER_DEPTH], [100 * PAPER_FLIP], marker="*", s=180, color="black", zorder=5,

@@ -188,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true", help="replace a previous comparison in DIR")
     c.add_argument("--seeds", type=int, default=None,
                    help="runs per variant with train.seed + 0..N-1, paired across variants (default: compare.seeds)")
-    c.add_argument("--jobs", type=int, default=1,
-                   help="runs at a time, each in its own process with OMP_NUM_THREADS = cores // jobs (default 1)")
+    c.add_argument("--jobs", type=int, default=None,
+                   help="runs at a time, each in its own process with OMP_NUM_THREADS = cores // jobs "
+                        "(default: compare.jobs, else 1)")
     c.add_argument("--cold-start-to", default=None, metavar="WEIGHTS", help=argparse.SUPPRESS)  # --jobs processes
     c.add_argument("--run-one", default=None, metavar="WEIGHTS", help=argparse.SUPPRESS)
     _overrides(c)

@@ -320,6 +320,9 @@ class CompareConfig:
     seeds: int = 1
     """Seeds per variant: runs use train.seed + 0 .. seeds-1, the same seeds for every variant (paired); each seed
     has its own cold start (initial weights and demonstrations), shared by the variants of that seed."""
+    jobs: int = 1
+    """Cold starts and runs at a time, each in its own process with OMP_NUM_THREADS = (this process's threads) //
+    jobs; 1 runs everything in this process (and works under torchrun)."""
     final_window: int = 10
     """The final reward of a run is the mean of its last `final_window` logged steps."""
     smooth_window: int = 5
@@ -332,7 +335,7 @@ class CompareConfig:
     """Running peaks below this count as this value (noise near zero reward is not a collapse)."""
 
     def __post_init__(self):
-        _positive(self, "seeds", "final_window", "smooth_window", "collapse_patience")
+        _positive(self, "seeds", "jobs", "final_window", "smooth_window", "collapse_patience")
         if not 0 < self.collapse_fraction < 1:
             raise ConfigError(f"compare.collapse_fraction={self.collapse_fraction} must be in (0, 1)")
         if self.collapse_min_peak < 0:

@@ -51,10 +51,11 @@ def test_report_with_seeds_intervals_verdicts_and_collapses(tmp_path):
                                                        "seeds": seeds, "settings": {"final_window": 10}}))
     report = write_compare_report(tmp_path, ["grpo", "grpo_r2", "gspo"])
     text = _text(report)
-    for png in ("compare_reward.png", "compare_accuracy.png", "compare_clipfrac.png", "compare_mismatch.png",
+    for png in ("compare_reward.png", "compare_reward_seeds.png", "compare_clipfrac.png", "compare_mismatch.png",
                 "volatility_flip_rate.png", "volatility_heatmap.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
         assert png in report.read_text()
+    assert "compare_accuracy.png" not in report.read_text() and "equals the mean reward" in text  # 0/1 rewards
     assert "gspo higher than grpo" in text
     assert "3 seeds per variant" in text and "Student-t" in text
 
@@ -78,8 +79,10 @@ def test_report_of_one_seed_says_there_is_no_interval(tmp_path):
 
     _fake_run(tmp_path / "grpo", clip=0.002, flip=0.05, rewards=[0.3 + 0.01 * s for s in range(6)])
     _fake_run(tmp_path / "gspo", clip=0.2, flip=0.04, rewards=[0.3 + 0.01 * s for s in range(6)])
-    text = _text(write_compare_report(tmp_path, ["grpo", "gspo"]))
+    report = write_compare_report(tmp_path, ["grpo", "gspo"])
+    text = _text(report)
     assert "one seed per variant: no intervals" in text and "1 seed: no interval, cannot tell" in text
+    assert "no confidence band" in text and "compare_reward_seeds.png" not in report.read_text()
     assert "Identical reward curves" in text and "grpo = gspo" in text  # the fake runs share their rewards
 
 
@@ -95,6 +98,9 @@ def test_compare_config_errors(tmp_path):
         read_compare_config(p)
     p.write_text("compare: {seeds: 0}\n")
     with pytest.raises(ConfigError, match="compare.seeds=0"):
+        read_compare_config(p)
+    p.write_text("compare: {jobs: 0}\n")
+    with pytest.raises(ConfigError, match="compare.jobs=0"):
         read_compare_config(p)
     p.write_text("compare: {collapse_fraction: 2}\n")
     with pytest.raises(ConfigError, match="compare.collapse_fraction=2"):
@@ -143,10 +149,11 @@ def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch):
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = ["compare", "--config", "configs/compare_tiny_cpu.yaml", "--only", "grpo_r3,gspo", "--seeds", "2", *SMALL]
-    assert main([*args, "--out", str(tmp_path / "seq")]) == 0
+    assert main([*args, "--out", str(tmp_path / "seq"), "--jobs", "1"]) == 0
     assert main([*args, "--out", str(tmp_path / "par"), "--jobs", "2"]) == 0
     info = json.loads((tmp_path / "par" / "compare.json").read_text())
     assert list(info["variants"]) == ["grpo_r3", "gspo"] and info["seeds"] == [0, 1] and info["jobs"] == 2
+    assert json.loads((tmp_path / "seq" / "compare.json").read_text())["jobs"] == 1  # --jobs wins over the YAML
     assert (tmp_path / "par" / "cold_start" / "seed_1.safetensors").is_file()
     seq = {(v, s): _records(tmp_path / "seq" / v / f"seed_{s}") for v in ("grpo_r3", "gspo") for s in (0, 1)}
     par = {(v, s): _records(tmp_path / "par" / v / f"seed_{s}") for v in ("grpo_r3", "gspo") for s in (0, 1)}
@@ -160,7 +167,7 @@ def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch):
     text = _text(tmp_path / "par" / "report.html")
     assert "2 seeds per variant" in text and "gspo" in text
     # a second comparison into the same directory is refused unless told to replace the first
-    assert main([*args, "--out", str(tmp_path / "seq")]) == 2
+    assert main([*args, "--out", str(tmp_path / "seq"), "--jobs", "1"]) == 2
 
 
 def test_compare_cli_errors(tmp_path, capsys):

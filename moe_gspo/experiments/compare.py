@@ -7,6 +7,7 @@ The config is an ordinary run config plus a `compare:` section (fields: moe_gspo
 
     compare:
       seeds: 3                       # runs per variant, with train.seed + 0, 1, 2 (--seeds wins)
+      jobs: 2                        # runs at a time, in separate processes (--jobs wins)
       variants:                      # name -> overrides applied on top of the shared config (default: below)
         grpo: [algorithm.loss=grpo]                 # routing_replay defaults to off
         ...
@@ -151,24 +152,24 @@ def plan_jobs(out: Path, base: dict, variants: dict[str, list[str]], seeds: list
 
 
 def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: bool = False,
-                   seeds: int | None = None, jobs: int = 1) -> Path:
+                   seeds: int | None = None, jobs: int | None = None) -> Path:
     """Run every variant at every seed into out_dir/<name>/seed_<s>/ and write out_dir/report.html; returns the
-    report's path. `seeds` (the --seeds option) replaces compare.seeds; `jobs` > 1 runs that many cold starts, then
-    that many runs, at a time in separate processes. A directory that already holds a comparison is refused unless
-    overwrite=True."""
+    report's path. `seeds` and `jobs` (the --seeds and --jobs options) replace compare.seeds and compare.jobs;
+    jobs > 1 runs that many cold starts, then that many runs, at a time in separate processes. A directory that
+    already holds a comparison is refused unless overwrite=True."""
     import torch.distributed as dist
 
     from moe_gspo.report.compare import write_compare_report
 
-    if seeds is not None and seeds < 1:
-        raise ConfigError(f"--seeds={seeds} must be >= 1")
-    if jobs < 1:
-        raise ConfigError(f"--jobs={jobs} must be >= 1")
-    if jobs > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError(f"--jobs={jobs} starts its own processes and cannot run under torchrun (use --jobs 1)")
+    for name, value in (("--seeds", seeds), ("--jobs", jobs)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name}={value} must be >= 1")
     base, variants, settings = read_compare_config(config_path, overrides)
-    if seeds is not None:
-        settings = dataclasses.replace(settings, seeds=seeds)
+    settings = dataclasses.replace(settings, **{k: v for k, v in (("seeds", seeds), ("jobs", jobs)) if v is not None})
+    jobs = settings.jobs
+    if jobs > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"--jobs={jobs} (or compare.jobs) starts its own processes and cannot run under torchrun "
+                          "(use --jobs 1)")
     if only:
         missing = [n for n in only if n not in variants]
         if missing:

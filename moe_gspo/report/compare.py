@@ -179,10 +179,10 @@ def identical_variants(variants: Sequence[Variant], key: str) -> list[tuple[str,
 
 
 def mean_curves(path: Path, variants: Sequence[Variant], key: str, title: str, ylabel: str, window: int = 5,
-                log: bool = False, marks: dict[str, list[tuple[float, float]]] | None = None) -> Path:
-    """Per variant: the mean over seeds of the raw values (faint) and of the `window`-step moving averages (bold),
-    with the 95% t-band of the smoothed curves across seeds (shaded, 2+ seeds). On a log axis: the mean over seeds
-    only, zeros left out (gaps) and counted in the legend. `marks`: {variant: [(step, value)]} drawn as crosses."""
+                log: bool = False) -> Path:
+    """One line per variant. One seed: the raw values faint and their `window`-step moving average bold. Several
+    seeds: the mean over seeds of the moving averages (their spread is in `seed_panels`). On a log axis: the mean
+    over seeds of the raw values, zeros left out (gaps) and counted in the legend."""
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
     for i, (v, c) in enumerate(zip(variants, colors(len(variants)))):
         x, Y = v.matrix(key)
@@ -198,20 +198,66 @@ def mean_curves(path: Path, variants: Sequence[Variant], key: str, title: str, y
             ax.plot(x, np.where(y > 0, y, np.nan), color=c, lw=1.6, ls=ls, marker="o" if len(x) < 30 else None,
                     ms=3, label=label)
             continue
-        S = np.stack([smooth(row, window) for row in Y])
-        mean, lo, hi = band(S)
-        ax.plot(x, Y.mean(0), color=c, lw=0.8, alpha=0.3, ls=ls)
-        ax.plot(x, mean, color=c, lw=2.0, ls=ls, label=label)
-        if lo is not None:
-            ax.fill_between(x, lo, hi, color=c, alpha=0.15, lw=0)
-        for sx, sy in (marks or {}).get(v.name, []):
-            ax.plot([sx], [sy], marker="x", ms=9, mew=2, color=c, ls="none")
+        if n == 1:
+            ax.plot(x, Y[0], color=c, lw=0.8, alpha=0.3, ls=ls)
+        ax.plot(x, np.stack([smooth(row, window) for row in Y]).mean(0), color=c, lw=2.0, ls=ls, label=label)
     if log:
         ax.set_yscale("log")
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.grid(alpha=0.3, which="both")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    return _save(fig, path)
+
+
+def seed_panels(path: Path, variants: Sequence[Variant], key: str, title: str, ylabel: str, base: str,
+                window: int = 5, marks: dict[str, list[tuple[float, float]]] | None = None) -> Path:
+    """One panel per variant: each seed's `window`-step moving average (thin), their mean (bold) and its 95% t-band
+    across seeds (shaded; cut at the range of all observed values, as the metric cannot leave it), the baseline's
+    mean (grey dashes) for reference, and `marks` {variant: [(step, value)]} as crosses."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    ncols = min(3, len(variants))
+    nrows = -(-len(variants) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.3 * ncols, 3.0 * nrows + 0.8), sharex=True, sharey=True,
+                             squeeze=False)
+    raw = np.concatenate([v.matrix(key)[1].ravel() for v in variants])
+    lo_clip, hi_clip = (float(raw.min()), float(raw.max())) if raw.size else (-np.inf, np.inf)
+    bx, BY = next((v.matrix(key) for v in variants if v.name == base), (np.array([]), np.zeros((0, 0))))
+    base_mean = np.stack([smooth(row, window) for row in BY]).mean(0) if BY.size else None
+    for ax, v, c in zip(axes.ravel(), variants, colors(len(variants))):
+        x, Y = v.matrix(key)
+        ax.set_title(f"{v.name} ({Y.shape[0]} seed{'s' if Y.shape[0] != 1 else ''})", fontsize=10)
+        ax.grid(alpha=0.3)
+        if not len(x):
+            continue
+        S = np.stack([smooth(row, window) for row in Y])
+        mean, lo, hi = band(S)
+        for row in S:
+            ax.plot(x, row, color=c, lw=0.7, alpha=0.45)
+        if lo is not None:
+            ax.fill_between(x, np.clip(lo, lo_clip, hi_clip), np.clip(hi, lo_clip, hi_clip), color=c, alpha=0.18,
+                            lw=0)
+        ax.plot(x, mean, color=c, lw=2.0)
+        if base_mean is not None and v.name != base:
+            ax.plot(bx, base_mean, color="0.35", lw=1.2, ls="--")
+        for sx, sy in (marks or {}).get(v.name, []):
+            ax.plot([sx], [sy], marker="x", ms=9, mew=2, color="black", ls="none")
+    for ax in axes.ravel()[len(variants):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel)
+    handles = [Line2D([], [], color="0.2", lw=0.7, alpha=0.6, label="one seed"),
+               Line2D([], [], color="0.2", lw=2.0, label="mean over seeds"),
+               Patch(color="0.2", alpha=0.18, label="95% t-band of the mean"),
+               Line2D([], [], color="0.35", lw=1.2, ls="--", label=f"{base}: mean over seeds"),
+               Line2D([], [], color="black", marker="x", ls="none", mew=2, label="collapse begins")]
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     return _save(fig, path)
 
 
@@ -297,30 +343,32 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
             x, y = r.series(REWARD)
             s = smooth(y, w) if len(y) else y
             marks.setdefault(v.name, []).extend((x[c.start], s[c.start]) for c in events)
-    band_text = ("bold: mean over seeds of each run's " f"{w}-step moving average, shaded: its 95% t-band across "
-                 "seeds, faint: the mean of the raw values" if n_seeds > 1 else
-                 f"faint raw, bold {w}-step moving average (one seed: no band)")
-    figs = [
-        (mean_curves(png("reward"), variants, REWARD, "Training reward (mean over the rollout batch)", "reward", w,
-                     marks=marks),
-         f"Mean reward of each step's rollouts ({band_text}); crosses mark where a collapse began. Curves of "
-         "variants that compute the same thing (e.g. GSPO and GSPO-token) lie on top of each other."),
-        (mean_curves(png("accuracy"), variants, ACC, "Accuracy of sampled responses", "fraction with reward 1", w),
-         f"Fraction of sampled responses that are correct ({band_text})."),
-        (mean_curves(png("clipfrac"), variants, CLIP, "Clip fraction (log scale)", "pg_clipfrac", log=True),
-         "Fraction of response tokens on the clipped branch per step, mean over seeds (GSPO: tokens of clipped "
-         "sequences); steps with nothing clipped are gaps."),
-        (mean_curves(png("mismatch"), variants, MISMATCH, "Rollout engine vs training engine routing (old policy)",
-                     "fraction of top-k slots differing", w),
-         f"Set-wise routing mismatch of rollout tokens between the rollout engine and the megatron training "
-         f"forward at the same weights ({band_text})."),
-        (mean_curves(png("probs_diff"), variants, PDIFF, "Rollout vs recomputed token probabilities (log scale)",
-                     "mean |p_engine - p_train|", log=True),
-         "Mean absolute difference of response-token probabilities, rollout engine vs training engine, mean over "
-         "seeds."),
-    ]
-    parts.append("<h2>Reward and accuracy</h2>" + "".join(html.figure(f.name, c) for f, c in figs[:2]))
-    parts.append("<h2>Clipping</h2>" + html.figure(figs[2][0].name, figs[2][1]))
+    smooth_text = (f"bold: the mean over seeds of each run's {w}-step moving average" if n_seeds > 1 else
+                   f"faint raw, bold {w}-step moving average")
+    reward = [(mean_curves(png("reward"), variants, REWARD, "Training reward (mean over the rollout batch)",
+                           "reward", w),
+               f"Mean reward of each step's rollouts ({smooth_text}). Curves of variants that compute the same thing "
+               "(e.g. GSPO and GSPO-token) lie on top of each other."
+               + (" The spread over seeds is in the next figure." if n_seeds > 1 else
+                  " One seed: no confidence band (run with --seeds N for one)."))]
+    if n_seeds > 1 or any(marks.values()):
+        reward.append((seed_panels(png("reward_seeds"), variants, REWARD, "Training reward per variant", "reward",
+                                   base, w, marks),
+                       f"Per variant: each seed's {w}-step moving average of the reward (thin), their mean (bold) "
+                       "with its 95% Student-t band across seeds (shaded, cut at the range of observed rewards), "
+                       f"{base}'s mean for reference (grey dashes), and crosses where a collapse began."))
+    if all(np.array_equal(r.series(REWARD)[1], r.series(ACC)[1]) for v in variants for r in v.runs):
+        acc = ("<p class='note'>Accuracy (the fraction of responses with reward 1) equals the mean reward at every "
+               "step of every run here (the rewards are 0 or 1), so it has no figure of its own.</p>")
+    else:
+        acc = html.figure(mean_curves(png("accuracy"), variants, ACC, "Accuracy of sampled responses",
+                                      "fraction with reward 1", w).name,
+                          f"Fraction of sampled responses that are correct ({smooth_text}).")
+    parts.append("<h2>Reward and accuracy</h2>" + "".join(html.figure(f.name, c) for f, c in reward) + acc)
+    clip = mean_curves(png("clipfrac"), variants, CLIP, "Clip fraction (log scale)", "pg_clipfrac", log=True)
+    parts.append("<h2>Clipping</h2>" + html.figure(
+        clip.name, "Fraction of response tokens on the clipped branch per step, mean over seeds (GSPO: tokens of "
+                   "clipped sequences); steps with nothing clipped are gaps."))
     firsts = [v.runs[0] for v in variants]
     try:
         vol = write_volatility_report([r.dir for r in firsts], out / "volatility.html")
@@ -332,7 +380,17 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                      + html.figure(f"{vol.stem}_heatmap.png", "Flip rate per layer and step"))
     except ValueError as e:  # no flip metrics (track_flips off)
         parts.append(f"<h2>Expert volatility</h2><p class='note'>{html.esc(e)}</p>")
-    parts.append("<h2>Rollout vs training</h2>" + "".join(html.figure(f.name, c) for f, c in figs[3:]))
+    engine = [
+        (mean_curves(png("mismatch"), variants, MISMATCH, "Rollout engine vs training engine routing (old policy)",
+                     "fraction of top-k slots differing", w),
+         f"Set-wise routing mismatch of rollout tokens between the rollout engine and the megatron training "
+         f"forward at the same weights ({smooth_text})."),
+        (mean_curves(png("probs_diff"), variants, PDIFF, "Rollout vs recomputed token probabilities (log scale)",
+                     "mean |p_engine - p_train|", log=True),
+         "Mean absolute difference of response-token probabilities, rollout engine vs training engine, mean over "
+         "seeds."),
+    ]
+    parts.append("<h2>Rollout vs training</h2>" + "".join(html.figure(f.name, c) for f, c in engine))
     report = out / "report.html"
     report.write_text(html.page("GSPO vs GRPO on an MoE policy", parts))
     return report

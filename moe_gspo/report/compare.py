@@ -220,7 +220,7 @@ def seed_panels(path: Path, variants: Sequence[Variant], key: str, title: str, y
 
     ncols = min(3, len(variants))
     nrows = -(-len(variants) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.3 * ncols, 3.0 * nrows + 0.8), sharex=True, sharey=True,
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.3 * ncols, 3.0 * nrows + 0.5), sharex=True, sharey=True,
                              squeeze=False)
     raw = np.concatenate([v.matrix(key)[1].ravel() for v in variants])
     lo_clip, hi_clip = (float(raw.min()), float(raw.max())) if raw.size else (-np.inf, np.inf)
@@ -244,10 +244,13 @@ def seed_panels(path: Path, variants: Sequence[Variant], key: str, title: str, y
             ax.plot(bx, base_mean, color="0.35", lw=1.2, ls="--")
         for sx, sy in (marks or {}).get(v.name, []):
             ax.plot([sx], [sy], marker="x", ms=9, mew=2, color="black", ls="none")
-    for ax in axes.ravel()[len(variants):]:
-        ax.set_visible(False)
-    for ax in axes[-1]:
-        ax.set_xlabel("step")
+    spare = axes.ravel()[len(variants):]
+    for ax in spare:
+        ax.set_axis_off()
+    for c in range(ncols):  # step labels under the lowest panel of each column
+        r = max(r for r in range(nrows) if r * ncols + c < len(variants))
+        axes[r, c].xaxis.set_tick_params(labelbottom=True)
+        axes[r, c].set_xlabel("step")
     for ax in axes[:, 0]:
         ax.set_ylabel(ylabel)
     handles = [Line2D([], [], color="0.2", lw=0.7, alpha=0.6, label="one seed"),
@@ -256,8 +259,10 @@ def seed_panels(path: Path, variants: Sequence[Variant], key: str, title: str, y
                Line2D([], [], color="0.35", lw=1.2, ls="--", label=f"{base}: mean over seeds"),
                Line2D([], [], color="black", marker="x", ls="none", mew=2, label="collapse begins")]
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    if len(spare):  # the key goes in an empty grid cell, else in the first panel
+        spare[0].legend(handles=handles, loc="center", fontsize=9, frameon=False)
+    else:
+        axes[0, 0].legend(handles=handles, loc="best", fontsize=7)
     return _save(fig, path)
 
 

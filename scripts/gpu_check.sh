@@ -118,7 +118,8 @@ if (cmp / "compare.json").exists():
     res["compare"] = json.loads((cmp / "compare.json").read_text())
     per = {}
     for name in res["compare"].get("variants", {}):
-        rows = [json.loads(l) for l in (cmp / name / "metrics.jsonl").read_text().splitlines()]
+        metrics = sorted((cmp / name).glob("seed_*/metrics.jsonl")) or [cmp / name / "metrics.jsonl"]
+        rows = [json.loads(l) for l in metrics[0].read_text().splitlines()]  # the first seed
         mean = lambda k: sum(r.get(k, 0.0) for r in rows) / max(len(rows), 1)  # noqa: E731
         per[name] = {"steps": len(rows), "reward_last": rows[-1].get("reward/mean") if rows else None,
                      **{k: mean(k) for k in ("time/step", "time/rollout", "time/logprob", "time/train",

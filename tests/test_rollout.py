@@ -12,7 +12,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from moe_gspo.rollout import RolloutBatch, SamplingParams, build_engine, rollout_probs_diff, token_logprobs_from_logits
-from moe_gspo.rollout.hf_engine import HFEngine, checkpoint_to_model_state, copy_into_model, hf_forward_with_routing
+from moe_gspo.rollout.hf_engine import HFEngine, copy_into_model, hf_forward_with_routing
 from moe_gspo.tasks import CharTokenizer
 
 TOK = CharTokenizer()
@@ -158,16 +158,27 @@ def test_update_weights_from_export_hf(model, prompts, tmp_path):
         policy.state = {k: v + 0.01 * torch.randn_like(v) for k, v in policy.state.items()}
     eng.update_weights(policy)  # same config: copied into the same module, tensor by tensor, in place
     assert eng.model is built and {k: v.data_ptr() for k, v in built.named_parameters()} == ptrs
-    want = checkpoint_to_model_state(policy.state, built)
-    for k, v in built.state_dict().items():
-        if k in want:
-            assert torch.equal(v, want[k]), k
+    for k, v in built.state_dict().items():  # per-expert tensors read back out of the fused ones
+        if k in policy.state:
+            assert torch.equal(v, policy.state[k]), k
+        elif k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj"):
+            pre = k.rsplit(".", 1)[0]
+            for e in range(v.shape[0]):
+                if k.endswith("down_proj"):
+                    assert torch.equal(v[e], policy.state[f"{pre}.{e}.down_proj.weight"]), (k, e)
+                else:
+                    want = torch.cat([policy.state[f"{pre}.{e}.gate_proj.weight"],
+                                      policy.state[f"{pre}.{e}.up_proj.weight"]])
+                    assert torch.equal(v[e], want), (k, e)
+    before = {k: v.clone() for k, v in built.state_dict().items()}
     with pytest.raises(KeyError, match="missing"):
-        copy_into_model(built, {k: v for k, v in policy.state.items() if not k.endswith("experts.2.down_proj.weight")})
+        copy_into_model(built, {k: v + 1 for k, v in policy.state.items()
+                                if not k.endswith("experts.2.down_proj.weight")})
     bad = dict(policy.state)
     bad.pop(next(k for k in bad if k.endswith("experts.3.up_proj.weight")))
     with pytest.raises(KeyError, match="incomplete"):
-        checkpoint_to_model_state(bad, model)
+        copy_into_model(built, bad)
+    assert all(torch.equal(v, before[k]) for k, v in built.state_dict().items())  # refused: nothing written
     with pytest.raises(TypeError, match="export_hf"):
         eng.update_weights(object())
 

@@ -35,53 +35,17 @@ _EXPERT_KEY = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate
 
 
 # ---------------------------------------------------------------------------------------------------------- weights
-def checkpoint_to_model_state(state_dict: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-    """Map a checkpoint-format state dict (per-expert gate/up/down) onto `model`'s own parameter names.
+def _destinations(model, state_dict: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination view in `model`, source tensor) for every tensor of a checkpoint-format state dict.
 
-    Keys the model has are taken as they are; per-expert `...experts.{e}.{gate,up,down}_proj.weight` tensors are
-    stacked into `...experts.gate_up_proj` (E, 2I, H) (gate rows first) and `...experts.down_proj` (E, H, I).
-    Raises KeyError naming missing or unused keys.
-    """
-    target = model.state_dict()
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    unused = []
-    for key, t in state_dict.items():
-        if key in target:
-            out[key] = t
-            continue
-        m = _EXPERT_KEY.match(key)
-        if m:
-            experts.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = t
-        else:
-            unused.append(key)
-    for pre, projs in experts.items():
-        n = len(projs.get("down_proj", {}))
-        stack = lambda proj: torch.stack([projs[proj][e] for e in range(n)])  # noqa: E731
-        try:
-            out[f"{pre}.gate_up_proj"] = torch.cat([stack("gate_proj"), stack("up_proj")], dim=1)
-            out[f"{pre}.down_proj"] = stack("down_proj")
-        except KeyError as e:
-            raise KeyError(f"{pre}: per-expert weights incomplete (missing {e})") from None
-    missing = sorted(set(target) - set(out))
-    if getattr(model.config, "tie_word_embeddings", False):  # the tied head is not in the checkpoint
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unused:
-        raise KeyError(f"exported state dict does not match the HF model: missing {missing[:8]}"
-                       f"{'...' if len(missing) > 8 else ''}, unused {unused[:8]}{'...' if len(unused) > 8 else ''}")
-    return out
-
-
-@torch.no_grad()
-def copy_into_model(model, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy a checkpoint-format state dict (per-expert gate/up/down) into `model`'s parameters in place, one tensor
-    at a time: no stacked copy of the experts and no second model. Raises KeyError naming missing or unused keys."""
+    Keys the model has map to their parameter; per-expert `...experts.{e}.{gate,up,down}_proj.weight` tensors map to
+    their slice of the fused `...experts.gate_up_proj` (E, 2I, H) (gate rows first) or `...experts.down_proj`
+    (E, H, I). Raises KeyError naming missing or unused keys, before anything is written."""
     params = dict(model.named_parameters())
-    written, unused, pieces = set(), [], {}
+    dests, unused, pieces = [], [], {}
     for key, t in state_dict.items():
         if key in params:
-            params[key].copy_(t)
-            written.add(key)
+            dests.append((params[key], t))
             continue
         m = _EXPERT_KEY.match(key)
         name = None if m is None else f"{m['pre']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
@@ -89,25 +53,33 @@ def copy_into_model(model, state_dict: dict[str, torch.Tensor]) -> None:
         if fused is None:
             unused.append(key)
             continue
-        e = int(m["e"])
-        if m["proj"] == "down_proj":
-            fused[e].copy_(t)
-        else:  # gate rows first, then up
-            inter = fused.shape[1] // 2
-            (fused[e, :inter] if m["proj"] == "gate_proj" else fused[e, inter:]).copy_(t)
+        e, inter = int(m["e"]), fused.shape[1] // 2
+        view = {"down_proj": fused[e], "gate_proj": fused[e, :inter], "up_proj": fused[e, inter:]}[m["proj"]]
+        dests.append((view, t))
         pieces.setdefault(name, set()).add((e, m["proj"]))
-    for name, got in pieces.items():  # a fused tensor is written once every expert's pieces arrived
-        E = params[name].shape[0]
-        need = {(e, "down_proj") for e in range(E)} if name.endswith("down_proj") else {
-            (e, proj) for e in range(E) for proj in ("gate_proj", "up_proj")}
-        if got == need:
-            written.add(name)
-    missing = sorted(set(params) - written)
-    if getattr(model.config, "tie_word_embeddings", False):
+    covered = {k for k in state_dict if k in params}
+    for name, got in pieces.items():  # a fused tensor is covered once every expert's pieces are there
+        projs = ("down_proj",) if name.endswith("down_proj") else ("gate_proj", "up_proj")
+        lacking = sorted({(e, p) for e in range(params[name].shape[0]) for p in projs} - got)
+        if lacking:
+            raise KeyError(f"{name}: per-expert weights incomplete (missing {lacking[:8]})")
+        covered.add(name)
+    missing = sorted(set(params) - covered)
+    if getattr(model.config, "tie_word_embeddings", False):  # the tied head is not in the checkpoint
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unused:
         raise KeyError(f"exported state dict does not match the HF model: missing {missing[:8]}"
                        f"{'...' if len(missing) > 8 else ''}, unused {unused[:8]}{'...' if len(unused) > 8 else ''}")
+    return dests
+
+
+@torch.no_grad()
+def copy_into_model(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy a checkpoint-format state dict (per-expert gate/up/down) into `model`'s parameters in place, one tensor
+    at a time: no stacked copy of the experts and no second model. Checks every key first (KeyError), so a
+    mismatched export leaves the model untouched."""
+    for dest, src in _destinations(model, state_dict):
+        dest.copy_(src)
 
 
 def model_from_export(config_dict: dict, state_dict: dict[str, torch.Tensor], dtype=torch.float32,
@@ -119,9 +91,7 @@ def model_from_export(config_dict: dict, state_dict: dict[str, torch.Tensor], dt
         config._attn_implementation = attn_implementation
         model = AutoModelForCausalLM.from_config(config).to(dtype)
         model._moe_gspo_export_config = dict(config_dict)
-    sd = checkpoint_to_model_state(state_dict, model)
-    with torch.no_grad():
-        model.load_state_dict(sd, strict=False)  # strictness checked above (tied lm_head may be absent)
+    copy_into_model(model, state_dict)
     return model.eval()
 
 
@@ -205,13 +175,11 @@ class HFEngine(RolloutEngine):
         if isinstance(policy, PreTrainedModel):
             self.model = policy
         elif hasattr(policy, "export_hf"):
-            # the export holds views of the policy's own weights wherever the layouts agree (all but q/k/v)
+            # the export holds views of the policy's own weights wherever the layouts agree (all but q/k/v); with an
+            # unchanged config they are copied into the same module in place
             config_dict, state_dict = policy.export_hf()
-            if self.model is not None and getattr(self.model, "_moe_gspo_export_config", None) == config_dict:
-                copy_into_model(self.model, state_dict)  # in place, tensor by tensor
-            else:
-                self.model = model_from_export(config_dict, state_dict, self.dtype, self.attn_implementation,
-                                               model=self.model).to(self.device)
+            self.model = model_from_export(config_dict, state_dict, self.dtype, self.attn_implementation,
+                                           model=self.model).to(self.device)
         else:
             raise TypeError(f"update_weights needs a policy with export_hf() or a transformers PreTrainedModel, "
                             f"got {type(policy).__name__}")

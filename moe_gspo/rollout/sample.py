@@ -64,9 +64,6 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
     if num_prompts < 1:
         raise ValueError(f"--num-prompts={num_prompts} must be >= 1")
     tok = build_tokenizer(cfg)
-    if cfg.model.init_from is None and cfg.model.vocab_size < tok.num_tokens:
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the character tokenizer's "
-                         f"{tok.num_tokens} ids")
     seed = cfg.train.seed if seed is None else seed
     task = task_from_config(cfg.rollout)
     examples = task.examples(num_prompts, seed=seed)

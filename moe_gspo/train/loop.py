@@ -106,8 +106,6 @@ class Run:
         run_dir = Path(run_dir or cfg.train.out_dir)
         _check_run_dir(run_dir, resume, overwrite)
         tok = data.build_tokenizer(cfg)
-        if cfg.model.init_from is None and cfg.model.vocab_size < tok.num_tokens:
-            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tok.num_tokens} ids")
         data.check_names(cfg)  # fail before building anything
         if cfg.algorithm.use_engine_logprobs and cfg.algorithm.loss == "grpo":
             print("warning: algorithm.use_engine_logprobs with grpo: every token ratio then carries the engine vs "

@@ -8,13 +8,13 @@
 Implementations: eager reference (reference.py), chunked any-device (chunked.py), Triton (triton_kernels.py),
 vocab-parallel merge over a tensor-parallel group (vocab_parallel.py). Kernels know nothing of models or losses.
 """
-from .api import DEFAULT_CHUNK_BYTES, IMPLS, resolve_impl, token_logprobs
+from .api import DEFAULT_CHUNK_BYTES, IMPLS, default_chunk_bytes, resolve_impl, token_logprobs
 from .chunked import plan_chunks
 from .loss_fused import DEFAULT_CLIP, LOSSES, fused_policy_loss
 from .reduce import sequence_reduce
 from .reference import token_logprobs_eager
 
 __all__ = [
-    "DEFAULT_CHUNK_BYTES", "DEFAULT_CLIP", "IMPLS", "LOSSES", "fused_policy_loss", "plan_chunks", "resolve_impl",
-    "sequence_reduce", "token_logprobs", "token_logprobs_eager",
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_CLIP", "IMPLS", "LOSSES", "default_chunk_bytes", "fused_policy_loss", "plan_chunks",
+    "resolve_impl", "sequence_reduce", "token_logprobs", "token_logprobs_eager",
 ]

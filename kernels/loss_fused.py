@@ -24,7 +24,7 @@ import torch
 
 from . import chunked
 from . import vocab_parallel as vp
-from .api import DEFAULT_CHUNK_BYTES, check_inputs, token_logprobs
+from .api import check_inputs, default_chunk_bytes, token_logprobs
 from .reduce import segment_ids
 
 DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
@@ -108,7 +108,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         # one fp32 [V, rows] block transformed in place (+ the low-precision GEMM output and G copy), and [H, rows]
         nbuf = 1 if hidden_TH.dtype == torch.float32 else 2
-        max_rows = max(1, chunk_bytes // (4 * (V * nbuf + hidden_TH.shape[1])))
+        max_rows = chunked.align_down(max(1, chunk_bytes // (4 * (V * nbuf + hidden_TH.shape[1]))))
         per_token = loss_fn is grpo_coef  # GRPO's gradient is per token: any token chunk will do, no alignment
         if per_token:
             seg_all = segment_ids(cu_seqlens, T)
@@ -200,7 +200,7 @@ def _layout(T, cu_seqlens, loss_mask, device):
 
 def fused_policy_loss(hidden, weight, targets, old_logp, advantages, *, cu_seqlens, loss_mask=None, loss="gspo",
                       clip_low=None, clip_high=None, num_sequences=None, temperature=1.0, ignore_index=-100,
-                      process_group=None, chunk_bytes=DEFAULT_CHUNK_BYTES, impl="fused"):
+                      process_group=None, chunk_bytes=None, impl="fused"):
     """Policy loss (0-dim fp32) and metrics {logp [T], pg_clipfrac, ratio_mean}, tensors only.
 
     hidden [T, H], weight [V_local, H] (vocab shard as in token_logprobs), targets/old_logp/loss_mask [T] in packed
@@ -213,6 +213,8 @@ def fused_policy_loss(hidden, weight, targets, old_logp, advantages, *, cu_seqle
         raise ValueError(f"fused_policy_loss: unknown loss={loss!r}; valid: {', '.join(LOSSES)}")
     if impl not in ("fused", "unfused"):
         raise ValueError(f"fused_policy_loss: unknown impl={impl!r}; valid: fused, unfused")
+    if chunk_bytes is None:
+        chunk_bytes = default_chunk_bytes(hidden.device)
     check_inputs(hidden, weight, targets, temperature, chunk_bytes)
     T = hidden.shape[0]
     cu, mask = _layout(T, cu_seqlens, loss_mask, hidden.device)

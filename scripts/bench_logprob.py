@@ -44,9 +44,9 @@ def naive_logp(h, w, t):
 
 def plain_impls(device):
     impls = {"naive": ("6THV", lambda h, w, t, gl: (naive_logp(h, w, t) * gl).sum().backward()),
-             "chunked": ("8THV", lambda h, w, t, gl: (token_logprobs(h, w, t, impl="chunked")[0] * gl).sum().backward())}
+             "chunked": ("8THV", lambda h, w, t, gl: (token_logprobs(h, w, t, impl="chunked", chunk_bytes=CHUNK[0])[0] * gl).sum().backward())}
     if device.type == "cuda" and triton_available():
-        impls["triton"] = ("8THV", lambda h, w, t, gl: (token_logprobs(h, w, t, impl="triton")[0] * gl).sum().backward())
+        impls["triton"] = ("8THV", lambda h, w, t, gl: (token_logprobs(h, w, t, impl="triton", chunk_bytes=CHUNK[0])[0] * gl).sum().backward())
     if device.type == "cuda":
         try:  # optional, lazy
             from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
@@ -74,12 +74,13 @@ def loss_impls():
         value.backward()
 
     def fused(h, w, t, gl, cu, adv):
-        fused_policy_loss(h, w, t, _OLD[0], adv, cu_seqlens=cu, loss="gspo")[0].backward()
+        fused_policy_loss(h, w, t, _OLD[0], adv, cu_seqlens=cu, loss="gspo", chunk_bytes=CHUNK[0])[0].backward()
 
     return {"naive_loss": ("6THV", naive_loss), "fused_loss": ("6THV", fused)}
 
 
 _OLD = [None]
+CHUNK = [None]  # chunk_bytes for chunked / triton / fused_loss (--chunk-mib)
 
 
 def sync(device):
@@ -123,8 +124,11 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=64,
                     help="tokens per sequence for the loss group (fused_loss does one pass only for sequences that "
                          "fit its workspace: chunk_bytes / (8 V) tokens in fp32)")
+    ap.add_argument("--chunk-mib", type=int, default=None,
+                    help="chunk_bytes of chunked / triton / fused_loss in MiB (default: the library's for the device)")
     ap.add_argument("--only", nargs="*", default=None, help="subset of implementations (naive baselines always run)")
     args = ap.parse_args(argv)
+    CHUNK[0] = (args.chunk_mib << 20) if args.chunk_mib else None
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")

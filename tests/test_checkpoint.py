@@ -1,15 +1,18 @@
-"""Checkpoints: atomic layout, verification (truncated / corrupt / interrupted / disguised ones skipped), rotation,
-nothing unpickled, exact restore of weights, fp32 main params, Adam moments, LR schedule and RNG; resume."""
+"""Checkpoints (megatron dist_checkpointing, sharded): atomic layout, verification (truncated / corrupt / interrupted /
+disguised ones skipped), rotation, nothing unpickled as code (crafted pickles never run), exact restore of weights,
+fp32 main params, Adam moments, LR schedule and RNG; resume. Resharding across layouts: tests/test_trainer_dist.py."""
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
+import re
+import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from moe_gspo.config import ConfigError
 from moe_gspo.train.checkpoint import CheckpointError, Checkpoints
@@ -52,9 +55,13 @@ def test_save_load_restores_everything_exactly(tmp_path, trained):
     ck = Checkpoints(tmp_path, keep=2)
     rng_at_save = torch.get_rng_state()
     ck.save(3, trained, {"step": 3, "data_position": 3})
-    manifest = json.loads((tmp_path / "step_00000003" / "manifest.json").read_text())
+    d = tmp_path / "step_00000003"
+    manifest = json.loads((d / "manifest.json").read_text())
     assert manifest["world_size"] == 1 and all(len(f["sha256"]) == 64 for f in manifest["files"])
-    assert not list(tmp_path.glob("**/*.pt")) and not list(tmp_path.glob("**/*.pkl"))
+    on_disk = {p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert on_disk == {f["file"] for f in manifest["files"]}
+    assert {"shards/.metadata", "shards/metadata.json", "rng.safetensors", "state.json"} <= on_disk
+    assert {p.suffix or p.name for p in d.rglob("*") if p.is_file()} <= {".distcp", ".metadata", ".json", ".safetensors"}
     torch.manual_seed(123)
     fresh = _ctx(seed=5)  # different initial weights, no optimizer state
     assert ck.latest() == 3
@@ -105,15 +112,19 @@ def _rewrite_manifest(d, fname):
     (d / "manifest.json").write_text(json.dumps(m))
 
 
+def _first_shard(d):
+    return sorted((d / "shards").glob("*.distcp"))[0]
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip_byte", "no_manifest", "missing_file", "bad_manifest",
-                                    "pickle_payload", "bad_state_json"])
+                                    "metadata_payload", "bad_state_json"])
 def test_damaged_newest_checkpoint_is_reported_and_skipped(tmp_path, trained, damage):
     said = []
     ck = Checkpoints(tmp_path, keep=3, log=said.append)
     ck.save(1, trained, {"step": 1})
     ck.save(2, trained, {"step": 2})
     d = tmp_path / "step_00000002"
-    f = d / "model.safetensors"
+    f = _first_shard(d)
     marker = tmp_path / "payload_ran"
     if damage == "truncate":
         f.write_bytes(f.read_bytes()[:100])
@@ -127,18 +138,86 @@ def test_damaged_newest_checkpoint_is_reported_and_skipped(tmp_path, trained, da
         f.unlink()
     elif damage == "bad_manifest":
         (d / "manifest.json").write_text("{not json")
-    elif damage == "pickle_payload":  # a crafted file with a matching manifest: must be refused, never run
-        f.write_bytes(pickle.dumps(_RunsCode(marker)))
-        _rewrite_manifest(d, "model.safetensors")
+    elif damage == "metadata_payload":  # torch DCP's pickled index replaced, manifest to match: refused, never run
+        (d / "shards" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+        _rewrite_manifest(d, "shards/.metadata")
     else:
         (d / "state.json").write_bytes(pickle.dumps(_RunsCode(marker)))
         _rewrite_manifest(d, "state.json")
     with pytest.raises(CheckpointError):
         ck.verify(2)
     assert ck.latest() == 1
-    assert len(said) == 1 and "step_00000002" in said[0] and "skipping" in said[0]
+    assert len(said) == 1 and "step_00000002" in said[0] and "skipping" in said[0], said
+    if damage == "metadata_payload":
+        assert "refused to load global posix.system" in said[0] or "refused to load global os.system" in said[0]
     fresh = _ctx(seed=5)
     ck.load(1, fresh)
+    assert not marker.exists(), "a checkpoint file ran code"
+
+
+def _craft_tensor_blob(d, marker):
+    """Point every tensor of the first shard file at a torch.save blob whose unpickling runs `touch marker`; the
+    `.metadata` (rewritten with DCP's own classes) and the manifest match it."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    f = _first_shard(d)
+    blob = io.BytesIO()
+    torch.save(_RunsCode(marker), blob)
+    f.write_bytes(blob.getvalue())
+    md_path = d / "shards" / ".metadata"
+    md = pickle.loads(md_path.read_bytes())  # our own file, written a moment ago
+    for k, info in md.storage_data.items():
+        if info.relative_path == f.name:
+            md.storage_data[k] = _StorageInfo(f.name, 0, len(blob.getvalue()))
+    md_path.write_bytes(pickle.dumps(md))
+    _rewrite_manifest(d, f"shards/{f.name}")
+    _rewrite_manifest(d, "shards/.metadata")
+    return f
+
+
+def test_crafted_tensor_blob_is_refused_naming_its_file(tmp_path, trained):
+    ck = Checkpoints(tmp_path)
+    ck.save(1, trained, {"step": 1})
+    marker = tmp_path / "payload_ran"
+    f = _craft_tensor_blob(tmp_path / "step_00000001", marker)
+    assert ck.latest() == 1  # every file matches the manifest and parses: only loading can tell
+    with pytest.raises(CheckpointError, match=re.escape(str(f))) as e:
+        ck.load(1, _ctx(seed=5))
+    assert "\n" not in str(e.value) and "weights_only" in str(e.value).lower().replace(" ", "_"), str(e.value)
+    assert not marker.exists(), "a tensor blob ran code"
+
+
+def test_resume_from_a_crafted_checkpoint_is_one_line_and_runs_nothing(tmp_path):
+    """`moe-gspo train --resume`: a crafted `.metadata` in the newest checkpoint is reported and skipped (the run
+    resumes from the one before); a crafted tensor blob in the only checkpoint ends the run with one line naming
+    the file, exit code 2, no traceback. The payload never runs."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT, TINY
+
+    run, marker = tmp_path / "run", tmp_path / "payload_ran"
+    argv = [sys.executable, "-m", "moe_gspo.cli", "train", "--config", "configs/train_tiny_cpu.yaml", *TINY,
+            "train.cold_start_steps=0", "train.checkpoint_every=1", "train.keep_checkpoints=3", "--out", str(run)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d2 = run / "checkpoints" / "step_00000002"
+    (d2 / "shards" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    _rewrite_manifest(d2, "shards/.metadata")
+    r = subprocess.run(argv[:-2] + ["train.steps=3", "--out", str(run), "--resume"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "skipping checkpoint" in r.stderr and "step_00000002" in r.stderr and "refused" in r.stderr, r.stderr
+    assert "resumed from" in r.stderr and "step_00000001" in r.stderr, r.stderr
+    for s in ("00000002", "00000003"):  # leave one checkpoint: step 1, crafted
+        shutil.rmtree(run / "checkpoints" / f"step_{s}", ignore_errors=True)
+    f = _craft_tensor_blob(run / "checkpoints" / "step_00000001", marker)
+    r = subprocess.run(argv + ["--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("moe-gspo ")]
+    assert len(lines) == 1 and str(f) in lines[0] and "Traceback" not in r.stderr, r.stderr
     assert not marker.exists(), "a checkpoint file ran code"
 
 
@@ -152,15 +231,17 @@ def test_no_checkpoint_and_interrupted_tmp_dir(tmp_path, trained):
 
 
 def test_bf16_checkpoint_keeps_fp32_main_params(tmp_path):
+    from moe_gspo.train.sharded_io import load_full
+
     ctx = _ctx("model.params_dtype=bfloat16")
     _train(ctx, 2)
     Checkpoints(tmp_path).save(2, ctx, {"step": 2})
-    model = load_file(tmp_path / "step_00000002" / "model.safetensors")
-    opt = load_file(tmp_path / "step_00000002" / "optimizer.safetensors")
-    name = next(n for n in model if n.endswith("linear_qkv.weight"))
-    assert model[name].dtype == torch.bfloat16 and opt[f"param/{name}"].dtype == torch.float32
-    assert not torch.equal(opt[f"param/{name}"], model[name].float())  # the fp32 copy holds more than bf16 does
-    torch.testing.assert_close(opt[f"param/{name}"].bfloat16(), model[name], rtol=0, atol=0)
+    full = load_full(tmp_path / "step_00000002" / "shards")
+    name = next(n for n in full if n.endswith("linear_qkv.weight") and not n.startswith("optimizer."))
+    main = full[f"optimizer.state.fp32_param.{name}"]
+    assert full[name].dtype == torch.bfloat16 and main.dtype == torch.float32
+    assert not torch.equal(main, full[name].float())  # the fp32 copy holds more than bf16 does
+    torch.testing.assert_close(main.bfloat16(), full[name], rtol=0, atol=0)
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):

@@ -1,25 +1,30 @@
-"""Training checkpoints: resharding (any TP x EP x DP layout resumes any other), atomic, verified, code-free.
+"""Training checkpoints: sharded (every rank writes its own shards), resharding (any TP x EP x DP layout resumes any
+other), atomic, verified, code-free.
 
     ckpts = Checkpoints(run_dir / "checkpoints", keep=2)
     ckpts.save(step, ctx, extra)        # collective: policy, optimizer (+ reference policy), schedule, RNG
     step = ckpts.latest()               # collective: newest complete, verified checkpoint, or 0
-    extra = ckpts.load(step, ctx)       # collective: every rank takes its own shard of every tensor
+    extra = ckpts.load(step, ctx)       # collective: every rank reads only the slices it holds
 
 Layout of DIR/step_00000010/:
-    model.safetensors        every parameter, unsharded, under megatron's names (model dtype)
-    optimizer.safetensors    "param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>": the fp32 main parameters and
-                             Adam moments, unsharded (gathered over TP, EP and the distributed optimizer's DP)
-    reference.safetensors    the frozen KL reference policy (only with algorithm.kl_beta > 0)
+    shards/                  megatron-core dist_checkpointing (torch_dist format, moe_gspo.train.sharded_io):
+      __<rank>_<i>.distcp    each rank's shards of the model weights (model dtype), the optimizer's fp32 main
+                             parameters and Adam moments, and the frozen KL reference policy (kl_beta > 0)
+      .metadata              torch DCP's global index (key -> global shape, dtype, chunks), read by a restricted
+                             unpickler that resolves only DCP's metadata classes
+      metadata.json          megatron's format name and version
     rng.safetensors          each rank's torch RNG state ("rank_00000", ...)
     state.json               step, data position, LR-schedule state, Adam step, Python/NumPy RNG, config
     manifest.json            bytes and sha256 of every file above, the layout that wrote it
 
-Tensors are stored unsharded, so resuming at another layout is moe_gspo.model.hf_io.shard_state on load, the same
-split that loads HF weights. Nothing read back is executed: tensors come from safetensors (a header and raw bytes),
-the rest from JSON; no file is unpickled. A save writes DIR/.tmp-step_*/ from rank 0 (each file flushed and fsynced),
-then manifest.json, renames the directory into place and fsyncs DIR. A directory without a manifest, with a file
-missing, short, whose hash differs, or that does not parse as safetensors / JSON, is reported and skipped in favour
-of the one before. Assumes DIR is on a file system every rank sees (one node, or a shared file system).
+Each tensor is saved as a ShardedTensor (global shape, this rank's offsets, replica id) from megatron's
+`sharded_state_dict()` of the model and optimizer; on load each rank asks for the slices its own layout holds, so
+resuming at another layout needs no gather. Nothing read back is executed: `.metadata` goes through the restricted
+unpickler, tensor blobs through `torch.load(weights_only=True)`, the rest is JSON or safetensors. A save writes
+DIR/.tmp-step_*/ (every rank its shards, each file fsynced; rank 0 the rest), then manifest.json, renames the
+directory into place and fsyncs DIR. A directory without a manifest, with a file missing, short, whose hash differs,
+or that does not parse as what it claims, is reported and skipped in favour of the one before (every rank checks a
+share of the files). Assumes DIR is on a file system every rank sees (one node, or a shared file system).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import os
 import random
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -38,11 +44,17 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
+from moe_gspo.model import cpu_compat
 from moe_gspo.model.hf_io import fsync_dir
 from moe_gspo.parallel.state import comm_device
+from moe_gspo.train import sharded_io
 
-PREFIX, TMP = "step_", ".tmp-"
-FORMAT = "moe-gspo-checkpoint-v2"
+PREFIX, TMP, SHARDS = "step_", ".tmp-", "shards"
+FORMAT = "moe-gspo-checkpoint-v3"
+REQUIRED = (f"{SHARDS}/.metadata", f"{SHARDS}/metadata.json", "rng.safetensors", "state.json")
+# the optimizer's tensors under layout-independent keys ("optimizer.state.exp_avg.<model key>", ...), whether it is
+# one optimizer or a chain (dense + expert); per-parameter tensors for the distributed optimizer too
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True}
 
 
 def _rank_world() -> tuple[int, int]:
@@ -56,16 +68,38 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _write_synced(path: Path, data: bytes) -> dict:
+def _gather_objects(obj) -> list:
+    """Every rank's `obj` (small, JSON-like), on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _entry(root: Path, path: Path) -> dict:
+    return {"file": path.relative_to(root).as_posix(), "bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _write_synced(root: Path, path: Path, data: bytes) -> dict:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return {"file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"file": path.relative_to(root).as_posix(), "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint directory is incomplete or corrupt (the message says which and why)."""
+    """A checkpoint directory is incomplete, corrupt or unsafe (the message says which file and why)."""
 
 
 def _rng_json() -> dict:
@@ -80,6 +114,18 @@ def _set_rng_json(rng: dict) -> None:
     random.setstate((v, tuple(state), gauss))
     kind, keys, pos, has_gauss, cached = rng["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def sharded_state_dict(ctx, loading: bool) -> dict:
+    """megatron's sharded state dicts of the policy, its optimizer and the KL reference (if any): ShardedTensors
+    carrying each rank's slice of every global tensor."""
+    model = ctx.policy.gpt.sharded_state_dict()
+    with cpu_compat.cuda_type_names():
+        optim = ctx.optim.optimizer.sharded_state_dict(model, is_loading=loading, metadata=OPTIM_METADATA)
+    out = {"model": model, "optimizer": optim}
+    if ctx.reference is not None:
+        out["reference"] = ctx.reference.gpt.sharded_state_dict(prefix="reference.")
+    return out
 
 
 class Checkpoints:
@@ -108,35 +154,37 @@ class Checkpoints:
         from moe_gspo.parallel.state import current_info
 
         rank, world = _rank_world()
-        policy, optim = ctx.policy, ctx.optim
-        model = policy.full_megatron_state()
-        opt = {f"{kind}/{k}": v for kind, d in optim.local_state().items() for k, v in policy.gather_full(d).items()}
-        ref = ctx.reference.full_megatron_state() if ctx.reference is not None else None
+        final, tmp = self.root / self.name(step), self.root / f"{TMP}{self.name(step)}"
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / SHARDS).mkdir(parents=True)
+        _barrier()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch DCP's deprecation notices about megatron's calls
+            sharded_io.save_sharded(sharded_state_dict(ctx, loading=False), tmp / SHARDS)
+        # every rank hashes a share of the shard files
+        written = sorted((tmp / SHARDS).iterdir())
+        files = [e for part in _gather_objects([_entry(tmp, p) for p in written[rank::world]]) for e in part]
         rng = [torch.get_rng_state()]
         if world > 1:
             dev = comm_device()
             rng = [torch.empty_like(rng[0], device=dev) for _ in range(world)]
             dist.all_gather(rng, torch.get_rng_state().to(dev))
             rng = [r.cpu() for r in rng]
-        final, tmp = self.root / self.name(step), self.root / f"{TMP}{self.name(step)}"
         if rank == 0:
             info = current_info()
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-            files = [_write_synced(tmp / "model.safetensors", save(_contiguous(model))),
-                     _write_synced(tmp / "optimizer.safetensors", save(_contiguous(opt)))]
-            if ref is not None:
-                files.append(_write_synced(tmp / "reference.safetensors", save(_contiguous(ref))))
-            files.append(_write_synced(tmp / "rng.safetensors",
+            files.append(_write_synced(tmp, tmp / "rng.safetensors",
                                        save({f"rank_{r:05d}": t for r, t in enumerate(rng)})))
-            state = {**extra, "format": FORMAT, "scheduler": optim.scheduler_state(), "adam_step": optim.adam_step,
-                     "rng": _rng_json()}
-            files.append(_write_synced(tmp / "state.json", json.dumps(state).encode()))
+            state = {**extra, "format": FORMAT, "scheduler": ctx.optim.scheduler_state(),
+                     "adam_step": ctx.optim.adam_step, "rng": _rng_json()}
+            files.append(_write_synced(tmp, tmp / "state.json", json.dumps(state).encode()))
             manifest = {"format": FORMAT, "step": step, "world_size": world,
-                        "layout": {"tp": info.tp, "ep": info.ep, "dp": info.dp}, "files": files}
-            _write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+                        "layout": {"tp": info.tp, "ep": info.ep, "dp": info.dp},
+                        "reference": ctx.reference is not None, "files": files}
+            _write_synced(tmp, tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+            fsync_dir(tmp / SHARDS)
             fsync_dir(tmp)
             if final.exists():  # the same step saved again after a resume
                 shutil.rmtree(final)
@@ -153,9 +201,9 @@ class Checkpoints:
             if p.name.startswith(TMP):
                 shutil.rmtree(p, ignore_errors=True)
 
-    # ---------------------------------------------------------------- load
-    def verify(self, step: int) -> dict:
-        """The manifest of checkpoint `step`; raises CheckpointError naming what is wrong."""
+    # ---------------------------------------------------------------- verify
+    def manifest(self, step: int) -> dict:
+        """The parsed manifest of checkpoint `step`; raises CheckpointError naming what is wrong."""
         d = self.root / self.name(step)
         mpath = d / "manifest.json"
         if not mpath.is_file():
@@ -163,90 +211,106 @@ class Checkpoints:
         try:
             manifest = json.loads(mpath.read_text())
             files = manifest["files"]
+            names = {e["file"] for e in files}
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{d}: unreadable manifest.json ({e})") from None
+            raise CheckpointError(f"{mpath}: unreadable ({type(e).__name__}: {e})") from None
         if manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{d}: format {manifest.get('format')!r}, this version reads {FORMAT!r}")
-        names = {e.get("file") for e in files}
-        for need in ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"):
+            raise CheckpointError(f"{mpath}: format {manifest.get('format')!r}, this version reads {FORMAT!r}")
+        for need in REQUIRED:
             if need not in names:
-                raise CheckpointError(f"{d}: manifest lists no {need}")
-        for e in files:
+                raise CheckpointError(f"{mpath}: lists no {need}")
+        if any(Path(n).is_absolute() or ".." in Path(n).parts for n in names):
+            raise CheckpointError(f"{mpath}: lists a file outside {d}")
+        return manifest
+
+    def verify(self, step: int, part: tuple[int, int] = (0, 1)) -> dict:
+        """The manifest of checkpoint `step` after checking every file it lists (with part=(i, n), only every
+        n-th file from the i-th: one rank's share); raises CheckpointError naming the file and what is wrong."""
+        d = self.root / self.name(step)
+        manifest = self.manifest(step)
+        for e in manifest["files"][part[0]::part[1]]:
             f = d / e["file"]
             if not f.is_file():
-                raise CheckpointError(f"{d}: {e['file']} is missing")
+                raise CheckpointError(f"{f}: missing")
             size = f.stat().st_size
             if size != e["bytes"]:
-                raise CheckpointError(f"{d}: {e['file']} has {size} bytes, manifest says {e['bytes']} (truncated?)")
-            if hashlib.sha256(f.read_bytes()).hexdigest() != e["sha256"]:
-                raise CheckpointError(f"{d}: {e['file']} fails its sha256 check (corrupt)")
-            try:  # parse, never execute: a safetensors header is JSON, state.json is JSON
+                raise CheckpointError(f"{f}: {size} bytes, the manifest says {e['bytes']} (truncated?)")
+            if _sha256(f) != e["sha256"]:
+                raise CheckpointError(f"{f}: fails its sha256 check (corrupt)")
+            try:  # parse, never execute
                 if f.suffix == ".safetensors":
                     with safe_open(f, framework="pt") as st:
                         st.keys()
-                else:
+                elif f.suffix == ".json":
                     json.loads(f.read_text())
-            except Exception as e:  # noqa: BLE001 - any parse failure means this file is not what it claims
-                raise CheckpointError(f"{d}: {f.name} is not a valid {f.suffix[1:]} file ({type(e).__name__})") \
+                elif f.name == ".metadata":
+                    sharded_io.read_metadata(f)
+            except sharded_io.UnsafeCheckpoint as err:
+                raise CheckpointError(str(err)) from None
+            except Exception as err:  # noqa: BLE001 - any parse failure: this file is not what it claims
+                raise CheckpointError(f"{f}: not a valid {f.suffix[1:] or f.name} file ({type(err).__name__})") \
                     from None
         return manifest
 
     def latest(self) -> int:
-        """Newest verified checkpoint step (reporting and skipping bad ones), 0 when none. Collective: rank 0
-        chooses and tells the others."""
+        """Newest verified checkpoint step (reporting and skipping bad ones), 0 when none. Collective: every rank
+        checks a share of each candidate's files; rank 0 reports."""
         rank, world = _rank_world()
-        choice = [0]
-        if rank == 0:
-            for s in self.steps():
-                try:
-                    self.verify(s)
-                    choice = [s]
-                    break
-                except CheckpointError as e:
-                    self.log(f"warning: skipping checkpoint: {e}")
-        if world > 1:
-            dist.broadcast_object_list(choice, src=0)
-        return int(choice[0])
+        for s in self.steps():
+            try:
+                self.verify(s, (rank, world))
+                err = None
+            except CheckpointError as e:
+                err = str(e)
+            errors = [e for e in _gather_objects(err) if e is not None]
+            if not errors:
+                return s
+            if rank == 0:
+                self.log(f"warning: skipping checkpoint {self.root / self.name(s)}: {errors[0]}")
+        return 0
+
+    # ---------------------------------------------------------------- load
+    def _load_shards(self, d: Path, sharded: dict) -> dict:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return sharded_io.load_sharded(sharded, d / SHARDS)
+        except sharded_io.UnsafeCheckpoint as e:
+            raise CheckpointError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - megatron / torch DCP errors: keys or shapes that do not fit
+            raise CheckpointError(f"{d / SHARDS}: does not fit this model ({_first_line(e)})") from None
 
     def load_weights(self, step: int, policy) -> None:
         """Only the policy's weights of checkpoint `step` (verified first), at this policy's layout: for sampling
-        from a trained run without its optimizer."""
+        from a trained run without its optimizer. Collective."""
         self.verify(step)
         d = self.root / self.name(step)
-        try:
-            model = load_file(d / "model.safetensors")
-            policy.load_full_megatron_state({k: v.to(next(policy.parameters()).dtype) for k, v in model.items()})
-        except (OSError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{d}: weights do not load into this model ({e})") from None
+        out = self._load_shards(d, {"model": policy.gpt.sharded_state_dict()})
+        _load_module(policy.gpt, out["model"], d)
 
     def load(self, step: int, ctx) -> dict:
         """Load checkpoint `step` into ctx (policy, optimizer, schedule, reference, RNG) at this run's layout;
         returns state.json. Collective."""
         rank, world = _rank_world()
         d = self.root / self.name(step)
+        manifest = self.manifest(step)
+        if ctx.reference is not None and not manifest.get("reference"):
+            raise CheckpointError(f"{d}: holds no KL reference policy but algorithm.kl_beta > 0")
         try:
             state = json.loads((d / "state.json").read_text())
-            model = load_file(d / "model.safetensors")
-            opt = load_file(d / "optimizer.safetensors")
             rng = load_file(d / "rng.safetensors")
-            ref = load_file(d / "reference.safetensors") if ctx.reference is not None else None
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{d}: cannot be read ({type(e).__name__}: {e})") from None
-        if ctx.reference is not None and ref is None:
-            raise CheckpointError(f"{d}: has no reference.safetensors but algorithm.kl_beta > 0")
-        policy = ctx.policy
+        out = self._load_shards(d, sharded_state_dict(ctx, loading=True))
+        _load_module(ctx.policy.gpt, out["model"], d)
+        if ctx.reference is not None:
+            _load_module(ctx.reference.gpt, out["reference"], d)
+        _set_steps(out["optimizer"], int(state["adam_step"]))
         try:
-            policy.load_full_megatron_state({k: v.to(next(policy.parameters()).dtype) for k, v in model.items()})
-            if ref is not None:
-                ctx.reference.load_full_megatron_state(ref)
-            by_kind: dict[str, dict[str, torch.Tensor]] = {}
-            for key, t in opt.items():
-                kind, name = key.split("/", 1)
-                by_kind.setdefault(kind, {})[name] = t
-            local = {kind: policy.shard_full(full) for kind, full in by_kind.items()}
-            ctx.optim.load_local_state(local, int(state["adam_step"]))
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{d}: does not fit this model ({e})") from None
+            with cpu_compat.cuda_type_names():
+                ctx.optim.optimizer.load_state_dict(out["optimizer"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{d / SHARDS}: optimizer state does not fit ({_first_line(e)})") from None
         ctx.optim.load_scheduler_state(state["scheduler"])
         key = f"rank_{rank:05d}" if len(rng) == world else "rank_00000"
         torch.set_rng_state(rng[key])
@@ -254,5 +318,30 @@ class Checkpoints:
         return state
 
 
-def _contiguous(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().contiguous() for k, v in d.items()}
+def _load_module(module, state: dict, d: Path) -> None:
+    try:
+        module.load_state_dict(state, strict=True)
+    except (KeyError, RuntimeError) as e:
+        raise CheckpointError(f"{d / SHARDS}: weights do not fit this model ({_first_line(e)})") from None
+
+
+def _set_steps(tree, step: int) -> None:
+    """The Adam step count in a megatron optimizer state dict set to `step` in place: megatron's "common_step" (the
+    per-parameter step of torch's Adam, added where a freshly built optimizer has none yet) and the "step" of the
+    distributed optimizer's param groups."""
+    if isinstance(tree, dict):
+        if "param_groups" in tree and isinstance(tree.get("state"), dict):
+            tree["state"]["common_step"] = torch.tensor(float(step))
+        for k, v in tree.items():
+            if k == "step" and isinstance(v, (int, float, torch.Tensor)):
+                tree[k] = torch.tensor(float(step), dtype=v.dtype) if isinstance(v, torch.Tensor) else type(v)(step)
+            else:
+                _set_steps(v, step)
+    elif isinstance(tree, list):
+        for v in tree:
+            _set_steps(v, step)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

@@ -251,7 +251,12 @@ class TrainConfig:
     out_dir: str = "runs/tiny"
     """Where metrics and checkpoints go."""
     logprob_impl: str = "fused"
-    """Training log-probs: 'fused' (moe_gspo.kernels.token_logprobs on hidden states) or 'eager' (logits)."""
+    """Training log-probs: 'fused' (moe_gspo.kernels.token_logprobs on hidden states) or 'eager' (logits); used by
+    the old-log-prob pass, and by the update when train.loss_impl='eager'."""
+    loss_impl: str = "fused"
+    """The update's LM head and loss: 'fused' (moe_gspo.kernels.fused_logprob_loss: hidden states to the loss of
+    moe_gspo.losses and the LM head's gradient in one pass, 6THV, equal to 'eager' up to float rounding) or 'eager'
+    (log-probs by train.logprob_impl, then the loss under autograd)."""
     cold_start_steps: int = 0
     """Supervised steps on task demonstrations before RL (0: none), so that groups have reward variance."""
     cold_start_lr: float = 3e-3
@@ -263,6 +268,7 @@ class TrainConfig:
         _positive(self, "steps", "minibatches", "micro_batch_size", "seq_len", "batch_size", "keep_checkpoints",
                   "cold_start_batch_size")
         _choice(self, "logprob_impl", ("fused", "eager"))
+        _choice(self, "loss_impl", ("fused", "eager"))
         if self.cold_start_steps < 0 or self.checkpoint_every < 0:
             raise ConfigError(f"train.cold_start_steps={self.cold_start_steps} and train.checkpoint_every="
                               f"{self.checkpoint_every} must be >= 0")

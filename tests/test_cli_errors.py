@@ -59,6 +59,7 @@ CASES = [
     ("group of one", TRAIN + ["rollout.group_size=1", "train.minibatches=1", "--out", "{d}/r"], "rollout.group_size=1"),
     ("tp larger than the world", TRAIN + ["parallel.tp=3", "--out", "{d}/r"], "parallel.tp=3 does not divide the world size 1"),
     ("ep larger than the world", TRAIN + ["parallel.ep=2", "--out", "{d}/r"], "parallel.ep=2 does not divide the world size 1"),
+    ("unknown loss implementation", TRAIN + ["train.loss_impl=triton", "--out", "{d}/r"], "train.loss_impl='triton' is not one of ['fused', 'eager']"),
     ("minibatches do not divide", TRAIN + ["train.minibatches=3", "--out", "{d}/r"], "train.minibatches=3 does not divide"),
     ("dataset without path", TRAIN + ["rollout.task=jsonl", "--out", "{d}/r"], "rollout.task='jsonl' needs rollout.dataset_path"),
     ("dataset file missing", TRAIN + ["rollout.task=jsonl", "rollout.dataset_path={d}/none.jsonl", "--out", "{d}/r"], "dataset file not found: {d}/none.jsonl"),

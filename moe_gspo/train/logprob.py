@@ -6,13 +6,19 @@
 "fused" runs the policy to its final hidden states and calls moe_gspo.kernels.token_logprobs on this rank's
 vocab shard of the LM head (vocab-parallel over the TP group): no [B, T, V] logits. "eager" is the obvious
 reference: full logits -> log_softmax -> gather. Both return float32.
+
+    loss, logp_BT, ent_BT = hidden_loss(policy, hidden_BTH, input_ids_BT, loss_rows, temperature)
+
+goes from the final hidden states straight to a loss of the token log-probs (moe_gspo.kernels.fused_logprob_loss,
+6THV instead of token_logprobs' 8THV): loss_rows(logp_bT, b0, b1) is the loss part of rows b0..b1-1, given their
+token-aligned log-probs; the LM head's gradient is computed inside the call.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_gspo.kernels import token_logprobs
+from moe_gspo.kernels import fused_logprob_loss, token_logprobs
 from moe_gspo.rollout.batch import token_logprobs_from_logits
 
 
@@ -46,3 +52,27 @@ def batch_logprobs(policy, input_ids_BT: torch.Tensor, routing=None, impl: str =
         raise ValueError(f"train.logprob_impl={impl!r} is not one of ['fused', 'eager']")
     pad = lambda x: None if x is None else torch.nn.functional.pad(x.float(), (1, 0))  # noqa: E731
     return pad(logp), pad(ent)
+
+
+def hidden_loss(policy, hidden_BTH: torch.Tensor, input_ids_BT: torch.Tensor, loss_rows, temperature: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss 0-dim float32, logp (B, T) float32, entropy (B, T) float32) from the policy's final hidden states.
+
+    loss_rows(logp_bT, b0, b1) -> 0-dim tensor: the part of the loss carried by rows b0..b1-1, from their
+    token-aligned log-probs (b1 - b0, T) (column 0 = 0, requires grad); the loss is the sum of the parts over
+    consecutive row groups (as many rows as fit the kernel's workspace), so it must use a denominator fixed in
+    advance. logp and entropy come back detached, token-aligned, column 0 = 0; the entropy is a metric only."""
+    B, T = input_ids_BT.shape
+    H = hidden_BTH.shape[-1]
+    w = policy.lm_head_weight()
+    targets = input_ids_BT[:, 1:].reshape(-1)  # (B*(T-1),)
+    cu = torch.arange(B + 1, device=input_ids_BT.device) * (T - 1)  # every row is one sequence of T - 1 targets
+
+    def part(lp, b0, b1):
+        return loss_rows(torch.nn.functional.pad(lp.view(b1 - b0, T - 1), (1, 0)), b0, b1)
+
+    loss, logp, ent = fused_logprob_loss(hidden_BTH[:, :-1].reshape(-1, H).to(w.dtype), w, targets, part,
+                                         cu_seqlens=cu, temperature=temperature, process_group=_tp_group(policy),
+                                         return_entropy=True)
+    pad = lambda x: torch.nn.functional.pad(x.view(B, T - 1), (1, 0))  # noqa: E731
+    return loss, pad(logp), pad(ent)

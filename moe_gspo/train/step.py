@@ -28,7 +28,7 @@ from moe_gspo.model.routing_capture import ReplaySource, RoutingCapture
 from moe_gspo.parallel.state import comm_device, max_over_ranks
 from moe_gspo.rollout.batch import PaddedRollout
 from moe_gspo.routing import SCORE_DTYPES, ExpertFlipTracker, OldRouterScores, RoutingReplayCache
-from moe_gspo.train.logprob import batch_logprobs
+from moe_gspo.train.logprob import batch_logprobs, hidden_loss
 from moe_gspo.train.metrics import MetricMean
 from moe_gspo.train.optim import Optimizer
 
@@ -129,7 +129,9 @@ def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: 
                      ref_logp_BT: torch.Tensor | None = None) -> dict[str, float]:
     """One optimizer step on the responses `idx` of the local batch; returns this minibatch's metrics.
 
-    With algorithm.kl_beta > 0, `ref_logp_BT` (the reference policy's log-probs) adds kl_beta * KL to the loss."""
+    With algorithm.kl_beta > 0, `ref_logp_BT` (the reference policy's log-probs) adds kl_beta * KL to the loss.
+    train.loss_impl="fused" goes from the policy's hidden states to the loss and the LM head's gradient in one
+    kernel (6THV); "eager" computes the log-probs (train.logprob_impl), then the loss under autograd."""
     cfg, policy = ctx.cfg, ctx.policy
     a = cfg.algorithm
     ids, mask = pb.input_ids[idx], pb.response_mask[idx]
@@ -147,11 +149,15 @@ def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: 
     acc = MetricMean()
     ent_sum = torch.zeros((), dtype=torch.float64, device=mask.device)
     gammas = []
+    fused = cfg.train.loss_impl == "fused"
     for sl in _micro(len(idx), cfg.train.micro_batch_size):
         src = ctx.replay.replay_source(sids[sl], seq_len=T, device=ids.device)  # None when off
         old_src = ctx.old_router.source(idx[sl], T, ids.device) if ctx.router_shift else None
         cap = RoutingCapture(replay=src, score_at=old_src)
-        logp, ent = batch_logprobs(policy, ids[sl], cap, cfg.train.logprob_impl, cfg.rollout.temperature)
+        if fused:  # the LM head and the loss run together below
+            hidden = policy(ids[sl], routing=cap, return_hidden=True)  # (b, T, H)
+        else:
+            logp, ent = batch_logprobs(policy, ids[sl], cap, cfg.train.logprob_impl, cfg.rollout.temperature)
         if src is not None:
             src.check_complete()
         shift = {}
@@ -159,10 +165,11 @@ def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: 
             gamma = _router_shift_ratio(ctx, cap, old_src, mask[sl].shape)
             gammas.append(gamma[mask[sl]])
             shift["router_shift_weight"] = router_shift_weight(gamma, a.router_shift_floor)
-        loss, m = ctx.loss_fn(logp, old[sl], adv[sl], mask[sl], clip_low=a.clip_low, clip_high=a.clip_high,
-                              loss_agg_mode=a.loss_agg_mode, loss_denominator=denom,
-                              ref_logp=None if ref is None else ref[sl], beta=a.kl_beta,
-                              kl_estimator=a.kl_estimator, **shift)
+        loss_rows = _loss_rows(ctx, old[sl], adv[sl], mask[sl], None if ref is None else ref[sl], shift, denom)
+        if fused:
+            loss, m, logp, ent = _fused_loss(ctx, hidden, ids[sl], loss_rows)
+        else:
+            loss, m = loss_rows(logp, 0, len(logp))
         loss.backward()
         if ctx.tracker is not None:
             ctx.tracker.observe(sids[sl], cap.live_stacked(), routing_mask(mask[sl]).reshape(-1))
@@ -175,6 +182,42 @@ def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: 
     if gammas:  # over this minibatch's response tokens (the loop averages minibatches, then ranks)
         out.update({k: float(v) for k, v in router_shift_metrics(torch.cat(gammas), a.router_shift_floor).items()})
     return out
+
+
+def _loss_rows(ctx: StepContext, old_bT, adv_b, mask_bT, ref_bT, shift: dict, denom):
+    """loss_rows(logp_bT, b0, b1) -> (loss, metrics): the configured policy loss (with its KL term and router-shift
+    weight) of rows b0..b1-1 of a micro-batch. With the global denominator the parts of any split of the rows
+    add up to the loss of the whole micro-batch."""
+    a = ctx.cfg.algorithm
+
+    def loss_rows(logp_bT, b0, b1):
+        r = slice(b0, b1)
+        return ctx.loss_fn(logp_bT, old_bT[r], adv_b[r], mask_bT[r], clip_low=a.clip_low, clip_high=a.clip_high,
+                           loss_agg_mode=a.loss_agg_mode, loss_denominator=denom,
+                           ref_logp=None if ref_bT is None else ref_bT[r], beta=a.kl_beta,
+                           kl_estimator=a.kl_estimator, **{k: v[r] for k, v in shift.items()})
+    return loss_rows
+
+
+def _fused_loss(ctx: StepContext, hidden_bTH, ids_bT, loss_rows):
+    """(loss, metrics, logp (b, T), entropy (b, T)) through the loss-fused kernel (hidden_loss). The kernel calls
+    the loss on groups of whole rows and takes d loss / d logp from it before its gradient GEMMs, so the math is
+    moe_gspo.losses' own. The metrics are those of the call that covered every row, or, when the workspace split
+    the rows, of one more evaluation on the finished log-probs."""
+    b = ids_bT.shape[0]
+    whole = {}
+
+    def part(logp_bT, b0, b1):
+        loss, m = loss_rows(logp_bT, b0, b1)
+        if b0 == 0 and b1 == b:
+            whole.update(m)
+        return loss
+
+    loss, logp, ent = hidden_loss(ctx.policy, hidden_bTH, ids_bT, part, ctx.cfg.rollout.temperature)
+    if not whole:
+        with torch.no_grad():
+            whole.update(loss_rows(logp, 0, b)[1])
+    return loss, whole, logp, ent
 
 
 def _router_shift_ratio(ctx: StepContext, cap: RoutingCapture, old_src, shape_BT) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""The trainer's loss-fused path (train.loss_impl=fused) against its eager twin, and the kernel's standalone loss
+formulas against moe_gspo.losses.
+
+- One update_minibatch on the tiny model through both paths: the loss of every micro-batch, every metric and every
+  parameter gradient agree, for grpo (R2 replay, k3 KL), gspo, gspo_token (token-mean, KL) and gspo with the
+  router-shift weight and a workspace small enough to split the rows; at TP=1 in this process and at TP=2 under
+  torchrun (gloo), each rank checking its own shards.
+- fused_logprob_loss with a moe_gspo.losses loss equals float64 log-probs fed to the same loss.
+- kernels/loss_fused.py's gspo / gspo_token / grpo formulas (gspo_coef, grpo_coef) equal moe_gspo.losses in value
+  and d loss / d logp, in float64, with masks, empty rows, ratios on and next to the clip bounds, and clamped ones.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT, TINY, run_torchrun
+
+sys.path.insert(0, str(ROOT / "tests" / "dist"))
+from fused_step_worker import CASES, case_cfg, compare_update  # noqa: E402
+
+BASE = TINY + ["train.micro_batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from moe_gspo import load_policy
+
+    return load_policy(case_cfg(BASE, "gspo"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_update_equals_eager_tp1(policy, case):
+    compare_update(policy, case_cfg(BASE, case), case)
+
+
+@pytest.mark.slow
+def test_fused_update_equals_eager_tp2(tmp_path):
+    run_torchrun(ROOT / "tests/dist/fused_step_worker.py", "--out", tmp_path, *BASE, "model.num_key_value_heads=2",
+                 "parallel.tp=2")
+    assert (tmp_path / "ok_0").exists() and (tmp_path / "ok_1").exists()
+
+
+def test_fused_logprob_loss_with_project_loss_matches_float64():
+    from moe_gspo.kernels import fused_logprob_loss
+    from moe_gspo.losses import get_policy_loss
+    from tests.kernel_refs import close, fresh_seed, logprobs_f64
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    B, S, H, V = 5, 9, 16, 173
+    h, w = torch.randn(B * S, H, generator=g), torch.randn(V, H, generator=g)
+    t = torch.randint(0, V, (B * S,), generator=g)
+    mask = torch.rand(B, S, generator=g) > 0.3
+    mask[3] = False
+    with torch.no_grad():  # old log-probs near the policy's own: most sequences inside the clip range
+        old = logprobs_f64(h, w, t, 0.9)[0].view(B, S).float() + 0.05 * torch.randn(B, S, generator=g)
+    adv = torch.randn(B, generator=g)
+    cu = torch.arange(B + 1) * S
+    fn = get_policy_loss("gspo_token")
+    kw = dict(clip_low=0.05, clip_high=0.05, loss_denominator=4.0)
+
+    def rows(lp, b0, b1):
+        return fn(lp.view(b1 - b0, S), old[b0:b1], adv[b0:b1], mask[b0:b1], **kw)[0]
+
+    hf, wf = h.clone().requires_grad_(), w.clone().requires_grad_()
+    value, logp, ent = fused_logprob_loss(hf, wf, t, rows, cu_seqlens=cu, temperature=0.9, return_entropy=True,
+                                          chunk_bytes=2 * S * 4 * (2 * V + H))  # two rows per group
+    value.backward()
+    hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+    lp64, ent64 = logprobs_f64(hd, wd, t, 0.9)
+    want, _ = fn(lp64.view(B, S), old.double(), adv.double(), mask, **kw)
+    want.backward()
+    close(value, want, 1e-5, "value", seed)
+    close(logp, lp64, 2e-5, "logp", seed)
+    close(ent, ent64, 2e-5, "entropy", seed)
+    close(hf.grad, hd.grad, 2e-5, "d hidden", seed)
+    close(wf.grad, wd.grad, 2e-5, "d weight", seed)
+    assert float(hd.grad.abs().max()) > 1e-3
+
+
+def _edge_inputs(loss, seed):
+    """Packed float64 log-probs of 8 sequences: empty and masked-out rows, one-token rows whose ratio sits exactly
+    on a clip bound, rows just inside and outside the bounds, a row whose log-ratio passes the +-20 clamp."""
+    from moe_gspo.kernels import DEFAULT_CLIP
+
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (0.2, 0.27) if loss == "grpo" else DEFAULT_CLIP[loss]
+    lengths = [4, 0, 1, 1, 3, 6, 5, 2]
+    T = sum(lengths)
+    logp = -3 + torch.randn(T, generator=g, dtype=torch.float64)
+    spread = 0.3 if loss == "grpo" else 3e-4
+    old = logp + spread * torch.randn(T, generator=g, dtype=torch.float64)
+    mask = torch.rand(T, generator=g) > 0.25
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)))
+    s = cu.tolist()
+    mask[s[2]] = mask[s[3]] = True
+    old[s[2]] = logp[s[2]] - math.log(1 + hi)  # ratio on the upper bound
+    old[s[3]] = logp[s[3]] - math.log(1 - lo)  # ratio on the lower bound
+    mask[s[4]:s[5]] = False  # a sequence without response tokens
+    r5 = slice(s[5], s[6])  # just outside the upper bound (gspo: the sequence mean)
+    old[r5] = logp[r5] - math.log(1 + hi) - 1e-9 * (1 if loss == "grpo" else 1)
+    mask[r5] = True
+    old[s[6]:s[7]] = logp[s[6]:s[7]] - 25.0  # log-ratio beyond the clamp
+    adv = torch.randn(len(lengths), generator=g, dtype=torch.float64)
+    adv[2], adv[3] = 1.0, -1.0
+    return logp, old, mask, cu, adv, lo, hi
+
+
+@pytest.mark.parametrize("loss", ["grpo", "gspo", "gspo_token"])
+def test_kernel_formulas_equal_project_losses_float64(loss):
+    from moe_gspo.kernels import LOSSES
+    from moe_gspo.kernels.reduce import segment_ids
+    from moe_gspo.losses import get_policy_loss
+    from tests.kernel_refs import close, fresh_seed
+
+    seed = fresh_seed()
+    logp, old, mask, cu, adv, lo, hi = _edge_inputs(loss, seed)
+    T = logp.shape[0]
+    seg = segment_ids(cu, T)
+    denom = 7.0
+    for a in (adv, -adv):  # both signs of every advantage: each clip bound matters for one sign
+        value, coef, _, _ = LOSSES[loss](logp, old, mask, seg, a, denom, lo, hi)
+        x = logp.clone().requires_grad_()
+        want, _ = get_policy_loss(loss)(x, old, a, mask, cu_seqlens=cu, clip_low=lo, clip_high=hi,
+                                        loss_denominator=denom)
+        (grad,) = torch.autograd.grad(want, x)
+        close(value, want, 1e-12, f"{loss} value", seed)
+        close(coef, grad, 1e-12, f"{loss} d loss / d logp", seed)
+        assert float(grad.abs().max()) > 0 and bool((coef[~mask] == 0).all())

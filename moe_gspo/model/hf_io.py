@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -131,33 +132,91 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
     return out
 
 
-def megatron_to_hf(mg: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
-    """Full megatron state dict -> HF state dict in the per-expert Qwen3-MoE layout."""
+def hf_sources(mc: ModelConfig) -> list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]]:
+    """(HF name, full megatron name, megatron tensor -> HF tensor (a view)) for every tensor of the per-expert
+    checkpoint layout, in the order save_pretrained writes them."""
     L, E, H = mc.num_hidden_layers, mc.num_experts, mc.hidden_size
     nq, ng, d, inter = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.moe_intermediate_size
-    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"]}
+
+    def same(t):
+        return t
+
+    def qkv_part(i):  # per query group: its q heads, then its k head, then its v head
+        rows = nq // ng * d if i == 0 else d
+        return lambda t: t.view(ng, (nq // ng + 2) * d, H).split([nq // ng * d, d, d], dim=1)[i].reshape(
+            ng * rows, H)
+
+    def fc1_part(i):  # linear_fc1 stacks gate over up
+        return lambda t: t.split([inter, inter])[i]
+
+    out = [("model.embed_tokens.weight", "embedding.word_embeddings.weight", same)]
     for i in range(L):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[p + "input_layernorm.weight"] = mg[m + "input_layernorm.weight"]
-        qkv = mg[m + "self_attention.linear_qkv.weight"].view(ng, (nq // ng + 2) * d, H)
-        q, k, v = qkv.split([nq // ng * d, d, d], dim=1)
-        out[p + "self_attn.q_proj.weight"] = q.reshape(nq * d, H)
-        out[p + "self_attn.k_proj.weight"] = k.reshape(ng * d, H)
-        out[p + "self_attn.v_proj.weight"] = v.reshape(ng * d, H)
-        out[p + "self_attn.o_proj.weight"] = mg[m + "self_attention.linear_proj.weight"]
-        out[p + "self_attn.q_norm.weight"] = mg[m + "self_attention.q_layernorm.weight"]
-        out[p + "self_attn.k_norm.weight"] = mg[m + "self_attention.k_layernorm.weight"]
-        out[p + "post_attention_layernorm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
-        out[p + "mlp.gate.weight"] = mg[m + "mlp.router.weight"]
+        out += [(p + "input_layernorm.weight", m + "input_layernorm.weight", same),
+                (p + "self_attn.q_proj.weight", m + "self_attention.linear_qkv.weight", qkv_part(0)),
+                (p + "self_attn.k_proj.weight", m + "self_attention.linear_qkv.weight", qkv_part(1)),
+                (p + "self_attn.v_proj.weight", m + "self_attention.linear_qkv.weight", qkv_part(2)),
+                (p + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight", same),
+                (p + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight", same),
+                (p + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight", same),
+                (p + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight", same),
+                (p + "mlp.gate.weight", m + "mlp.router.weight", same)]
         for e in range(E):
             x, pe = f"{m}mlp.experts.local_experts.{e}.", f"{p}mlp.experts.{e}."
-            gate, up = mg[x + "linear_fc1.weight"].split([inter, inter])
-            out[pe + "gate_proj.weight"], out[pe + "up_proj.weight"] = gate, up
-            out[pe + "down_proj.weight"] = mg[x + "linear_fc2.weight"]
-    out["model.norm.weight"] = mg["decoder.final_layernorm.weight"]
-    out["lm_head.weight"] = mg["output_layer.weight" if not mc.tie_word_embeddings else
-                               "embedding.word_embeddings.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
+            out += [(pe + "gate_proj.weight", x + "linear_fc1.weight", fc1_part(0)),
+                    (pe + "up_proj.weight", x + "linear_fc1.weight", fc1_part(1)),
+                    (pe + "down_proj.weight", x + "linear_fc2.weight", same)]
+    out.append(("model.norm.weight", "decoder.final_layernorm.weight", same))
+    out.append(("lm_head.weight", "output_layer.weight" if not mc.tie_word_embeddings else
+                "embedding.word_embeddings.weight", same))
+    return out
+
+
+def megatron_to_hf(mg: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full megatron state dict -> HF state dict in the per-expert Qwen3-MoE layout."""
+    return {k: f(mg[src]).contiguous() for k, src, f in hf_sources(mc)}
+
+
+class StreamedHFState(Mapping):
+    """A rank's view of the full HF-named state while its parameters stay sharded over TP and EP: reading a key
+    gathers the megatron parameter behind it (one collective), and a gathered parameter is dropped once every HF
+    tensor cut from it has been read. Reading the keys in order therefore holds at most one layer's experts
+    beyond what the reader keeps (an expert gather brings that local expert of every EP rank). Every rank of the
+    TP and EP groups must read every key once, in this mapping's order (the collectives must match)."""
+
+    def __init__(self, local: dict[str, torch.Tensor], mc: ModelConfig, tp_group, ep_group):
+        import torch.distributed as dist
+
+        self._local, self._mc, self._tp_group, self._ep_group = local, mc, tp_group, ep_group
+        self._e_local = mc.num_experts // dist.get_world_size(ep_group)
+        self._sources = {k: (src, f) for k, src, f in hf_sources(mc)}
+        self._uses = {}
+        for src, _ in self._sources.values():
+            self._uses[src] = self._uses.get(src, 0) + 1
+        self._cache: dict[str, torch.Tensor] = {}
+        self.peak_bytes = 0  # the most gathered bytes held at once (for tests and logs)
+
+    def __iter__(self):
+        return iter(self._sources)
+
+    def __len__(self):
+        return len(self._sources)
+
+    def _local_name(self, full_name: str) -> str:
+        ex = _expert_of(full_name)
+        return full_name if ex is None else f"{ex[0]}{ex[1] % self._e_local}.{ex[2]}"
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        src, f = self._sources[key]
+        if src not in self._cache:
+            name = self._local_name(src)
+            self._cache.update(gather_state({name: self._local[name]}, self._mc, self._tp_group, self._ep_group))
+            self.peak_bytes = max(self.peak_bytes, sum(t.numel() * t.element_size() for t in self._cache.values()))
+        t = f(self._cache[src])
+        self._uses[src] -= 1
+        if self._uses[src] == 0:
+            del self._cache[src]
+        return t
 
 
 # ---------------------------------------------------------------- sharding (tp, ep)

@@ -13,6 +13,7 @@ moe_gspo.parallel before the model is built. Under TP the policy's forward gathe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -161,6 +162,16 @@ class MoEPolicy(torch.nn.Module):
         """(config.json dict, HF-named full state dict) in memory: what save_pretrained writes."""
         return hf_io.hf_config_dict(self.model_config), hf_io.megatron_to_hf(self.full_megatron_state(),
                                                                               self.model_config)
+
+    def stream_hf(self) -> tuple[dict, Mapping[str, torch.Tensor]]:
+        """(config.json dict, HF-named state) like export_hf, without a full copy of the model on this rank: under
+        TP or EP the state is a StreamedHFState (every rank of the group must read its keys once, in order);
+        otherwise views of this rank's weights."""
+        if self.tp == 1 and ps.get_expert_model_parallel_world_size() == 1:
+            return self.export_hf()
+        return hf_io.hf_config_dict(self.model_config), hf_io.StreamedHFState(
+            self.megatron_state(), self.model_config, ps.get_tensor_model_parallel_group(),
+            ps.get_expert_model_parallel_group())
 
     def load_full_megatron_state(self, full: dict[str, torch.Tensor]) -> None:
         local = self.shard_full(full)

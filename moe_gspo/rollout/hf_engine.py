@@ -21,6 +21,7 @@ is used as given (weights shared, not copied).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from contextlib import contextmanager
 
 import torch
@@ -35,17 +36,18 @@ _EXPERT_KEY = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate
 
 
 # ---------------------------------------------------------------------------------------------------------- weights
-def _destinations(model, state_dict: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(destination view in `model`, source tensor) for every tensor of a checkpoint-format state dict.
+def _destinations(model, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, str]]:
+    """(destination view in `model`, source key) for every tensor of a checkpoint-format state dict, in its key
+    order; only the keys are read (a streamed state gathers on reading a value).
 
     Keys the model has map to their parameter; per-expert `...experts.{e}.{gate,up,down}_proj.weight` tensors map to
     their slice of the fused `...experts.gate_up_proj` (E, 2I, H) (gate rows first) or `...experts.down_proj`
     (E, H, I). Raises KeyError naming missing or unused keys, before anything is written."""
     params = dict(model.named_parameters())
     dests, unused, pieces = [], [], {}
-    for key, t in state_dict.items():
+    for key in state_dict:
         if key in params:
-            dests.append((params[key], t))
+            dests.append((params[key], key))
             continue
         m = _EXPERT_KEY.match(key)
         name = None if m is None else f"{m['pre']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
@@ -55,7 +57,7 @@ def _destinations(model, state_dict: dict[str, torch.Tensor]) -> list[tuple[torc
             continue
         e, inter = int(m["e"]), fused.shape[1] // 2
         view = {"down_proj": fused[e], "gate_proj": fused[e, :inter], "up_proj": fused[e, inter:]}[m["proj"]]
-        dests.append((view, t))
+        dests.append((view, key))
         pieces.setdefault(name, set()).add((e, m["proj"]))
     covered = {k for k in state_dict if k in params}
     for name, got in pieces.items():  # a fused tensor is covered once every expert's pieces are there
@@ -74,15 +76,16 @@ def _destinations(model, state_dict: dict[str, torch.Tensor]) -> list[tuple[torc
 
 
 @torch.no_grad()
-def copy_into_model(model, state_dict: dict[str, torch.Tensor]) -> None:
+def copy_into_model(model, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy a checkpoint-format state dict (per-expert gate/up/down) into `model`'s parameters in place, one tensor
-    at a time: no stacked copy of the experts and no second model. Checks every key first (KeyError), so a
-    mismatched export leaves the model untouched."""
-    for dest, src in _destinations(model, state_dict):
-        dest.copy_(src)
+    at a time, reading the values in the state's key order: no stacked copy of the experts and no second model
+    (with a StreamedHFState, not even a full gathered copy). Checks every key first (KeyError), so a mismatched
+    export leaves the model untouched."""
+    for dest, key in _destinations(model, state_dict):
+        dest.copy_(state_dict[key])
 
 
-def model_from_export(config_dict: dict, state_dict: dict[str, torch.Tensor], dtype=torch.float32,
+def model_from_export(config_dict: dict, state_dict: Mapping[str, torch.Tensor], dtype=torch.float32,
                       attn_implementation: str = "sdpa", model=None):
     """A transformers causal LM with the exported weights (reusing `model` when its config is the same)."""
     if model is None or getattr(model, "_moe_gspo_export_config", None) != config_dict:
@@ -175,9 +178,10 @@ class HFEngine(RolloutEngine):
         if isinstance(policy, PreTrainedModel):
             self.model = policy
         elif hasattr(policy, "export_hf"):
-            # the export holds views of the policy's own weights wherever the layouts agree (all but q/k/v); with an
-            # unchanged config they are copied into the same module in place
-            config_dict, state_dict = policy.export_hf()
+            # the export holds views of the policy's own weights wherever the layouts agree (all but q/k/v), or under
+            # TP/EP gathers one parameter at a time; with an unchanged config they are copied into the same module
+            # in place
+            config_dict, state_dict = policy.stream_hf() if hasattr(policy, "stream_hf") else policy.export_hf()
             self.model = model_from_export(config_dict, state_dict, self.dtype, self.attn_implementation,
                                            model=self.model).to(self.device)
         else:

@@ -69,9 +69,10 @@ def main():
         dist.all_reduce(t)
         losses.append((t / dist.get_world_size()).item())
     weights = policy.full_megatron_state()
+    sync = engine_sync(policy)
     if dist.get_rank() == 0:
         torch.save({"logits": full_logits, "grads": full_grads, "losses": losses, "routing": full_routing,
-                    "grad_norms": norms, "weights": weights}, args.out)
+                    "grad_norms": norms, "weights": weights, "engine_sync": sync}, args.out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -86,6 +87,25 @@ def gather_by_dp(t, dp, dp_rank):
     for r, d in enumerate(ranks):
         first.setdefault(int(d), parts[r])
     return torch.cat([first[d] for d in range(dp)])
+
+
+def engine_sync(policy):
+    """The rollout engine's weight update on every rank (streamed under TP/EP) against a model built from the
+    eager full export: the largest difference, and the peak bytes the stream held against the model's size."""
+    from moe_gspo.model import hf_io
+    from moe_gspo.rollout.hf_engine import HFEngine, model_from_export
+
+    engine = HFEngine(policy)  # update_weights reads policy.stream_hf() in order on every rank
+    config, eager = policy.export_hf()  # every rank gathers everything: the reference
+    ref = model_from_export(config, eager)
+    got, want = engine.model.state_dict(), ref.state_dict()
+    diff = max((got[k] - want[k]).abs().max().item() for k in want)
+    _, stream = policy.stream_hf()
+    for k in stream:  # read it alone to record how much it held at once
+        stream[k]
+    full = hf_io.megatron_to_hf(policy.full_megatron_state(), policy.model_config)
+    return {"max_abs_diff": diff, "peak_bytes": getattr(stream, "peak_bytes", None),
+            "model_bytes": sum(t.numel() * t.element_size() for t in full.values())}
 
 
 def policy_full(policy, grads):

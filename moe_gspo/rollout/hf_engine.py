@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 
 import torch
-# imported eagerly: transformers' lazy modules fail to import after megatron's CPU shims replace torch.cuda.Stream
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 

@@ -32,8 +32,6 @@ def rollout_command(config: str | None, run_dir: str | None, overrides: list[str
         cfg = load_config(run / "config.yaml", overrides)
     else:
         cfg = load_config(config, overrides)
-    if cfg.rollout.engine == "hf":  # transformers must be imported before megatron's CPU shims are applied
-        import moe_gspo.rollout.hf_engine  # noqa: F401
     policy = load_policy(cfg)
     if run_dir is not None:
         ckpts = Checkpoints(Path(run_dir) / "checkpoints")

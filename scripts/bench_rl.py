@@ -137,6 +137,11 @@ def run_moe_gspo(spec: dict) -> dict:
 
     from moe_gspo.train import loop
 
+    if not (Path(spec["ckpt"]) / "config.json").is_file():  # the first run of a size writes the shared weights
+        import moe_gspo
+
+        fresh = bench_config(spec["size"], spec["algo"], spec["set"], None, spec["steps"])
+        moe_gspo.load_policy(fresh).save_pretrained(spec["ckpt"])
     cfg = bench_config(spec["size"], spec["algo"], spec["set"], spec["ckpt"], spec["steps"])
     starts, steps_out, probe, prompts = [], [], None, []
     rollout, pad, log = loop.Run.rollout, loop.Run.pad, loop.Run.log
@@ -346,17 +351,14 @@ def summarize(runs: list[dict], warmup: int) -> dict:
     return row
 
 
-def save_checkpoint(size: str, extra: list[str], path: str) -> dict:
-    """Build the policy of `size` from its config (seeded) and write it as a HF checkpoint; its architecture."""
-    import moe_gspo
-
+def shape_of(size: str, extra: list[str]) -> dict:
+    """The architecture and batch layout of `size` (for the JSON)."""
     cfg = bench_config(size, "grpo", extra, None, 1)
-    moe_gspo.load_policy(cfg).save_pretrained(path)
-    m = cfg.model
+    m, r, t = cfg.model, cfg.rollout, cfg.train
     return {"layers": m.num_hidden_layers, "hidden": m.hidden_size, "experts": m.num_experts,
-            "top_k": m.num_experts_per_tok, "vocab": m.vocab_size, "prompts": cfg.rollout.prompts_per_step,
-            "group": cfg.rollout.group_size, "max_new_tokens": cfg.rollout.max_new_tokens,
-            "minibatches": cfg.train.minibatches, "micro_batch": cfg.train.micro_batch_size}
+            "top_k": m.num_experts_per_tok, "vocab": m.vocab_size, "prompts": r.prompts_per_step,
+            "group": r.group_size, "max_new_tokens": r.max_new_tokens, "minibatches": t.minibatches,
+            "micro_batch": t.micro_batch_size}
 
 
 def fmt(x, spec=".3f"):
@@ -401,18 +403,17 @@ def main():
     for name, chosen, valid in (("--sizes", sizes, SIZES), ("--algos", algos, ALGOS)):
         if bad := [x for x in chosen if x not in valid]:
             ap.error(f"{name}: unknown {bad}; valid: {sorted(valid)}")
-    import torch
-    import transformers
-    import trl
+    from importlib.metadata import version
 
     rows, probes, shapes, settings = [], {}, {}, {}
     with tempfile.TemporaryDirectory() as d:
         for size in sizes:
             ckpt = str(Path(d) / size)
-            shapes[size] = save_checkpoint(size, args.set, ckpt)
+            shapes[size] = shape_of(size, args.set)
             for algo in algos:
                 runs = {"moe-gspo": [], "trl": []}
                 for rep in range(args.repeats):
+                    # moe-gspo goes first in the first repeat: its first run of a size writes the checkpoint
                     order = ("moe-gspo", "trl") if rep % 2 == 0 else ("trl", "moe-gspo")
                     for tool in order:
                         spec = {"tool": tool, "size": size, "algo": algo, "set": args.set, "ckpt": ckpt,
@@ -439,8 +440,7 @@ def main():
         print(f"- {m}")
     if args.json:
         result = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
-                  "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                               "trl": trl.__version__},
+                  "versions": {p: version(p) for p in ("torch", "megatron-core", "transformers", "trl")},
                   "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "set": args.set,
                   "sizes": shapes, "size_overrides": {s: SIZES[s] for s in sizes}, "bench_overrides": BENCH_OVERRIDES,
                   "max_abs_probe_logprob_diff": probes, "settings": settings, "mismatches": MISMATCHES,

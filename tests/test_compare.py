@@ -52,7 +52,7 @@ def test_report_with_seeds_intervals_verdicts_and_collapses(tmp_path):
     report = write_compare_report(tmp_path, ["grpo", "grpo_r2", "gspo"])
     text = _text(report)
     for png in ("compare_reward.png", "compare_reward_seeds.png", "compare_clipfrac.png", "compare_mismatch.png",
-                "volatility_flip_rate.png", "volatility_heatmap.png"):
+                "compare_flip_rate.png", "compare_flip_layers.png", "compare_churn.png", "volatility_heatmap.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
         assert png in report.read_text()
     assert "compare_accuracy.png" not in report.read_text() and "equals the mean reward" in text  # 0/1 rewards
@@ -72,6 +72,131 @@ def test_report_with_seeds_intervals_verdicts_and_collapses(tmp_path):
     assert math.isclose(rows["gspo"][8], (0.2 * 29 / 30) / (0.002 * 29 / 30))  # clip fraction ratio = 100
     assert rows["grpo"][-1] == pytest.approx(3 * 12.5)  # wall time of all seeds, from wall_time.json
     assert "step 15" in text  # where the 5-step average fell below half its peak (0.2 < 0.25), in the runs table
+
+
+def _write_config(run_dir, **algorithm):
+    """A run's config.yaml with the fields the settings table reads."""
+    import yaml
+
+    cfg = {"model": {"num_hidden_layers": 8, "hidden_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 128, "num_attention_heads": 4, "params_dtype": "float32"},
+           "rollout": {"engine": "hf", "engine_dtype": "bfloat16", "task": "column_addition",
+                       "task_args": "min_digits=4,max_digits=6", "prompts_per_step": 8, "group_size": 8,
+                       "max_new_tokens": 68, "temperature": 1.0},
+           "train": {"steps": 30, "lr": 3e-4, "lr_decay": "constant", "lr_warmup_steps": 0, "minibatches": 8,
+                     "micro_batch_size": 8, "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0,
+                     "grad_clip": 1.0, "cold_start_steps": 800, "cold_start_lr": 3e-3, "cold_start_batch_size": 32},
+           "algorithm": {"loss": "grpo", "clip_low": None, "clip_high": None, "routing_replay": "off",
+                         "use_engine_logprobs": False, "loss_agg_mode": "seq-mean-token-mean", "kl_beta": 0.0,
+                         **algorithm}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_settings_table_gives_the_clip_ranges_actually_used(tmp_path):
+    """Shared settings once, the settings that differ by variant in their own columns; a clip range left to the
+    loss resolves to its registered default, an explicit one is shown as set."""
+    from moe_gspo.report.compare import settings_tables, write_compare_report
+
+    algos = {"grpo": {}, "grpo_r2": {"routing_replay": "r2"}, "gspo": {"loss": "gspo"},
+             "gspo_wide": {"loss": "gspo", "clip_low": 0.001, "clip_high": 0.002}}
+    for name, algo in algos.items():
+        for s in (0, 1):
+            d = tmp_path / name / f"seed_{s}"
+            _fake_run(d, clip=0.01, flip=0.02, rewards=[0.3] * 6)
+            _write_config(d, **algo)
+    report = write_compare_report(tmp_path, list(algos))
+    from moe_gspo.report.compare import load_variants
+
+    shared, header, rows = settings_tables(load_variants(tmp_path, list(algos)))
+    shared = dict(shared)
+    assert shared["model"].startswith("8 MoE layers, hidden 64, 8 experts (top-2)")
+    assert shared["minibatches per rollout batch"].startswith("8 optimizer steps")
+    assert shared["precision"] == "trainer float32, rollout engine hf in bfloat16"
+    assert shared["seeds"] == "2 paired seeds (0, 1)"
+    assert header == ["variant", "loss", "clip range used (low, high)", "routing replay"]
+    by = {r[0]: r for r in rows}
+    assert by["grpo"][2] == "(0.2, 0.27) loss default" and by["grpo_r2"][3] == "r2"
+    assert by["gspo"][2] == "(0.0003, 0.0004) loss default" and by["gspo_wide"][2] == "(0.001, 0.002)"
+    text = _text(report)
+    assert "Run settings" in text and "column_addition (min_digits=4,max_digits=6)" in text
+
+
+def _captured_figures(monkeypatch):
+    """Figures the report draws, kept open (every module saves through plots._save)."""
+    import moe_gspo.report.compare as compare_mod
+    import moe_gspo.report.plots as plots_mod
+
+    figs = {}
+    save = plots_mod._save
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        figs[path.name] = fig
+        save(fig, path)
+        return path
+
+    monkeypatch.setattr(plots_mod, "_save", keep)
+    monkeypatch.setattr(compare_mod, "_save", keep)
+    return figs
+
+
+def test_curves_smoothed_alike_with_raw_faint_and_legends_outside(tmp_path, monkeypatch):
+    """Every per-step figure of the report draws, per variant, the raw mean over seeds faint and its trailing
+    moving average bold (log-scale figures too), and no legend overlaps a plotting area."""
+    import numpy as np
+
+    from moe_gspo.experiments.stats import smooth
+
+    figs = _captured_figures(monkeypatch)
+    from moe_gspo.report.compare import write_compare_report
+
+    rng = np.random.default_rng(0)
+    for name in ("grpo", "gspo", "grpo_r2"):
+        for s in (0, 1, 2):
+            _fake_run(tmp_path / name / f"seed_{s}", clip=0.01 + 0.001 * s, flip=0.02,
+                      rewards=list(rng.uniform(0.2, 0.6, 20)))
+    (tmp_path / "compare.json").write_text(json.dumps({"seeds": [0, 1, 2], "settings": {"smooth_window": 4}}))
+    write_compare_report(tmp_path, ["grpo", "gspo", "grpo_r2"])
+    from moe_gspo.report.compare import load_variants
+
+    grpo = load_variants(tmp_path, ["grpo"], [0, 1, 2])[0]
+    for png, key in (("compare_reward.png", "reward/mean"), ("compare_clipfrac.png", "pg_clipfrac"),
+                     ("compare_flip_rate.png", "moe/flip_rate")):
+        ax = figs[png].axes[0]
+        faint = [ln for ln in ax.lines if (ln.get_alpha() or 1.0) < 0.5]
+        bold = [ln for ln in ax.lines if (ln.get_alpha() or 1.0) >= 0.5]
+        assert len(faint) == len(bold) == 3, png
+        _, Y = grpo.matrix(key)
+        raw = Y.mean(0)
+        np.testing.assert_allclose(np.nan_to_num(faint[0].get_ydata()), np.where(raw > 0, raw, 0), err_msg=png)
+        want = smooth(raw, 4)
+        np.testing.assert_allclose(np.nan_to_num(bold[0].get_ydata()), np.where(want > 0, want, 0), err_msg=png)
+    assert {"compare_reward_seeds.png", "compare_flip_layers.png", "compare_churn.png"} <= set(figs)
+    for name, fig in figs.items():
+        boxes = [ax.get_window_extent() for ax in fig.axes if ax.axison]
+        legends = [ax.get_legend() for ax in fig.axes] + list(fig.legends)
+        for leg in (lg for lg in legends if lg is not None):
+            lb = leg.get_window_extent()
+            assert not any(lb.overlaps(b) for b in boxes), f"{name}: a legend overlaps a plotting area"
+
+
+def test_layer_profile_and_churn_average_runs_then_seeds(tmp_path):
+    """Per layer, each run's mean over steps, then the mean over seeds with a t-band; per expert likewise."""
+    import numpy as np
+
+    from moe_gspo.experiments.stats import band
+    from moe_gspo.report.compare import CHURN_OUT, expert_churn, layer_profile, load_variants
+
+    for s, flip in enumerate((0.01, 0.02, 0.04)):
+        _fake_run(tmp_path / "grpo" / f"seed_{s}", clip=0.01, flip=flip, rewards=[0.3] * 5, layers=4)
+    v = load_variants(tmp_path, ["grpo"])[0]
+    layers, mean, lo, hi = layer_profile(v)
+    assert layers == [0, 1, 2, 3]
+    per_seed = np.array([[f * (i + 1) / 4 for i in range(4)] for f in (0.01, 0.02, 0.04)])
+    np.testing.assert_allclose(mean, per_seed.mean(0))
+    np.testing.assert_allclose(lo, band(per_seed)[1]) and np.testing.assert_allclose(hi, band(per_seed)[2])
+    assert np.all(np.diff(mean) > 0) and np.all(lo < mean) and np.all(mean < hi)
+    assert expert_churn(v, CHURN_OUT) == pytest.approx({e: 0.01 * e for e in range(4)})
 
 
 def test_report_of_one_seed_says_there_is_no_interval(tmp_path):

@@ -8,10 +8,13 @@ is there (CompareConfig defaults otherwise; a variant directory holding metrics.
 Statistics (moe_gspo/experiments/stats.py): a run's final reward is the mean of its last `final_window` steps; a
 variant's is the mean over seeds with a 95% Student-t interval; each variant is compared with GRPO (or the first
 variant when GRPO is absent) by the per-seed paired difference of final rewards, with its t-interval and a verdict;
-collapses are counted per run. Figures (PNG next to the HTML): reward and accuracy curves (mean over seeds of the
-smoothed curves with their 95% band), clip fractions on a log scale, the expert flip rate per step and per layer
-(the volatility report's figures, of each variant's first seed), rollout-vs-train routing mismatch and log-prob
-difference. Reads only the JSONL metrics and compare.json.
+collapses are counted per run. A run-settings table comes first (each variant's first run's config.yaml: model
+shape, task, steps, batch, lr, minibatches, the clip range the loss actually used, replay, seeds). Figures (PNG next
+to the HTML), every per-step curve drawn the same way (the mean over seeds faint, its trailing moving average bold,
+legends outside the axes): reward (and accuracy only where it differs from the reward), each variant's seeds with the
+95% t-band, clip fractions on a log scale, the expert flip rate per step, the flip rate per MoE layer (t-band across
+seeds), per-expert churn, the first seed's layer x step heatmaps, rollout-vs-train routing mismatch and probability
+difference. Reads the JSONL metrics, each run's config.yaml and compare.json.
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ import numpy as np
 from moe_gspo.config import CompareConfig
 from moe_gspo.experiments.stats import Interval, band, collapses, final_value, smooth, t_interval, verdict
 from moe_gspo.report import html
-from moe_gspo.report.plots import Run, _save, colors, load_metrics, plt
-from moe_gspo.report.volatility import write_volatility_report
+from moe_gspo.report.plots import (DASHES, Run, _save, band_plot, colors, grouped_bars, legend_outside, load_metrics,
+                                   plt)
+from moe_gspo.report.volatility import CHURN_IN, CHURN_OUT, LAYER, write_volatility_report
 
 REWARD, ACC, CLIP, CLIP_LO, FLIP = "reward/mean", "accuracy", "pg_clipfrac", "pg_clipfrac_lower", "moe/flip_rate"
 MISMATCH, PDIFF = "moe/rollout_train_mismatch", "rollout_probs_diff_mean"
-STYLES = ["-", "--", "-.", ":", (0, (6, 2, 1, 2))]  # distinct dashes: identical runs overlap visibly
 
 
 @dataclass
@@ -178,36 +181,66 @@ def identical_variants(variants: Sequence[Variant], key: str) -> list[tuple[str,
     return out
 
 
+def curve(v: Variant, key: str, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, raw, smoothed): the mean over seeds of `key` at each step, and its `window`-step trailing moving
+    average (equal to the mean over seeds of each run's moving average)."""
+    x, Y = v.matrix(key)
+    raw = Y.mean(0) if Y.size else np.zeros(0)
+    return x, raw, smooth(raw, window) if len(raw) else raw
+
+
 def mean_curves(path: Path, variants: Sequence[Variant], key: str, title: str, ylabel: str, window: int = 5,
                 log: bool = False) -> Path:
-    """One line per variant. One seed: the raw values faint and their `window`-step moving average bold. Several
-    seeds: the mean over seeds of the moving averages (their spread is in `seed_panels`). On a log axis: the mean
-    over seeds of the raw values, zeros left out (gaps) and counted in the legend."""
+    """One line per variant: the mean over seeds of `key` faint and its `window`-step moving average bold (the
+    spread over seeds is in `seed_panels`). On a log axis, values <= 0 are gaps and the steps where the raw mean
+    is 0 are counted in the legend."""
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
     for i, (v, c) in enumerate(zip(variants, colors(len(variants)))):
-        x, Y = v.matrix(key)
+        x, raw, smoothed = curve(v, key, window)
         if not len(x):
             continue
-        ls = STYLES[i % len(STYLES)]
-        n = Y.shape[0]
+        ls = DASHES[i % len(DASHES)]
+        n = len(v.runs)
         label = v.name + (f" (mean of {n} seeds)" if n > 1 else "")
         if log:
-            y = Y.mean(0)
-            zeros = int((y <= 0).sum())
+            zeros = int((raw <= 0).sum())
             label += f" ({zeros} steps at 0)" if zeros else ""
-            ax.plot(x, np.where(y > 0, y, np.nan), color=c, lw=1.6, ls=ls, marker="o" if len(x) < 30 else None,
-                    ms=3, label=label)
-            continue
-        if n == 1:
-            ax.plot(x, Y[0], color=c, lw=0.8, alpha=0.3, ls=ls)
-        ax.plot(x, np.stack([smooth(row, window) for row in Y]).mean(0), color=c, lw=2.0, ls=ls, label=label)
+            raw, smoothed = np.where(raw > 0, raw, np.nan), np.where(smoothed > 0, smoothed, np.nan)
+        ax.plot(x, raw, color=c, lw=0.8, alpha=0.3, ls="-")
+        ax.plot(x, smoothed, color=c, lw=2.0, ls=ls, label=label)
     if log:
         ax.set_yscale("log")
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.grid(alpha=0.3, which="both")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    legend_outside(ax)
     return _save(fig, path)
+
+
+def layer_profile(v: Variant, prefix: str = LAYER) -> tuple[list[int], np.ndarray, np.ndarray | None,
+                                                               np.ndarray | None]:
+    """(layers, mean, lo, hi): per MoE layer, each run's mean flip rate over its steps, then the mean over seeds
+    with its 95% t-band (lo/hi None for one seed). Layers are those every run logged."""
+    per_run = []
+    for r in v.runs:
+        _, ids, M = r.matrix(prefix)
+        per_run.append({i: float(np.nanmean(M[j])) for j, i in enumerate(ids) if np.isfinite(M[j]).any()})
+    layers = sorted(set.intersection(*(set(d) for d in per_run))) if per_run else []
+    if not layers:
+        return [], np.zeros(0), None, None
+    mean, lo, hi = band(np.array([[d[i] for i in layers] for d in per_run]))
+    return layers, mean, lo, hi
+
+
+def expert_churn(v: Variant, prefix: str) -> dict[int, float]:
+    """{expert: mean over steps and seeds of `prefix`<e>} (churn in or out, relative to the expert's slots in the
+    old routing, summed over layers)."""
+    vals: dict[int, list[float]] = {}
+    for r in v.runs:
+        _, ids, M = r.matrix(prefix)
+        for j, e in enumerate(ids):
+            if np.isfinite(M[j]).any():
+                vals.setdefault(e, []).append(float(np.nanmean(M[j])))
+    return {e: float(np.mean(x)) for e, x in sorted(vals.items())}
 
 
 def seed_panels(path: Path, variants: Sequence[Variant], key: str, title: str, ylabel: str, base: str,
@@ -259,11 +292,76 @@ def seed_panels(path: Path, variants: Sequence[Variant], key: str, title: str, y
                Line2D([], [], color="0.35", lw=1.2, ls="--", label=f"{base}: mean over seeds"),
                Line2D([], [], color="black", marker="x", ls="none", mew=2, label="collapse begins")]
     fig.suptitle(title)
-    if len(spare):  # the key goes in an empty grid cell, else in the first panel
+    if len(spare):  # the key goes in an empty grid cell, else to the right of the panels
         spare[0].legend(handles=handles, loc="center", fontsize=9, frameon=False)
     else:
-        axes[0, 0].legend(handles=handles, loc="best", fontsize=7)
+        fig.tight_layout()
+        fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
     return _save(fig, path)
+
+
+def run_config(run: Run) -> dict:
+    """The resolved config a run wrote (RUN_DIR/config.yaml), {} when it is missing."""
+    import yaml
+
+    p = run.dir / "config.yaml"
+    return (yaml.safe_load(p.read_text()) or {}) if p.is_file() else {}
+
+
+def clip_used(algorithm: dict) -> tuple[float, float] | None:
+    """(clip_low, clip_high) the loss ran with: the config's values, else the loss's registered default."""
+    from moe_gspo.losses import DEFAULT_CLIP
+
+    default = DEFAULT_CLIP.get(algorithm.get("loss"))
+    lo, hi = algorithm.get("clip_low"), algorithm.get("clip_high")
+    if default is None and (lo is None or hi is None):
+        return None
+    return (default[0] if lo is None else float(lo), default[1] if hi is None else float(hi))
+
+
+def _settings(cfg: dict) -> dict[str, str]:
+    """The settings an RL reader needs to place a run, as table cells (SETTINGS_ROWS order)."""
+    m, r, t, a = (cfg.get(k) or {} for k in ("model", "rollout", "train", "algorithm"))
+    g = lambda d, k: d.get(k, "?")  # noqa: E731
+    return {
+        "model": f"{g(m, 'num_hidden_layers')} MoE layers, hidden {g(m, 'hidden_size')}, {g(m, 'num_experts')} "
+                 f"experts (top-{g(m, 'num_experts_per_tok')}), expert FFN {g(m, 'moe_intermediate_size')}, "
+                 f"{g(m, 'num_attention_heads')} attention heads",
+        "task": f"{g(r, 'task')}" + (f" ({r['task_args']})" if r.get("task_args") else ""),
+        "max response tokens": str(g(r, "max_new_tokens")),
+        "RL steps": str(g(t, "steps")),
+        "rollout batch": f"{g(r, 'prompts_per_step')} prompts x {g(r, 'group_size')} responses (group size "
+                         f"{g(r, 'group_size')}), temperature {g(r, 'temperature')}",
+        "learning rate": f"{g(t, 'lr')} ({g(t, 'lr_decay')}, {g(t, 'lr_warmup_steps')} warmup steps)",
+        "minibatches per rollout batch": f"{g(t, 'minibatches')} optimizer steps per rollout batch (micro-batch "
+                                         f"{g(t, 'micro_batch_size')})",
+        "optimizer": f"Adam ({g(t, 'adam_beta1')}, {g(t, 'adam_beta2')}), weight decay {g(t, 'weight_decay')}, "
+                     f"gradient-norm clip {g(t, 'grad_clip')}",
+        "precision": f"trainer {g(m, 'params_dtype')}, rollout engine {g(r, 'engine')} in {g(r, 'engine_dtype')}",
+        "loss": f"{g(a, 'loss')}, {g(a, 'loss_agg_mode')}, KL beta {g(a, 'kl_beta')}",
+        "clip range used (low, high)": (f"({c[0]:g}, {c[1]:g})" + ("" if a.get("clip_low") is not None and
+                                                                 a.get("clip_high") is not None else
+                                                                 " loss default")
+                                        if (c := clip_used(a)) else "?"),
+        "routing replay": str(g(a, "routing_replay")),
+        "pi_old log-probs": "rollout engine" if a.get("use_engine_logprobs") else "training engine (recomputed)",
+        "cold start": f"{g(t, 'cold_start_steps')} supervised steps, lr {g(t, 'cold_start_lr')}, batch "
+                      f"{g(t, 'cold_start_batch_size')}",
+    }
+
+
+def settings_tables(variants: Sequence[Variant]) -> tuple[list[list], list[str], list[list]]:
+    """(shared rows [setting, value], per-variant header, per-variant rows) from each variant's first run's
+    config.yaml: a setting with one value across variants goes in the shared table, the others get a column."""
+    cells = {v.name: _settings(run_config(v.runs[0])) for v in variants if v.runs}
+    if not cells:
+        return [], [], []
+    keys = list(next(iter(cells.values())))
+    differ = [k for k in keys if len({c[k] for c in cells.values()}) > 1]
+    seeds = sorted({s for v in variants for s in v.seeds if s is not None})
+    shared = [[k, next(iter(cells.values()))[k]] for k in keys if k not in differ]
+    shared.append(["seeds", f"{len(seeds)} paired seeds ({', '.join(map(str, seeds))})" if seeds else "one run"])
+    return shared, ["variant", *differ], [[name, *(c[k] for k in differ)] for name, c in cells.items()]
 
 
 SUMMARY_HEADER = ["variant", "seeds", "steps", "reward, step 1 (mean over seeds)", "final reward (mean over seeds)",
@@ -290,6 +388,51 @@ def _read_meta(out: Path) -> dict:
     return json.loads(p.read_text()) if p.is_file() else {}
 
 
+def volatility_section(out: Path, variants: Sequence[Variant], window: int, smooth_text: str) -> str:
+    """The expert-volatility part of the report: flip rate per step (every seed), the per-layer flip profile with
+    its t-band across seeds, per-expert churn, and the first seed's layer x step heatmaps (volatility.html)."""
+    png = lambda name: out / f"compare_{name}.png"  # noqa: E731
+    if not any(len(r.series(FLIP)[0]) for v in variants for r in v.runs):
+        return (f"<h2>Expert volatility</h2><p class='note'>No '{FLIP}' metrics in these runs (was "
+                "algorithm.track_flips on?).</p>")
+    parts = ["<h2>Expert volatility</h2><p class='note'>A flip is a top-k slot whose expert differs (set-wise) "
+             "between the old policy's routing of a rollout token and the live routing of the same token in a "
+             "training forward of the step.</p>"]
+    f = mean_curves(png("flip_rate"), variants, FLIP, "Expert flip rate per step (all MoE layers)",
+                    "fraction of top-k slots", window)
+    parts.append(html.figure(f.name, f"Flip rate per step, averaged over the step's minibatches ({smooth_text})."))
+    profiles = [(v.name, *layer_profile(v)) for v in variants]
+    profiles = [p for p in profiles if p[1]]
+    if profiles:
+        n = max(len(v.runs) for v in variants)
+        f = band_plot(png("flip_layers"), profiles, "Flip rate per MoE layer", "MoE layer (0 = first)",
+                      "fraction of top-k slots")
+        parts.append(html.figure(f.name, "Per MoE layer, each run's mean flip rate over its steps, averaged over "
+                                         "seeds" + (" (shaded: 95% t-band across seeds)." if n > 1 else ".")))
+    bars = []
+    for label, prefix in (("slots lost (out)", CHURN_OUT), ("slots gained (in)", CHURN_IN)):
+        churn = {v.name: expert_churn(v, prefix) for v in variants}
+        ids = sorted({e for c in churn.values() for e in c})
+        if ids:
+            bars.append((label, ids, {name: [c.get(e, 0.0) for e in ids] for name, c in churn.items()}))
+    if bars:
+        f = grouped_bars(png("churn"), bars, "Per-expert churn", "expert", "slots / old-routing slots")
+        parts.append(html.figure(f.name, "Top-k slots each expert lost and gained per step, relative to the slots it "
+                                         "held in the old routing of the same tokens (summed over layers), mean over "
+                                         "steps and seeds."))
+    firsts = [v.runs[0] for v in variants]
+    try:
+        vol = write_volatility_report([r.dir for r in firsts], out / "volatility.html")
+    except ValueError:
+        return "".join(parts)
+    which = f" of seed {variants[0].seeds[0]}" if variants[0].seeds[0] is not None else ""
+    if (out / f"{vol.stem}_heatmap.png").is_file():
+        parts.append(html.figure(f"{vol.stem}_heatmap.png", f"Flip rate per MoE layer (rows) and step (columns), "
+                                                            f"the runs{which}."))
+    parts.append(f"<p class='note'>Per-run tables and figures: <a href='{vol.name}'>{vol.name}</a>.</p>")
+    return "".join(parts)
+
+
 def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[str, float] | None = None,
                          cold_start_seconds=None) -> Path:
     """Write DIR/report.html and its PNGs from the runs of `names`; returns the HTML path. `walls`: seconds per run
@@ -311,10 +454,16 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                   "one seed per variant: no intervals (run with --seeds N, N >= 2, for them); all variants start "
                   "from the same cold-started weights with the same prompts and sampling seeds")
     parts = [f"<p class='note'>Variants: {html.esc(', '.join(names))}; {html.esc(seeds_text)}. GRPO uses the "
-             "token-level ratio with clip (0.2, 0.27); GSPO the length-normalized sequence ratio with clip "
-             "(3e-4, 4e-4) unless the config overrides them. R2 replays the training engine's old routing, R3 the "
-             "rollout engine's."
+             "token-level ratio, GSPO the length-normalized sequence ratio (clip ranges in the settings table). R2 "
+             "replays the training engine's old routing, R3 the rollout engine's."
              + (f" Cold start took {cold_total:.0f} s in all." if cold_total else "") + "</p>"]
+    shared, vheader, vrows = settings_tables(variants)
+    if shared:
+        parts.append("<h2>Run settings</h2>" + html.table(["setting", "value (every variant)"], shared)
+                     + (html.table(vheader, vrows) if len(vheader) > 1 else "")
+                     + "<p class='note'>Read from each variant's first run's config.yaml. Minibatch k of a rollout "
+                     "batch is trained after k−1 optimizer steps on the same batch (off-policy by k−1 "
+                     "updates).</p>")
     parts.append("<h2>Summary</h2>" + html.table(SUMMARY_HEADER, summary_rows(variants, stats, base, walls)))
     parts.append(
         f"<p class='note'>Final reward: the mean training reward of a run's last {settings.final_window} steps; per "
@@ -348,12 +497,11 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
             x, y = r.series(REWARD)
             s = smooth(y, w) if len(y) else y
             marks.setdefault(v.name, []).extend((x[c.start], s[c.start]) for c in events)
-    smooth_text = (f"bold: the mean over seeds of each run's {w}-step moving average" if n_seeds > 1 else
-                   f"faint raw, bold {w}-step moving average")
+    smooth_text = (f"faint: the mean over seeds at each step; bold: its {w}-step trailing moving average"
+                   if n_seeds > 1 else f"faint: raw; bold: {w}-step trailing moving average")
     reward = [(mean_curves(png("reward"), variants, REWARD, "Training reward (mean over the rollout batch)",
                            "reward", w),
-               f"Mean reward of each step's rollouts ({smooth_text}). Curves of variants that compute the same thing "
-               "(e.g. GSPO and GSPO-token) lie on top of each other."
+               f"Mean reward of each step's rollouts ({smooth_text})."
                + (" The spread over seeds is in the next figure." if n_seeds > 1 else
                   " One seed: no confidence band (run with --seeds N for one)."))]
     if n_seeds > 1 or any(marks.values()):
@@ -370,30 +518,20 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                                       "fraction with reward 1", w).name,
                           f"Fraction of sampled responses that are correct ({smooth_text}).")
     parts.append("<h2>Reward and accuracy</h2>" + "".join(html.figure(f.name, c) for f, c in reward) + acc)
-    clip = mean_curves(png("clipfrac"), variants, CLIP, "Clip fraction (log scale)", "pg_clipfrac", log=True)
+    clip = mean_curves(png("clipfrac"), variants, CLIP, "Clip fraction (log scale)", "pg_clipfrac", w, log=True)
     parts.append("<h2>Clipping</h2>" + html.figure(
-        clip.name, "Fraction of response tokens on the clipped branch per step, mean over seeds (GSPO: tokens of "
-                   "clipped sequences); steps with nothing clipped are gaps."))
-    firsts = [v.runs[0] for v in variants]
-    try:
-        vol = write_volatility_report([r.dir for r in firsts], out / "volatility.html")
-        which = "" if n_seeds == 1 else f" Runs of seed {variants[0].seeds[0]} only."
-        parts.append("<h2>Expert volatility</h2><p class='note'>From the volatility report "
-                     f"(<a href='{vol.name}'>{vol.name}</a>): flip rate of the same rollout tokens' experts "
-                     f"between the old policy and the policy being trained, per step and per layer.{which}</p>"
-                     + html.figure(f"{vol.stem}_flip_rate.png", "Flip rate per step (all MoE layers)")
-                     + html.figure(f"{vol.stem}_heatmap.png", "Flip rate per layer and step"))
-    except ValueError as e:  # no flip metrics (track_flips off)
-        parts.append(f"<h2>Expert volatility</h2><p class='note'>{html.esc(e)}</p>")
+        clip.name, f"Fraction of response tokens on the clipped branch per step (GSPO: tokens of clipped "
+                   f"sequences; {smooth_text}); values of 0 are gaps."))
+    parts.append(volatility_section(out, variants, w, smooth_text))
     engine = [
         (mean_curves(png("mismatch"), variants, MISMATCH, "Rollout engine vs training engine routing (old policy)",
                      "fraction of top-k slots differing", w),
          f"Set-wise routing mismatch of rollout tokens between the rollout engine and the megatron training "
          f"forward at the same weights ({smooth_text})."),
         (mean_curves(png("probs_diff"), variants, PDIFF, "Rollout vs recomputed token probabilities (log scale)",
-                     "mean |p_engine - p_train|", log=True),
-         "Mean absolute difference of response-token probabilities, rollout engine vs training engine, mean over "
-         "seeds."),
+                     "mean |p_engine - p_train|", w, log=True),
+         f"Mean absolute difference of response-token probabilities, rollout engine vs training engine "
+         f"({smooth_text})."),
     ]
     parts.append("<h2>Rollout vs training</h2>" + "".join(html.figure(f.name, c) for f, c in engine))
     report = out / "report.html"

@@ -24,6 +24,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+DASHES = ["-", "--", "-.", ":", (0, (6, 2, 1, 2))]  # line styles by index: identical lines overlap visibly
+
+
 @dataclass
 class Run:
     """One run's metrics, merged per step and sorted by step."""
@@ -105,9 +108,29 @@ def line_plot(path: Path, lines: Sequence[tuple], title: str, ylabel: str, xlabe
         ax.plot(x, y, color=c, lw=1.2, ls="--", label=label)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
-    if lines or dashed:
-        ax.legend(fontsize=8)
+    legend_outside(ax)
     return _save(fig, path)
+
+
+def band_plot(path: Path, lines: Sequence[tuple], title: str, xlabel: str, ylabel: str) -> Path:
+    """One line per (label, x, mean, lo, hi) with markers, its band shaded where lo/hi are given (not None). Lines
+    get distinct dash patterns, so that equal lines stay visible on top of each other."""
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    for i, ((label, x, mean, lo, hi), c) in enumerate(zip(lines, colors(len(lines)))):
+        ax.plot(x, mean, color=c, lw=1.6, marker="o", ms=3, ls=DASHES[i % len(DASHES)], label=label)
+        if lo is not None:
+            ax.fill_between(x, lo, hi, color=c, alpha=0.15, lw=0)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    legend_outside(ax)
+    return _save(fig, path)
+
+
+def legend_outside(ax, **kwargs) -> None:
+    """The axes' legend to the right of the plotting area, so that it never covers data (nothing when no line
+    has a label)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, **kwargs)
 
 
 def heatmap_panels(path: Path, panels: Sequence[tuple], title: str, ylabel: str, cbar: str) -> Path:
@@ -138,7 +161,7 @@ def grouped_bars(path: Path, panels: Sequence[tuple], title: str, xlabel: str, y
         if len(ids) <= 32:
             ax.set_xticks(x, [str(i) for i in ids])
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8)
+        legend_outside(ax)
     return _save(fig, path)
 
 
@@ -154,6 +177,6 @@ def _edges(centers: np.ndarray) -> np.ndarray:
 def _save(fig, path: Path) -> Path:
     path = Path(path)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight" keeps a legend placed outside the axes in the image
     plt.close(fig)
     return path

@@ -199,6 +199,31 @@ def test_layer_profile_and_churn_average_runs_then_seeds(tmp_path):
     assert expert_churn(v, CHURN_OUT) == pytest.approx({e: 0.01 * e for e in range(4)})
 
 
+def test_clip_ratio_is_paired_by_seed_over_steps_with_gradient(tmp_path):
+    """GSPO clips 100x GRPO's fraction at every seed on the steps that carry gradient; steps without reward
+    variance (clip fraction 0 there) are left out, and the paired geometric mean is exactly 100 with a zero-width
+    interval."""
+    from moe_gspo.report.compare import load_variants, metric_rows, run_mean
+
+    for s in (0, 1, 2):
+        for name, clip in (("grpo", 0.001 * (s + 1)), ("gspo", 0.1 * (s + 1))):
+            d = tmp_path / name / f"seed_{s}"
+            _fake_run(d, clip=clip, flip=0.02, rewards=[0.4] * 6)
+            lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+            for rec in lines:
+                dead = rec["step"] >= 5  # the last two steps: every group has the same reward
+                rec["groups/with_variance"] = 0.0 if dead else 0.5
+                rec["pg_clipfrac"] = 0.0 if dead else clip
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    variants = load_variants(tmp_path, ["grpo", "gspo"])
+    grpo0 = variants[0].runs[0]
+    assert run_mean(grpo0, "pg_clipfrac", only_with_gradient=True) == pytest.approx(0.001)
+    assert run_mean(grpo0, "pg_clipfrac") == pytest.approx(0.001 * 4 / 6)
+    rows = {r[0]: r for r in metric_rows(variants, "grpo")}
+    assert rows["grpo"][2] == "1" and rows["gspo"][2] == "100 [100, 100]"
+    assert rows["gspo"][3].startswith("0.02 [0.02, 0.02]")
+
+
 def test_report_of_one_seed_says_there_is_no_interval(tmp_path):
     from moe_gspo.report.compare import write_compare_report
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from moe_gspo.report.plots import (DASHES, Run, _save, band_plot, colors, groupe
 from moe_gspo.report.volatility import CHURN_IN, CHURN_OUT, LAYER, write_volatility_report
 
 REWARD, ACC, CLIP, CLIP_LO, FLIP = "reward/mean", "accuracy", "pg_clipfrac", "pg_clipfrac_lower", "moe/flip_rate"
-MISMATCH, PDIFF = "moe/rollout_train_mismatch", "rollout_probs_diff_mean"
+MISMATCH, PDIFF, VARIANCE = "moe/rollout_train_mismatch", "rollout_probs_diff_mean", "groups/with_variance"
 
 
 @dataclass
@@ -162,6 +163,52 @@ def run_rows(variants: Sequence[Variant], stats: dict[str, Stats], walls: dict[s
                                                             f" (back at step {int(steps[c.end])})")
                             for c in st.collapses[i]) or "none"
             rows.append([v.name, "\u2014" if s is None else s, st.finals[i], col, walls.get(r.label)])
+    return rows
+
+
+def run_mean(run: Run, key: str, only_with_gradient: bool = False) -> float | None:
+    """Mean of `key` over a run's logged steps; with only_with_gradient, over the steps where some group had reward
+    variance (a step without one has no gradient, so nothing to clip; runs that do not log it keep every step).
+    None when no step qualifies."""
+    x, y = run.series(key)
+    vx, vy = run.series(VARIANCE)
+    if only_with_gradient and len(vx):
+        keep = set(vx[vy > 0].tolist())
+        y = y[[s in keep for s in x.tolist()]] if len(y) else y
+    return float(y.mean()) if len(y) else None
+
+
+def _cell(iv: Interval | None, digits: int = 3) -> str:
+    if iv is None:
+        return "\u2014"
+    return f"{iv.mean:.{digits}g}" + ("" if iv.lo is None else f" [{iv.lo:.{digits}g}, {iv.hi:.{digits}g}]")
+
+
+def _iv(values) -> Interval | None:
+    vals = [v for v in values if v is not None]
+    return t_interval(vals) if vals else None
+
+
+def metric_rows(variants: Sequence[Variant], base: str) -> list[list]:
+    """Per variant, seed-level means with 95% t-intervals over seeds (columns as in METRIC_HEADER). The clip
+    fraction of a run is its mean over steps with gradient; its ratio to the baseline is paired by seed and
+    averaged on the log scale (a geometric mean, interval exp of the t-interval of the log-ratios)."""
+    b = next((v for v in variants if v.name == base), None)
+    base_clip = {s: run_mean(r, CLIP, True) for r, s in zip(b.runs, b.seeds)} if b else {}
+    rows = []
+    for v in variants:
+        clips = [run_mean(r, CLIP, True) for r in v.runs]
+        logs = [math.log(c / base_clip[s]) for c, s in zip(clips, v.seeds)
+                if c and base_clip.get(s) and s in base_clip]
+        ratio = None
+        if logs and v.name != base:
+            iv = t_interval(logs)
+            ratio = Interval(math.exp(iv.mean), None if iv.lo is None else math.exp(iv.lo),
+                             None if iv.hi is None else math.exp(iv.hi), iv.n)
+        rows.append([v.name, _cell(_iv(clips)), _cell(ratio) if v.name != base else "1",
+                     _cell(_iv([run_mean(r, FLIP) for r in v.runs])),
+                     _cell(_iv([run_mean(r, MISMATCH) for r in v.runs])),
+                     _cell(_iv([run_mean(r, PDIFF) for r in v.runs]))])
     return rows
 
 
@@ -370,6 +417,9 @@ SUMMARY_HEADER = ["variant", "seeds", "steps", "reward, step 1 (mean over seeds)
                   "wall time (s, all seeds)"]
 DIFF_HEADER = ["variant", "seeds paired", "mean difference of final reward", "95% t-interval", "verdict"]
 RUN_HEADER = ["variant", "seed", "final reward", "collapses", "wall time (s)"]
+METRIC_HEADER = ["variant", "pg_clipfrac, steps with gradient [95% t]", "clip fraction / baseline's, paired [95% t]",
+                 "flip rate [95% t]", "rollout-train routing mismatch [95% t]",
+                 "mean |p_engine \u2212 p_train| [95% t]"]
 
 
 def run_walls(variants: Sequence[Variant], walls: dict[str, float] | None = None) -> dict[str, float]:
@@ -479,6 +529,13 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                      "seed (same cold start, same prompts); the interval is the Student-t interval of these "
                      "differences. An interval that covers 0 reads \u201cnot distinguishable at this budget\u201d: "
                      "more seeds or steps could still separate them.</p>")
+    parts.append("<h2>Clipping, expert volatility and engine mismatch</h2>"
+                 + html.table(METRIC_HEADER, metric_rows(variants, base))
+                 + "<p class='note'>Each run's mean over its steps (the clip fraction over the steps where some "
+                 "group had reward variance: a step without one has no gradient and clips nothing); per variant, "
+                 "the mean over seeds and its 95% Student-t interval. The clip-fraction ratio is taken per seed "
+                 f"against {html.esc(base)} and averaged on the log scale (geometric mean; the interval is exp of "
+                 "the t-interval of the log-ratios).</p>")
     parts.append("<h2>Runs</h2>" + html.table(RUN_HEADER, run_rows(variants, stats, walls)))
     same = identical_variants(variants, REWARD)
     if same:

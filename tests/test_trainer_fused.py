@@ -29,7 +29,7 @@ BASE = TINY + ["train.micro_batch_size=4"]
 def policy():
     from moe_gspo import load_policy
 
-    return load_policy(case_cfg(BASE, "gspo"))
+    return load_policy(case_cfg(BASE, "gspo_temperature"))
 
 
 @pytest.mark.parametrize("case", list(CASES))

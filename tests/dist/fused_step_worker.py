@@ -25,12 +25,14 @@ from moe_gspo.train.step import StepContext, old_logprob_pass, update_minibatch
 CASES = {
     "grpo_r2_kl": ("grpo", ["algorithm.routing_replay=r2", "algorithm.kl_beta=0.1", "algorithm.kl_estimator=k3"],
                    0.3, None),
-    "gspo": ("gspo", [], 1e-3, None),
+    "gspo_temperature": ("gspo", ["rollout.temperature=0.7"], 1e-3, None),
     "gspo_token_kl_token_mean": ("gspo_token", ["algorithm.kl_beta=0.05", "algorithm.kl_estimator=low_var_kl",
                                                 "algorithm.loss_agg_mode=token-mean"], 1e-3, None),
-    # a workspace of a few rows: the kernel splits each micro-batch into row groups, some rows take two passes
-    "gspo_router_shift_split": ("gspo", ["algorithm.router_shift=true", "algorithm.kl_beta=0.1",
-                                         "algorithm.kl_estimator=k1"], 1e-3, 3 * 4 * (128 * 2 + 32)),
+    # workspaces of 25 and 3 token rows ([V] logits + [V] entropy + [H] per row, fp32): the kernel splits each
+    # micro-batch of 11-token rows into groups of two rows, or takes every row in two passes (8THV)
+    "gspo_router_shift_2_rows": ("gspo", ["algorithm.router_shift=true", "algorithm.kl_beta=0.1",
+                                          "algorithm.kl_estimator=k1"], 1e-3, 25 * 4 * (128 * 2 + 32)),
+    "grpo_two_pass": ("grpo", ["algorithm.kl_beta=0.1", "algorithm.kl_estimator=k3"], 0.3, 3 * 4 * (128 * 2 + 32)),
 }
 
 
@@ -147,7 +149,7 @@ def main():
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    policy = load_policy(case_cfg(args.overrides, "gspo"))
+    policy = load_policy(case_cfg(args.overrides, "gspo_temperature"))
     lines = []
     for case in CASES:
         worst = compare_update(policy, case_cfg(args.overrides, case), case)

@@ -18,6 +18,13 @@ megatron-core assumes CUDA in a handful of ways, each handled below:
    inside `cuda_type_names()`, which moe_gspo.train.optim enters around megatron's optimizer construction and
    step only, CPU float tensors answer with those names; `Tensor.type` is restored on exit.
 
+5. Without Apex or Transformer Engine (torch's Adam, on a GPU too), `DistributedOptimizer` loading its
+   'fully_reshardable' checkpoint state copies every per-parameter state into place, "step" included, but the
+   checkpoint provides no per-parameter "step" (megatron restores it from the param groups): KeyError. Inside
+   `torch_adam_state_load()`, which moe_gspo.train.checkpoint enters around the optimizer's load_state_dict only,
+   `_set_main_param_and_optimizer_states` copies the states the checkpoint provides and leaves "step" as the param
+   groups set it; the method is restored on exit.
+
 `apply()` is idempotent and cheap; it is called before a model, optimizer or checkpoint is built, so megatron modules
 imported lazily are scoped too. `check()` raises if a megatron upgrade moved a patched name
 (tests/test_cpu_compat.py runs it), so a version bump cannot silently un-patch anything.
@@ -225,9 +232,39 @@ def cuda_type_names():
         torch.Tensor.type = original
 
 
+@contextlib.contextmanager
+def torch_adam_state_load():
+    """Around megatron optimizer load_state_dict calls: DistributedOptimizer copies a parameter's main param and
+    Adam moments from the checkpoint and skips the states the checkpoint does not carry ("step", restored from the
+    param groups). No-op with Apex or Transformer Engine, whose Adam keeps no per-parameter step."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        yield
+        return
+
+    def set_provided_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, value in tensors.items():
+            dst[key].copy_(value)
+
+    cls._set_main_param_and_optimizer_states = set_provided_states
+    try:
+        yield
+    finally:
+        cls._set_main_param_and_optimizer_states = original
+
+
 def check() -> None:
     """Fail loudly if a megatron-core upgrade moved something this module patches."""
     import megatron.core
+    from megatron.core.optimizer import distrib_optimizer as dopt
     from megatron.core.optimizer import optimizer as mopt
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -237,7 +274,10 @@ def check() -> None:
                       (mrandom, "_MODEL_PARALLEL_RNG_TRACKER_NAME"), (mrandom, "_DATA_PARALLEL_RNG_TRACKER_NAME"),
                       (mrandom, "_EXPERT_PARALLEL_RNG_TRACKER_NAME"), (moe_utils, "router_gating_linear"),
                       (token_dispatcher, "MoEAlltoAllTokenDispatcher"),
-                      (mopt, "Float16OptimizerWithFloat16Params"), (mopt, "FP32Optimizer")):
+                      (mopt, "Float16OptimizerWithFloat16Params"), (mopt, "FP32Optimizer"),
+                      (dopt.DistributedOptimizer, "_set_main_param_and_optimizer_states"),
+                      (dopt.DistributedOptimizer, "load_parameter_state_from_fully_reshardable"),
+                      (dopt, "HAVE_APEX_OR_TE")):
         if not hasattr(mod, name):
             missing.append(f"{mod.__name__}.{name}")
     tracker = mrandom.get_cuda_rng_tracker()

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moe_gspo.model import cpu_compat
 from moe_gspo.model.hf_io import fsync_dir
@@ -52,9 +53,16 @@ from moe_gspo.train import sharded_io
 PREFIX, TMP, SHARDS = "step_", ".tmp-", "shards"
 FORMAT = "moe-gspo-checkpoint-v3"
 REQUIRED = (f"{SHARDS}/.metadata", f"{SHARDS}/metadata.json", "rng.safetensors", "state.json")
-# the optimizer's tensors under layout-independent keys ("optimizer.state.exp_avg.<model key>", ...), whether it is
-# one optimizer or a chain (dense + expert); per-parameter tensors for the distributed optimizer too
-OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True}
+# The optimizer's tensors under layout-independent keys ("optimizer.state.exp_avg.<model key>", ...), whether it is
+# one optimizer or a chain (dense + expert), with or without the distributed optimizer. 'fully_reshardable' is the
+# distributed optimizer's per-parameter format in megatron-core 0.16.1 ('fully_sharded_model_space' builds
+# ShardedTensors with a flattened_range, which that version refuses). Its memory-efficient variant gathers each
+# model-parallel shard's optimizer state to data-parallel rank 0 over the gloo group (on the CPU), which writes it;
+# on load every rank reads the whole model-parallel shard and keeps its own data-parallel range.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
+                  "distrib_optim_fully_reshardable_mem_efficient": True}
+# fp32 main parameters: the distributed optimizer names them "param", the mixed-precision one "fp32_param"
+MAIN, DIST_MAIN = "optimizer.state.fp32_param.", "optimizer.state.param."
 
 
 def _rank_world() -> tuple[int, int]:
@@ -120,12 +128,62 @@ def sharded_state_dict(ctx, loading: bool) -> dict:
     """megatron's sharded state dicts of the policy, its optimizer and the KL reference (if any): ShardedTensors
     carrying each rank's slice of every global tensor."""
     model = ctx.policy.gpt.sharded_state_dict()
+    if loading:
+        _init_distributed_optimizer_state(ctx.optim.optimizer)
     with cpu_compat.cuda_type_names():
         optim = ctx.optim.optimizer.sharded_state_dict(model, is_loading=loading, metadata=OPTIM_METADATA)
+    for sh in _sharded_tensors(optim):
+        if sh.key.startswith(DIST_MAIN):
+            sh.key = MAIN + sh.key[len(DIST_MAIN):]
     out = {"model": model, "optimizer": optim}
     if ctx.reference is not None:
         out["reference"] = ctx.reference.gpt.sharded_state_dict(prefix="reference.")
     return out
+
+
+def _sharded_tensors(tree):
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    return [v for v in nested_values(tree) if isinstance(v, (ShardedTensor, ShardedTensorFactory))]
+
+
+def _main_params_from_weights(ctx, sharded: dict, saved: dict) -> None:
+    """A checkpoint of fp32 weights written without the distributed optimizer holds no separate main parameters
+    (the weights are the main parameters). Where a distributed optimizer asks for main parameters the checkpoint
+    lacks, it is handed the model parameter itself, which holds the checkpoint's weights by the time the optimizer
+    state is loaded (the model is loaded first)."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    optim = ctx.optim.optimizer
+    subs = getattr(optim, "chained_optimizers", [optim])
+    dicts = [sharded["optimizer"]] if len(subs) == 1 else [sharded["optimizer"][i] for i in range(len(subs))]
+    for sub, sd in zip(subs, dicts):
+        if not isinstance(sub, DistributedOptimizer):
+            continue
+        # the order of megatron's 'fully_reshardable' param_state: buffers, then each buffer's parameters
+        params = [p for b in sub.buffers for p in b.param_index_map]
+        for i, entry in sd["param_state"].items():
+            sh = entry.get("param")
+            if sh is None or sh.key in saved or saved.get(sh.key[len(MAIN):], (None, None))[1] != torch.float32:
+                continue
+            entry["param"] = params[i].detach()
+
+
+def _init_distributed_optimizer_state(optimizer) -> None:
+    """Allocate the Adam state of a DistributedOptimizer that has not stepped yet (zero moments, step 0).
+
+    Without Apex or Transformer Engine (torch's Adam), megatron's DistributedOptimizer.state_dict() reads the step
+    from the per-parameter state and asserts there is exactly one, so `sharded_state_dict(is_loading=True)` fails
+    on a freshly built optimizer. With the state allocated it goes through, and load_state_dict then overwrites
+    every value (moments, main parameters, step) from the checkpoint."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(sub, DistributedOptimizer) and len(sub.optimizer.state) == 0 and sub.init_state_fn:
+            sub.init_state_fn(sub.optimizer, sub.config)
+            for state in sub.optimizer.state.values():
+                state["step"] = torch.tensor(0.0)
 
 
 class Checkpoints:
@@ -270,21 +328,34 @@ class Checkpoints:
         return 0
 
     # ---------------------------------------------------------------- load
+    @staticmethod
+    def _index(d: Path) -> dict:
+        """key -> (global shape, dtype) of every tensor in checkpoint `d`, from its `.metadata` read safely. Read
+        before megatron loads: torch DCP would log its own tracebacks and look for per-rank fallbacks."""
+        try:
+            return sharded_io.tensor_keys(d / SHARDS)
+        except sharded_io.UnsafeCheckpoint as e:
+            raise CheckpointError(str(e)) from None
+
     def _load_shards(self, d: Path, sharded: dict) -> dict:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 return sharded_io.load_sharded(sharded, d / SHARDS)
-        except sharded_io.UnsafeCheckpoint as e:
-            raise CheckpointError(str(e)) from None
-        except Exception as e:  # noqa: BLE001 - megatron / torch DCP errors: keys or shapes that do not fit
-            raise CheckpointError(f"{d / SHARDS}: does not fit this model ({_first_line(e)})") from None
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - megatron / torch DCP errors
+            unsafe = sharded_io.failure_in(e)
+            if unsafe is not None:
+                raise CheckpointError(str(unsafe)) from None
+            failures = [exc for exc, _trace in getattr(e, "failures", {}).values()]
+            raise CheckpointError(f"{d / SHARDS}: does not fit this model ({_first_line(failures[0] if failures else e)})") \
+                from None
 
     def load_weights(self, step: int, policy) -> None:
         """Only the policy's weights of checkpoint `step` (verified first), at this policy's layout: for sampling
         from a trained run without its optimizer. Collective."""
         self.verify(step)
         d = self.root / self.name(step)
+        self._index(d)
         out = self._load_shards(d, {"model": policy.gpt.sharded_state_dict()})
         _load_module(policy.gpt, out["model"], d)
 
@@ -301,13 +372,16 @@ class Checkpoints:
             rng = load_file(d / "rng.safetensors")
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{d}: cannot be read ({type(e).__name__}: {e})") from None
-        out = self._load_shards(d, sharded_state_dict(ctx, loading=True))
+        saved = self._index(d)
+        sharded = sharded_state_dict(ctx, loading=True)
+        _main_params_from_weights(ctx, sharded, saved)
+        out = self._load_shards(d, sharded)
         _load_module(ctx.policy.gpt, out["model"], d)
         if ctx.reference is not None:
             _load_module(ctx.reference.gpt, out["reference"], d)
         _set_steps(out["optimizer"], int(state["adam_step"]))
         try:
-            with cpu_compat.cuda_type_names():
+            with cpu_compat.cuda_type_names(), cpu_compat.torch_adam_state_load():
                 ctx.optim.optimizer.load_state_dict(out["optimizer"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{d / SHARDS}: optimizer state does not fit ({_first_line(e)})") from None

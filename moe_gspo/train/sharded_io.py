@@ -87,6 +87,8 @@ def read_metadata(path: Path) -> dcp_md.Metadata:
     try:
         with open(path, "rb") as f:
             md = RestrictedUnpickler(f).load()
+    except OSError as e:
+        raise UnsafeCheckpoint(f"{path}: cannot be read ({e.strerror or e})") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
         raise UnsafeCheckpoint(f"{path}: not a torch DCP metadata file ({e})") from None
     if not isinstance(md, dcp_md.Metadata):
@@ -119,11 +121,30 @@ class SafeReader(FileSystemReader):
             try:
                 super().read_data(LoadPlan(items, plan.storage_data, plan.planner_data), planner).wait()
             except Exception as e:  # noqa: BLE001 - weights_only refusals, truncation, bad offsets: all name the file
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise UnsafeCheckpoint(f"{Path(self.path) / rel}: {first}") from None
+                raise UnsafeCheckpoint(f"{Path(self.path) / rel}: {_reason(e)}") from None
         fut = torch.futures.Future()
         fut.set_result(None)
         return fut
+
+
+def _reason(e: Exception) -> str:
+    """One line saying why a tensor blob did not load (torch's weights_only refusal names the global it blocked)."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    if isinstance(e, pickle.UnpicklingError) and lines and lines[0].startswith("Weights only load failed"):
+        named = [x for x in lines if "GLOBAL" in x or "Unsupported" in x]
+        return f"refused by torch.load(weights_only=True): {named[0] if named else lines[-1]}"
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def failure_in(e: BaseException) -> UnsafeCheckpoint | None:
+    """The UnsafeCheckpoint raised by a SafeReader on any rank, out of torch DCP's CheckpointException (which
+    gathers every rank's failure), or None."""
+    if isinstance(e, UnsafeCheckpoint):
+        return e
+    for exc, _trace in getattr(e, "failures", {}).values():
+        if isinstance(exc, UnsafeCheckpoint):
+            return exc
+    return None
 
 
 class SafeTorchDistLoad(mtorch.TorchDistLoadShardedStrategy):
@@ -184,8 +205,9 @@ def save_sharded(sharded_state_dict: dict, directory: Path) -> None:
     (which must exist and be empty); everything else in it is left out."""
     tensors, _ = extract_matching_values(sharded_state_dict, _is_tensor)
     dist_checkpointing.save(tensors, str(directory))
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    if torch.distributed.get_rank() == 0:
         (directory / "common.pt").unlink(missing_ok=True)  # megatron's (empty) common dict, a pickle
+    torch.distributed.barrier()  # every rank then sees the directory's final contents
 
 
 def load_sharded(sharded_state_dict: dict, directory: Path) -> dict:

@@ -2,45 +2,55 @@
 
     torchrun --nproc-per-node 2 tests/dist/reshard_worker.py --run-dir DIR [--fresh] [a.b=v ...]
 
-Without --fresh: loads DIR's newest checkpoint at this layout and checks on rank 0 that the weights, the fp32 main
-parameters and the Adam moments gathered back from every rank's shard equal the files bit for bit; then resumes
+Without --fresh: loads DIR's newest checkpoint at this layout, saves it again at this layout, and checks that every
+tensor of the two (weights, fp32 main parameters, Adam moments), read back whole, is bit-identical; then resumes
 `train` in DIR. With --fresh: trains from step 0 into DIR (the layout that writes the checkpoint).
 """
 
 import argparse
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from moe_gspo.config import load_config
 from moe_gspo.train.loop import train
 
 
+def _with_main_params(full: dict) -> dict:
+    """Without the distributed optimizer, fp32 weights are their own main parameters and are not stored twice."""
+    main = "optimizer.state.fp32_param."
+    implied = {main + k: v for k, v in full.items() if not k.startswith("optimizer.") and v.dtype == torch.float32}
+    return {**implied, **full}
+
+
 def check_load(cfg, run: Path) -> int:
-    """Load the newest checkpoint into a fresh policy + optimizer at this layout; compare with the files."""
+    """Load the newest checkpoint into a fresh policy + optimizer at this layout, save it again at this layout, and
+    compare every global tensor of the two checkpoints. Collective."""
     import moe_gspo
     from moe_gspo.train.checkpoint import Checkpoints
     from moe_gspo.train.optim import Optimizer, wrap_ddp
+    from moe_gspo.train.sharded_io import load_full
 
     policy = moe_gspo.load_policy(cfg)
     optim = Optimizer.from_config(wrap_ddp(policy, cfg.train.distributed_optimizer), policy, cfg.train,
                                   total_steps=cfg.train.steps * cfg.train.minibatches)
     ckpts = Checkpoints(run / "checkpoints")
     step = ckpts.latest()
-    ckpts.load(step, SimpleNamespace(policy=policy, optim=optim, reference=None))
-    model = policy.full_megatron_state()
-    opt = {f"{kind}/{k}": v for kind, d in optim.local_state().items() for k, v in policy.gather_full(d).items()}
+    ctx = SimpleNamespace(policy=policy, optim=optim, reference=None)
+    ckpts.load(step, ctx)
+    again = Checkpoints(run / "resaved")
+    again.save(step, ctx, {"step": step})
+    want = _with_main_params(load_full(ckpts.root / ckpts.name(step) / "shards"))
+    got = _with_main_params(load_full(again.root / again.name(step) / "shards"))
+    assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs after resharding"
     if dist.get_rank() == 0:
-        d = ckpts.root / ckpts.name(step)
-        for name, want in (("model", load_file(d / "model.safetensors")),
-                           ("optimizer", load_file(d / "optimizer.safetensors"))):
-            got = model if name == "model" else opt
-            assert set(got) == set(want), (name, sorted(set(got) ^ set(want))[:5])
-            for k in want:
-                assert torch.equal(got[k], want[k]), f"{name} {k} differs after resharding"
+        shutil.rmtree(again.root)
+    dist.barrier()
     return step
 
 

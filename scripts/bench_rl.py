@@ -143,8 +143,8 @@ def run_moe_gspo(spec: dict) -> dict:
         fresh = bench_config(spec["size"], spec["algo"], spec["set"], None, spec["steps"])
         moe_gspo.load_policy(fresh).save_pretrained(spec["ckpt"])
     cfg = bench_config(spec["size"], spec["algo"], spec["set"], spec["ckpt"], spec["steps"])
-    starts, steps_out, probe, prompts = [], [], None, []
-    rollout, pad, log = loop.Run.rollout, loop.Run.pad, loop.Run.log
+    starts, steps_out, probe, prompts, updates = [], [], None, [], [0]
+    rollout, pad, log, update = loop.Run.rollout, loop.Run.pad, loop.Run.log, loop.update_minibatch
 
     def timed_rollout(self, step):
         nonlocal probe
@@ -169,7 +169,12 @@ def run_moe_gspo(spec: dict) -> dict:
                                 "train": out["time/train"], "reward": out["reward/mean"]})
         return out
 
+    def counted_update(*a, **kw):  # one optimizer step
+        updates[0] += 1
+        return update(*a, **kw)
+
     loop.Run.rollout, loop.Run.pad, loop.Run.log = timed_rollout, counted_pad, kept_log
+    loop.update_minibatch = counted_update
     with tempfile.TemporaryDirectory() as d:
         loop.train(cfg, run_dir=d, overwrite=True)
     starts.append(time.perf_counter())
@@ -177,7 +182,8 @@ def run_moe_gspo(spec: dict) -> dict:
         s["step"] = starts[k + 1] - starts[k]
         s["generation"], s["old_logprob"], s["training"] = s.pop("rollout"), s.pop("logprob"), s.pop("train")
         s["other"] = s["step"] - s["generation"] - s["old_logprob"] - s["training"]
-    return {"steps": steps_out, "probe": probe, "prompts": prompts, "optimizer_steps_per_rollout": cfg.train.minibatches}
+    return {"steps": steps_out, "probe": probe, "prompts": prompts,
+            "optimizer_steps_per_rollout": updates[0] // len(steps_out)}
 
 
 def char_tokenizer_hf():

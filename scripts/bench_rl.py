@@ -445,7 +445,8 @@ def main():
     for m in MISMATCHES:
         print(f"- {m}")
     if args.json:
-        result = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        result = {"commit": commit.stdout.strip() or None, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
                   "versions": {p: version(p) for p in ("torch", "megatron-core", "transformers", "trl")},
                   "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "set": args.set,
                   "sizes": shapes, "size_overrides": {s: SIZES[s] for s in sizes}, "bench_overrides": BENCH_OVERRIDES,

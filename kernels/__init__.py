@@ -2,7 +2,7 @@
 
     token_logprobs(hidden [T, H], weight [V_local, H], targets [T]) -> (logp [T] fp32, entropy [T] fp32 | None)
     sequence_reduce(values, mask=..., cu_seqlens=..., reduction="sum" | "mean") -> [B]
-    fused_policy_loss(hidden, weight, targets, old_logp, advantages, cu_seqlens=..., loss="gspo" | "gspo_token" | "grpo")
+    fused_policy_loss(hidden, weight, targets, old_logp, advantages, cu_seqlens=..., loss="gspo" | "grpo" | ...)
         -> (loss, metrics): the loss gradient computed inside the forward (6THV instead of 8THV)
     fused_logprob_loss(hidden, weight, targets, loss_fn, cu_seqlens=...) -> (loss, logp, entropy | None):
         the same for any loss of the per-token log-probs that is additive over sequences (what the trainer uses)

@@ -2,9 +2,10 @@
 formulas against moe_gspo.losses.
 
 - One update_minibatch on the tiny model through both paths: the loss of every micro-batch, every metric and every
-  parameter gradient agree, for grpo (R2 replay, k3 KL), gspo, gspo_token (token-mean, KL) and gspo with the
-  router-shift weight and a workspace small enough to split the rows; at TP=1 in this process and at TP=2 under
-  torchrun (gloo), each rank checking its own shards.
+  parameter gradient agree (tests/dist/fused_step_worker.py's CASES: grpo with R2 replay and k3 KL, gspo at
+  temperature 0.7, gspo_token with token-mean and KL, gspo with the router-shift weight in groups of two rows,
+  grpo with every row in two passes); at TP=1 in this process and at TP=2 under torchrun (gloo), each rank
+  checking its own shards.
 - fused_logprob_loss with a moe_gspo.losses loss equals float64 log-probs fed to the same loss.
 - kernels/loss_fused.py's gspo / gspo_token / grpo formulas (gspo_coef, grpo_coef) equal moe_gspo.losses in value
   and d loss / d logp, in float64, with masks, empty rows, ratios on and next to the clip bounds, and clamped ones.
@@ -102,7 +103,7 @@ def _edge_inputs(loss, seed):
     old[s[3]] = logp[s[3]] - math.log(1 - lo)  # ratio on the lower bound
     mask[s[4]:s[5]] = False  # a sequence without response tokens
     r5 = slice(s[5], s[6])  # just outside the upper bound (gspo: the sequence mean)
-    old[r5] = logp[r5] - math.log(1 + hi) - 1e-9 * (1 if loss == "grpo" else 1)
+    old[r5] = logp[r5] - math.log(1 + hi) - 1e-9
     mask[r5] = True
     old[s[6]:s[7]] = logp[s[6]:s[7]] - 25.0  # log-ratio beyond the clamp
     adv = torch.randn(len(lengths), generator=g, dtype=torch.float64)

@@ -1,8 +1,8 @@
 """One RL update through the loss-fused path and through the eager path, compared: the loss of every micro-batch,
 every metric and every parameter gradient (of this rank's shards under TP).
 
-    torchrun --nproc-per-node 2 tests/dist/fused_step_worker.py --out DIR [a.b=v ...]   # TP=2 (tests/test_trainer_fused.py)
-    compare_update(cfg, case)                                                             # in-process, TP=1
+    torchrun --nproc-per-node 2 tests/dist/fused_step_worker.py --out DIR [a.b=v ...]   # TP=2, parallel.tp=2
+    compare_update(policy, cfg, case)                                                     # in-process, TP=1
 
 The update is moe_gspo.train.step.update_minibatch on a fixed batch of random tokens with random advantages and
 old (and reference) log-probs moved off the policy's own, so that ratios clip and the KL term has a gradient. The

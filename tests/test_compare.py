@@ -187,9 +187,13 @@ def test_layer_profile_and_churn_average_runs_then_seeds(tmp_path):
     from moe_gspo.experiments.stats import band
     from moe_gspo.report.compare import CHURN_OUT, expert_churn, layer_profile, load_variants
 
-    for s, flip in enumerate((0.01, 0.02, 0.04)):
+    for s, flip in enumerate((0.01, 0.02, 0.04, 0.5)):
         _fake_run(tmp_path / "grpo" / f"seed_{s}", clip=0.01, flip=flip, rewards=[0.3] * 5, layers=4)
+    d = tmp_path / "grpo" / "seed_3"  # no group with reward variance at any step: no gradient, left out
+    lines = [{**json.loads(x), "groups/with_variance": 0.0} for x in (d / "metrics.jsonl").read_text().splitlines()]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     v = load_variants(tmp_path, ["grpo"])[0]
+    assert len(v.runs) == 4
     layers, mean, lo, hi = layer_profile(v)
     assert layers == [0, 1, 2, 3]
     per_seed = np.array([[f * (i + 1) / 4 for i in range(4)] for f in (0.01, 0.02, 0.04)])
@@ -197,6 +201,7 @@ def test_layer_profile_and_churn_average_runs_then_seeds(tmp_path):
     np.testing.assert_allclose(lo, band(per_seed)[1]) and np.testing.assert_allclose(hi, band(per_seed)[2])
     assert np.all(np.diff(mean) > 0) and np.all(lo < mean) and np.all(mean < hi)
     assert expert_churn(v, CHURN_OUT) == pytest.approx({e: 0.01 * e for e in range(4)})
+    assert layer_profile(load_variants(tmp_path, ["grpo"], [3])[0])[0] == []
 
 
 def test_clip_ratio_is_paired_by_seed_over_steps_with_gradient(tmp_path):
@@ -219,6 +224,11 @@ def test_clip_ratio_is_paired_by_seed_over_steps_with_gradient(tmp_path):
     grpo0 = variants[0].runs[0]
     assert run_mean(grpo0, "pg_clipfrac", only_with_gradient=True) == pytest.approx(0.001)
     assert run_mean(grpo0, "pg_clipfrac") == pytest.approx(0.001 * 4 / 6)
+    from moe_gspo.config import CompareConfig
+    from moe_gspo.report.compare import run_rows, variant_stats
+
+    _, stats = variant_stats(variants, CompareConfig())
+    assert [r[5] for r in run_rows(variants, stats, {})] == ["4/6"] * 6  # steps 5 and 6 carry no gradient
     rows = {r[0]: r for r in metric_rows(variants, "grpo")}
     assert rows["grpo"][2] == "1" and rows["gspo"][2] == "100 [100, 100]"
     assert rows["gspo"][3].startswith("0.02 [0.02, 0.02]")

@@ -162,7 +162,10 @@ def run_rows(variants: Sequence[Variant], stats: dict[str, Stats], walls: dict[s
             col = ", ".join(f"step {int(steps[c.start])}" + ("" if c.end is None else
                                                             f" (back at step {int(steps[c.end])})")
                             for c in st.collapses[i]) or "none"
-            rows.append([v.name, "\u2014" if s is None else s, st.finals[i], col, walls.get(r.label)])
+            grad = gradient_steps(r)
+            rows.append([v.name, "\u2014" if s is None else s, r.series(REWARD)[1][0] if len(steps) else None,
+                         st.finals[i], col, "\u2014" if grad is None else f"{len(grad)}/{len(steps)}",
+                         walls.get(r.label)])
     return rows
 
 
@@ -171,10 +174,9 @@ def run_mean(run: Run, key: str, only_with_gradient: bool = False) -> float | No
     variance (a step without one has no gradient, so nothing to clip; runs that do not log it keep every step).
     None when no step qualifies."""
     x, y = run.series(key)
-    vx, vy = run.series(VARIANCE)
-    if only_with_gradient and len(vx):
-        keep = set(vx[vy > 0].tolist())
-        y = y[[s in keep for s in x.tolist()]] if len(y) else y
+    keep = gradient_steps(run) if only_with_gradient else None
+    if keep is not None and len(y):
+        y = y[[s in keep for s in x.tolist()]]
     return float(y.mean()) if len(y) else None
 
 
@@ -206,7 +208,7 @@ def metric_rows(variants: Sequence[Variant], base: str) -> list[list]:
             ratio = Interval(math.exp(iv.mean), None if iv.lo is None else math.exp(iv.lo),
                              None if iv.hi is None else math.exp(iv.hi), iv.n)
         rows.append([v.name, _cell(_iv(clips)), _cell(ratio) if v.name != base else "1",
-                     _cell(_iv([run_mean(r, FLIP) for r in v.runs])),
+                     _cell(_iv([run_mean(r, FLIP, True) for r in v.runs])),
                      _cell(_iv([run_mean(r, MISMATCH) for r in v.runs])),
                      _cell(_iv([run_mean(r, PDIFF) for r in v.runs]))])
     return rows
@@ -263,13 +265,26 @@ def mean_curves(path: Path, variants: Sequence[Variant], key: str, title: str, y
     return _save(fig, path)
 
 
+def gradient_steps(run: Run) -> set[float] | None:
+    """Steps where some group had reward variance (the others have no gradient: no update, no clipping, no flips);
+    None when the run does not log it."""
+    x, y = run.series(VARIANCE)
+    return set(x[y > 0].tolist()) if len(x) else None
+
+
 def layer_profile(v: Variant, prefix: str = LAYER) -> tuple[list[int], np.ndarray, np.ndarray | None,
                                                                np.ndarray | None]:
-    """(layers, mean, lo, hi): per MoE layer, each run's mean flip rate over its steps, then the mean over seeds
-    with its 95% t-band (lo/hi None for one seed). Layers are those every run logged."""
+    """(layers, mean, lo, hi): per MoE layer, each run's mean flip rate over its steps with gradient, then the mean
+    over seeds with its 95% t-band (lo/hi None for one seed). Layers are those every such run logged; a run without
+    a step with gradient is left out."""
     per_run = []
     for r in v.runs:
-        _, ids, M = r.matrix(prefix)
+        steps, ids, M = r.matrix(prefix)
+        keep = gradient_steps(r)
+        if keep is not None:
+            M = M[:, [s in keep for s in steps.tolist()]]
+        if not M.size:
+            continue
         per_run.append({i: float(np.nanmean(M[j])) for j, i in enumerate(ids) if np.isfinite(M[j]).any()})
     layers = sorted(set.intersection(*(set(d) for d in per_run))) if per_run else []
     if not layers:
@@ -416,9 +431,10 @@ SUMMARY_HEADER = ["variant", "seeds", "steps", "reward, step 1 (mean over seeds)
                   "mean flip rate", "mean rollout-train mismatch", "mean rollout_probs_diff",
                   "wall time (s, all seeds)"]
 DIFF_HEADER = ["variant", "seeds paired", "mean difference of final reward", "95% t-interval", "verdict"]
-RUN_HEADER = ["variant", "seed", "final reward", "collapses", "wall time (s)"]
+RUN_HEADER = ["variant", "seed", "reward, step 1", "final reward", "collapses",
+              "steps with gradient (some group with reward variance)", "wall time (s)"]
 METRIC_HEADER = ["variant", "pg_clipfrac, steps with gradient [95% t]", "clip fraction / baseline's, paired [95% t]",
-                 "flip rate [95% t]", "rollout-train routing mismatch [95% t]",
+                 "flip rate, steps with gradient [95% t]", "rollout-train routing mismatch [95% t]",
                  "mean |p_engine \u2212 p_train| [95% t]"]
 
 
@@ -454,11 +470,11 @@ def volatility_section(out: Path, variants: Sequence[Variant], window: int, smoo
     profiles = [(v.name, *layer_profile(v)) for v in variants]
     profiles = [p for p in profiles if p[1]]
     if profiles:
-        n = max(len(v.runs) for v in variants)
         f = band_plot(png("flip_layers"), profiles, "Flip rate per MoE layer", "MoE layer (0 = first)",
                       "fraction of top-k slots")
-        parts.append(html.figure(f.name, "Per MoE layer, each run's mean flip rate over its steps, averaged over "
-                                         "seeds" + (" (shaded: 95% t-band across seeds)." if n > 1 else ".")))
+        parts.append(html.figure(f.name, "Per MoE layer, each run's mean flip rate over its steps with gradient "
+                                         "(some group with reward variance), averaged over the seeds that have such steps; shaded "
+                                         "where two or more do: the 95% t-band across them."))
     bars = []
     for label, prefix in (("slots lost (out)", CHURN_OUT), ("slots gained (in)", CHURN_IN)):
         churn = {v.name: expert_churn(v, prefix) for v in variants}
@@ -531,9 +547,10 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                      "more seeds or steps could still separate them.</p>")
     parts.append("<h2>Clipping, expert volatility and engine mismatch</h2>"
                  + html.table(METRIC_HEADER, metric_rows(variants, base))
-                 + "<p class='note'>Each run's mean over its steps (the clip fraction over the steps where some "
-                 "group had reward variance: a step without one has no gradient and clips nothing); per variant, "
-                 "the mean over seeds and its 95% Student-t interval. The clip-fraction ratio is taken per seed "
+                 + "<p class='note'>Each run's mean over its steps (the clip fraction and the flip rate over the "
+                 "steps where some group had reward variance: a step without one has no gradient, so it clips "
+                 "nothing and no expert moves; a run with no such step is left out); per variant, the mean over "
+                 "seeds and its 95% Student-t interval. The clip-fraction ratio is taken per seed "
                  f"against {html.esc(base)} and averaged on the log scale (geometric mean; the interval is exp of "
                  "the t-interval of the log-ratios).</p>")
     parts.append("<h2>Runs</h2>" + html.table(RUN_HEADER, run_rows(variants, stats, walls)))

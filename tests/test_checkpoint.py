@@ -81,6 +81,25 @@ def test_save_load_restores_everything_exactly(tmp_path, trained):
         assert torch.equal(a, b), n
 
 
+def test_kl_reference_policy_is_saved_and_restored(tmp_path, trained):
+    ref = trained.policy.frozen_copy()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(1.0)  # unlike the policy's weights
+    ck = Checkpoints(tmp_path)
+    ck.save(3, SimpleNamespace(policy=trained.policy, optim=trained.optim, reference=ref), {"step": 3})
+    fresh = _ctx(seed=5)
+    fresh.reference = fresh.policy.frozen_copy()
+    ck.load(3, fresh)
+    for (n, a), (_, b) in zip(ref.gpt.named_parameters(), fresh.reference.gpt.named_parameters()):
+        assert torch.equal(a, b), n
+    for (n, a), (_, b) in zip(trained.policy.gpt.named_parameters(), fresh.policy.gpt.named_parameters()):
+        assert torch.equal(a, b), n
+    ck.save(4, trained, {"step": 4})  # no reference: cannot resume a run with kl_beta > 0
+    with pytest.raises(CheckpointError, match="no KL reference"):
+        ck.load(4, fresh)
+
+
 def test_rotation_keeps_the_last_k(tmp_path, trained):
     ck = Checkpoints(tmp_path, keep=2)
     for s in (1, 2, 3):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import queue
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values, merge
 from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedObject, ShardedTensor,
                                                      ShardedTensorFactory)
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fs_async
 from megatron.core.dist_checkpointing.strategies import torch as mtorch
 from megatron.core.dist_checkpointing.strategies.base import LoadCommonStrategy
 from torch.distributed.checkpoint import FileSystemReader
@@ -195,6 +197,20 @@ class NoCommonLoad(LoadCommonStrategy):
         pass
 
 
+@contextlib.contextmanager
+def _in_process_results_queue():
+    """megatron's writer forks a process per file and collects their results through a queue that it otherwise takes
+    from a `spawn` multiprocessing Manager: a server process that re-imports `__main__` and, when its rank is
+    SIGKILLed, lives on (holding the job's stdout and stderr open). A synchronous save collects the results in
+    this process, where a plain queue does."""
+    original = fs_async._results_queue
+    fs_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        fs_async._results_queue = original
+
+
 # ------------------------------------------------------------------ save / load
 def _is_tensor(v) -> bool:
     return isinstance(v, (ShardedTensor, ShardedTensorFactory))
@@ -204,7 +220,8 @@ def save_sharded(sharded_state_dict: dict, directory: Path) -> None:
     """Collective: every rank writes its shards of the ShardedTensors in `sharded_state_dict` into `directory`
     (which must exist and be empty); everything else in it is left out."""
     tensors, _ = extract_matching_values(sharded_state_dict, _is_tensor)
-    dist_checkpointing.save(tensors, str(directory))
+    with _in_process_results_queue():
+        dist_checkpointing.save(tensors, str(directory))
     if torch.distributed.get_rank() == 0:
         (directory / "common.pt").unlink(missing_ok=True)  # megatron's (empty) common dict, a pickle
     torch.distributed.barrier()  # every rank then sees the directory's final contents

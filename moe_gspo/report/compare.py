@@ -467,8 +467,11 @@ def volatility_section(out: Path, variants: Sequence[Variant], window: int, smoo
     f = mean_curves(png("flip_rate"), variants, FLIP, "Expert flip rate per step (all MoE layers)",
                     "fraction of top-k slots", window)
     parts.append(html.figure(f.name, f"Flip rate per step, averaged over the step's minibatches ({smooth_text})."))
-    profiles = [(v.name, *layer_profile(v)) for v in variants]
-    profiles = [p for p in profiles if p[1]]
+    profiles = []
+    for v in variants:
+        layers, mean, lo, hi = layer_profile(v)
+        if layers:  # a rate is >= 0: the band is cut there
+            profiles.append((v.name, layers, mean, None if lo is None else np.maximum(lo, 0.0), hi))
     if profiles:
         f = band_plot(png("flip_layers"), profiles, "Flip rate per MoE layer", "MoE layer (0 = first)",
                       "fraction of top-k slots")

@@ -137,7 +137,10 @@ def sharded_state_dict(ctx, loading: bool) -> dict:
             sh.key = MAIN + sh.key[len(DIST_MAIN):]
     out = {"model": model, "optimizer": optim}
     if ctx.reference is not None:
-        out["reference"] = ctx.reference.gpt.sharded_state_dict(prefix="reference.")
+        ref = ctx.reference.gpt.sharded_state_dict()
+        for sh in _sharded_tensors(ref):  # its own keys in the checkpoint, its state-dict names unchanged
+            sh.key = "reference." + sh.key
+        out["reference"] = ref
     return out
 
 
@@ -417,5 +420,10 @@ def _set_steps(tree, step: int) -> None:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    """One line of an exception: its first, or for torch's load_state_dict report ("Error(s) in loading ...:"),
+    the first line of the report's body; at most 300 characters."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    if not lines:
+        return type(e).__name__
+    line = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+    return f"{type(e).__name__}: {line[:300]}"

@@ -354,6 +354,7 @@ def summarize(runs: list[dict], warmup: int) -> dict:
         row[f"{ph}_s"] = med(ph)
         row[f"{ph}_tokens_per_s"] = row["tokens"] / row[f"{ph}_s"] if row[f"{ph}_s"] > 0 else None
     row["load"] = [round(x, 2) for r in runs for x in (r["load_before"], r["load_after"])]
+    row["per_step"] = [r["steps"] for r in runs]  # every step of every run, warmup included
     return row
 
 
@@ -409,8 +410,6 @@ def main():
     for name, chosen, valid in (("--sizes", sizes, SIZES), ("--algos", algos, ALGOS)):
         if bad := [x for x in chosen if x not in valid]:
             ap.error(f"{name}: unknown {bad}; valid: {sorted(valid)}")
-    from importlib.metadata import version
-
     rows, probes, shapes, settings = [], {}, {}, {}
     with tempfile.TemporaryDirectory() as d:
         for size in sizes:
@@ -438,23 +437,32 @@ def main():
                 for tool in ("moe-gspo", "trl"):
                     rows.append({"size": size, "algo": algo, "tool": tool, **summ[tool],
                                  "speedup_vs_trl": summ["trl"]["step_s"] / summ[tool]["step_s"]})
+                report(args, rows, probes, shapes, settings, sizes, final=False)
+    report(args, rows, probes, shapes, settings, sizes, final=True)
+
+
+def report(args, rows, probes, shapes, settings, sizes, final: bool) -> None:
+    """Print the table (final) and write the JSON (after every size and algorithm, so a long run keeps what it has)."""
+    from importlib.metadata import version
+
     table = markdown(rows)
-    print(f"{args.threads} threads, {args.steps - args.warmup} timed steps x {args.repeats} runs per side; "
-          f"max |probe log-prob diff| moe-gspo vs TRL {max(probes.values()):.1e}")
-    print(table)
-    for m in MISMATCHES:
-        print(f"- {m}")
+    if final:
+        print(f"{args.threads} threads, {args.steps - args.warmup} timed steps x {args.repeats} runs per side; "
+              f"max |probe log-prob diff| moe-gspo vs TRL {max(probes.values()):.1e}")
+        print(table)
+        for m in MISMATCHES:
+            print(f"- {m}")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        result = {"commit": commit.stdout.strip() or None, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
+        result = {"commit": commit.stdout.strip() or None, "cpu": platform.processor() or platform.machine(),
+                  "cores": os.cpu_count(), "threads": args.threads,
                   "versions": {p: version(p) for p in ("torch", "megatron-core", "transformers", "trl")},
                   "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "set": args.set,
                   "sizes": shapes, "size_overrides": {s: SIZES[s] for s in sizes}, "bench_overrides": BENCH_OVERRIDES,
                   "max_abs_probe_logprob_diff": probes, "settings": settings, "mismatches": MISMATCHES,
-                  "rows": rows, "table": table}
+                  "rows": rows, "table": table, "complete": final}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
-
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import pickle
-import re
 import shutil
 from types import SimpleNamespace
 
@@ -165,11 +164,14 @@ def test_damaged_newest_checkpoint_is_reported_and_skipped(tmp_path, trained, da
         _rewrite_manifest(d, "state.json")
     with pytest.raises(CheckpointError):
         ck.verify(2)
+    assert not marker.exists(), "a checkpoint file ran code"
     assert ck.latest() == 1
     assert len(said) == 1 and "step_00000002" in said[0] and "skipping" in said[0], said
+    fresh = _ctx(seed=5)
     if damage == "metadata_payload":
         assert "refused to load global posix.system" in said[0] or "refused to load global os.system" in said[0]
-    fresh = _ctx(seed=5)
+        with pytest.raises(CheckpointError, match=r"shards/\.metadata: not a torch DCP metadata file"):
+            ck.load(2, fresh)  # loading it directly, without verifying first, is refused too
     ck.load(1, fresh)
     assert not marker.exists(), "a checkpoint file ran code"
 
@@ -200,10 +202,11 @@ def test_crafted_tensor_blob_is_refused_naming_its_file(tmp_path, trained):
     marker = tmp_path / "payload_ran"
     f = _craft_tensor_blob(tmp_path / "step_00000001", marker)
     assert ck.latest() == 1  # every file matches the manifest and parses: only loading can tell
-    with pytest.raises(CheckpointError, match=re.escape(str(f))) as e:
+    with pytest.raises(CheckpointError) as e:
         ck.load(1, _ctx(seed=5))
-    assert "\n" not in str(e.value) and "weights_only" in str(e.value).lower().replace(" ", "_"), str(e.value)
     assert not marker.exists(), "a tensor blob ran code"
+    msg = str(e.value)
+    assert msg.startswith(f"{f}: refused by torch.load(weights_only=True)") and "\n" not in msg, msg
 
 
 def test_resume_from_a_crafted_checkpoint_is_one_line_and_runs_nothing(tmp_path):

@@ -48,21 +48,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from moe_gspo.model import cpu_compat
 from moe_gspo.model.hf_io import fsync_dir
 from moe_gspo.parallel.state import comm_device
-from moe_gspo.train import sharded_io
+from moe_gspo.train import sharded_io, sharded_state
 
 PREFIX, TMP, SHARDS = "step_", ".tmp-", "shards"
 FORMAT = "moe-gspo-checkpoint-v3"
 REQUIRED = (f"{SHARDS}/.metadata", f"{SHARDS}/metadata.json", "rng.safetensors", "state.json")
-# The optimizer's tensors under layout-independent keys ("optimizer.state.exp_avg.<model key>", ...), whether it is
-# one optimizer or a chain (dense + expert), with or without the distributed optimizer. 'fully_reshardable' is the
-# distributed optimizer's per-parameter format in megatron-core 0.16.1 ('fully_sharded_model_space' builds
-# ShardedTensors with a flattened_range, which that version refuses). Its memory-efficient variant gathers each
-# model-parallel shard's optimizer state to data-parallel rank 0 over the gloo group (on the CPU), which writes it;
-# on load every rank reads the whole model-parallel shard and keeps its own data-parallel range.
-OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
-                  "distrib_optim_fully_reshardable_mem_efficient": True}
-# fp32 main parameters: the distributed optimizer names them "param", the mixed-precision one "fp32_param"
-MAIN, DIST_MAIN = "optimizer.state.fp32_param.", "optimizer.state.param."
 
 
 def _rank_world() -> tuple[int, int]:
@@ -124,71 +114,6 @@ def _set_rng_json(rng: dict) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def sharded_state_dict(ctx, loading: bool) -> dict:
-    """megatron's sharded state dicts of the policy, its optimizer and the KL reference (if any): ShardedTensors
-    carrying each rank's slice of every global tensor."""
-    model = ctx.policy.gpt.sharded_state_dict()
-    if loading:
-        _init_distributed_optimizer_state(ctx.optim.optimizer)
-    with cpu_compat.cuda_type_names():
-        optim = ctx.optim.optimizer.sharded_state_dict(model, is_loading=loading, metadata=OPTIM_METADATA)
-    for sh in _sharded_tensors(optim):
-        if sh.key.startswith(DIST_MAIN):
-            sh.key = MAIN + sh.key[len(DIST_MAIN):]
-    out = {"model": model, "optimizer": optim}
-    if ctx.reference is not None:
-        ref = ctx.reference.gpt.sharded_state_dict()
-        for sh in _sharded_tensors(ref):  # its own keys in the checkpoint, its state-dict names unchanged
-            sh.key = "reference." + sh.key
-        out["reference"] = ref
-    return out
-
-
-def _sharded_tensors(tree):
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    return [v for v in nested_values(tree) if isinstance(v, (ShardedTensor, ShardedTensorFactory))]
-
-
-def _main_params_from_weights(ctx, sharded: dict, saved: dict) -> None:
-    """A checkpoint of fp32 weights written without the distributed optimizer holds no separate main parameters
-    (the weights are the main parameters). Where a distributed optimizer asks for main parameters the checkpoint
-    lacks, it is handed the model parameter itself, which holds the checkpoint's weights by the time the optimizer
-    state is loaded (the model is loaded first)."""
-    from megatron.core.optimizer import DistributedOptimizer
-
-    optim = ctx.optim.optimizer
-    subs = getattr(optim, "chained_optimizers", [optim])
-    dicts = [sharded["optimizer"]] if len(subs) == 1 else [sharded["optimizer"][i] for i in range(len(subs))]
-    for sub, sd in zip(subs, dicts):
-        if not isinstance(sub, DistributedOptimizer):
-            continue
-        # the order of megatron's 'fully_reshardable' param_state: buffers, then each buffer's parameters
-        params = [p for b in sub.buffers for p in b.param_index_map]
-        for i, entry in sd["param_state"].items():
-            sh = entry.get("param")
-            if sh is None or sh.key in saved or saved.get(sh.key[len(MAIN):], (None, None))[1] != torch.float32:
-                continue
-            entry["param"] = params[i].detach()
-
-
-def _init_distributed_optimizer_state(optimizer) -> None:
-    """Allocate the Adam state of a DistributedOptimizer that has not stepped yet (zero moments, step 0).
-
-    Without Apex or Transformer Engine (torch's Adam), megatron's DistributedOptimizer.state_dict() reads the step
-    from the per-parameter state and asserts there is exactly one, so `sharded_state_dict(is_loading=True)` fails
-    on a freshly built optimizer. With the state allocated it goes through, and load_state_dict then overwrites
-    every value (moments, main parameters, step) from the checkpoint."""
-    from megatron.core.optimizer import DistributedOptimizer
-
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(sub, DistributedOptimizer) and len(sub.optimizer.state) == 0 and sub.init_state_fn:
-            sub.init_state_fn(sub.optimizer, sub.config)
-            for state in sub.optimizer.state.values():
-                state["step"] = torch.tensor(0.0)
-
-
 class Checkpoints:
     def __init__(self, root: str | Path, keep: int = 2, log=None):
         self.root = Path(root)
@@ -224,7 +149,7 @@ class Checkpoints:
         _barrier()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch DCP's deprecation notices about megatron's calls
-            sharded_io.save_sharded(sharded_state_dict(ctx, loading=False), tmp / SHARDS)
+            sharded_io.save_sharded(sharded_state.sharded_state_dict(ctx, loading=False), tmp / SHARDS)
         # every rank hashes a share of the shard files
         written = sorted((tmp / SHARDS).iterdir())
         files = [e for part in _gather_objects([_entry(tmp, p) for p in written[rank::world]]) for e in part]
@@ -376,13 +301,13 @@ class Checkpoints:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{d}: cannot be read ({type(e).__name__}: {e})") from None
         saved = self._index(d)
-        sharded = sharded_state_dict(ctx, loading=True)
-        _main_params_from_weights(ctx, sharded, saved)
+        sharded = sharded_state.sharded_state_dict(ctx, loading=True)
+        sharded_state.main_params_from_weights(ctx, sharded, saved)
         out = self._load_shards(d, sharded)
         _load_module(ctx.policy.gpt, out["model"], d)
         if ctx.reference is not None:
             _load_module(ctx.reference.gpt, out["reference"], d)
-        _set_steps(out["optimizer"], int(state["adam_step"]))
+        sharded_state.set_steps(out["optimizer"], int(state["adam_step"]))
         try:
             with cpu_compat.cuda_type_names(), cpu_compat.torch_adam_state_load():
                 ctx.optim.optimizer.load_state_dict(out["optimizer"])
@@ -400,23 +325,6 @@ def _load_module(module, state: dict, d: Path) -> None:
         module.load_state_dict(state, strict=True)
     except (KeyError, RuntimeError) as e:
         raise CheckpointError(f"{d / SHARDS}: weights do not fit this model ({_first_line(e)})") from None
-
-
-def _set_steps(tree, step: int) -> None:
-    """The Adam step count in a megatron optimizer state dict set to `step` in place: megatron's "common_step" (the
-    per-parameter step of torch's Adam, added where a freshly built optimizer has none yet) and the "step" of the
-    distributed optimizer's param groups."""
-    if isinstance(tree, dict):
-        if "param_groups" in tree and isinstance(tree.get("state"), dict):
-            tree["state"]["common_step"] = torch.tensor(float(step))
-        for k, v in tree.items():
-            if k == "step" and isinstance(v, (int, float, torch.Tensor)):
-                tree[k] = torch.tensor(float(step), dtype=v.dtype) if isinstance(v, torch.Tensor) else type(v)(step)
-            else:
-                _set_steps(v, step)
-    elif isinstance(tree, list):
-        for v in tree:
-            _set_steps(v, step)
 
 
 def _first_line(e: BaseException) -> str:

@@ -99,6 +99,16 @@ def test_kl_reference_policy_is_saved_and_restored(tmp_path, trained):
         ck.load(4, fresh)
 
 
+def test_load_weights_reads_only_the_policy(tmp_path, trained):
+    """What `moe-gspo rollout --from RUN` does: the policy's weights, no optimizer."""
+    ck = Checkpoints(tmp_path)
+    ck.save(3, trained, {"step": 3})
+    fresh = _ctx(seed=5)
+    ck.load_weights(3, fresh.policy)
+    for (n, a), (_, b) in zip(trained.policy.gpt.named_parameters(), fresh.policy.gpt.named_parameters()):
+        assert torch.equal(a, b), n
+
+
 def test_rotation_keeps_the_last_k(tmp_path, trained):
     ck = Checkpoints(tmp_path, keep=2)
     for s in (1, 2, 3):

@@ -41,9 +41,6 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.planner import LoadPlan
 
-COMMON = "common.json"
-
-
 class UnsafeCheckpoint(RuntimeError):
     """A checkpoint file holds something that would run code, or is not what its name says (the message names
     the file)."""
@@ -199,7 +196,7 @@ class NoCommonLoad(LoadCommonStrategy):
 
 @contextlib.contextmanager
 def _in_process_results_queue():
-    """megatron's writer forks a process per file and collects their results through a queue that it otherwise takes
+    """megatron's writer forks a process per output file (two per rank) and collects their results through a queue that it otherwise takes
     from a `spawn` multiprocessing Manager: a server process that re-imports `__main__` and, when its rank is
     SIGKILLed, lives on (holding the job's stdout and stderr open). A synchronous save collects the results in
     this process, where a plain queue does."""

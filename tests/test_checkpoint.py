@@ -219,6 +219,7 @@ def test_crafted_tensor_blob_is_refused_naming_its_file(tmp_path, trained):
     assert msg.startswith(f"{f}: refused by torch.load(weights_only=True)") and "\n" not in msg, msg
 
 
+@pytest.mark.slow
 def test_resume_from_a_crafted_checkpoint_is_one_line_and_runs_nothing(tmp_path):
     """`moe-gspo train --resume`: a crafted `.metadata` in the newest checkpoint is reported and skipped (the run
     resumes from the one before); a crafted tensor blob in the only checkpoint ends the run with one line naming

@@ -77,6 +77,7 @@ def record_engine_routing(ctx: StepContext, pb: PaddedRollout, sample_ids: torch
     ctx.replay.record_rollouts(sample_ids, [pb.routing[b, :n - 1] for b, n in enumerate(lengths)])
 
 
+@torch.no_grad()  # pi_old and pi_ref are constants of the loss: no graph, no saved activations
 def old_logprob_pass(ctx: StepContext, pb: PaddedRollout,
                      sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(pi_old log-probs (B, T), pi_ref log-probs (B, T) or None) of the local rollout batch, micro-batched.

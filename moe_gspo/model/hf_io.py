@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -190,9 +191,7 @@ class StreamedHFState(Mapping):
         self._local, self._mc, self._tp_group, self._ep_group = local, mc, tp_group, ep_group
         self._e_local = mc.num_experts // dist.get_world_size(ep_group)
         self._sources = {k: (src, f) for k, src, f in hf_sources(mc)}
-        self._uses = {}
-        for src, _ in self._sources.values():
-            self._uses[src] = self._uses.get(src, 0) + 1
+        self._uses = Counter(src for src, _ in self._sources.values())  # HF tensors left to cut from each
         self._cache: dict[str, torch.Tensor] = {}
         self.peak_bytes = 0  # the most gathered bytes held at once (for tests and logs)
 

@@ -78,22 +78,19 @@ def run_update(policy, cfg, impl, noise, seed=0):
     adv = torch.randn(len(sids), generator=g)
     idx = torch.tensor([5, 0, 3, 6, 1, 2])  # two micro-batches of train.micro_batch_size=4: 4 and 2 rows
     losses = []
+
+    def recording(fn):  # fn, appending the loss it returns (its first output) to `losses`
+        def wrapped(*a, **k):
+            out = fn(*a, **k)
+            losses.append(float(out[0].detach()))
+            return out
+        return wrapped
+
     if impl == "fused":  # the loss the kernel hands to backward, per micro-batch
         inner = step_mod.hidden_loss
-
-        def hidden_loss(*a, **k):
-            out = inner(*a, **k)
-            losses.append(float(out[0].detach()))
-            return out
-        step_mod.hidden_loss = hidden_loss
+        step_mod.hidden_loss = recording(inner)
     else:
-        inner_fn = ctx.loss_fn
-
-        def loss_fn(*a, **k):
-            out = inner_fn(*a, **k)
-            losses.append(float(out[0].detach()))
-            return out
-        ctx.loss_fn = loss_fn
+        ctx.loss_fn = recording(ctx.loss_fn)
     try:
         metrics = update_minibatch(ctx, pb, old, adv, sids, idx, ref)
     finally:

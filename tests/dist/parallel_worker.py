@@ -92,7 +92,6 @@ def gather_by_dp(t, dp, dp_rank):
 def engine_sync(policy):
     """The rollout engine's weight update on every rank (streamed under TP/EP) against a model built from the
     eager full export: the largest difference, and the peak bytes the stream held against the model's size."""
-    from moe_gspo.model import hf_io
     from moe_gspo.rollout.hf_engine import HFEngine, model_from_export
 
     engine = HFEngine(policy)  # update_weights reads policy.stream_hf() in order on every rank
@@ -103,9 +102,8 @@ def engine_sync(policy):
     _, stream = policy.stream_hf()
     for k in stream:  # read it alone to record how much it held at once
         stream[k]
-    full = hf_io.megatron_to_hf(policy.full_megatron_state(), policy.model_config)
     return {"max_abs_diff": diff, "peak_bytes": getattr(stream, "peak_bytes", None),
-            "model_bytes": sum(t.numel() * t.element_size() for t in full.values())}
+            "model_bytes": sum(t.numel() * t.element_size() for t in eager.values())}
 
 
 def policy_full(policy, grads):

@@ -74,6 +74,10 @@ class ModelConfig:
     """Parameter dtype: float32 or bfloat16."""
     attention: str = "sdpa"
     """Core attention: 'sdpa' (torch scaled_dot_product_attention) or 'megatron' (megatron's local unfused one)."""
+    compile: bool = False
+    """Run the decoder through torch.compile (inductor: fused C++ kernels on the CPU) instead of eagerly. Each new
+    input shape compiles on its first forward and backward (about a minute at configs/tiny_cpu.yaml, one thread).
+    Needs parallel.tp = parallel.ep = 1. See docs/performance.md for what it gains."""
     init_from: str | None = None
     """A Hugging Face Qwen3-MoE checkpoint directory to load weights from (architecture fields then come from it)."""
 

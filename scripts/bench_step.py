@@ -6,6 +6,9 @@ Both models are measured in this run, alternating, with the same batch; the tabl
 ratio against transformers. Variants: moe-gspo with SDPA attention (default) and with megatron's local
 unfused attention; transformers with its default experts implementation and with eager experts.
 
+--compile adds moe-gspo with model.compile=true (the SDPA policy under torch.compile); its first forward+backward,
+which compiles, is timed on its own before the warmup and reported as compile seconds.
+
 --optimizer adds a second table: a whole training step (forward, backward, optimizer step with clipping) of the
 policy under the trainer's optimizer (megatron DDP buffers, megatron's Adam on fp32 main params, its grad norm and
 LR schedule) against the same policy under plain torch.optim.AdamW + clip_grad_norm_, same weights and batch.
@@ -47,6 +50,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--optimizer", action="store_true", help="also time whole train steps: megatron's optimizer vs AdamW")
+    ap.add_argument("--compile", action="store_true", help="also time the policy under model.compile=true")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,6 +73,10 @@ def main():
     slow = moe_gspo.load_policy(load_config(args.config, ["model.attention=megatron"]))
     slow.load_full_megatron_state(policy.full_megatron_state())
     models["moe-gspo (megatron-core, local attention)"] = slow
+    if args.compile:
+        fast = moe_gspo.load_policy(load_config(args.config, ["model.compile=true"]))
+        fast.load_full_megatron_state(policy.full_megatron_state())
+        models["moe-gspo (megatron-core, SDPA, torch.compile)"] = fast
     hf = Qwen3MoeForCausalLM.from_pretrained(d).train()
     models["transformers (default)"] = hf
     try:
@@ -85,6 +93,9 @@ def main():
             m.zero_grad(set_to_none=True)
         return run
 
+    compile_s = None
+    if args.compile:  # compile at the timed shape first, so the table's warmup and steps run compiled code
+        compile_s = timed(step_fn(fast), 0, 1)
     with torch.no_grad():  # same weights: outputs agree before timing anything
         diff = (policy(x[:2]) - hf(x[:2]).logits).abs().max().item()
     secs = {name: [] for name in models}
@@ -103,11 +114,15 @@ def main():
     result = {"device": "cpu", "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "batch": args.batch, "seq": args.seq, "tokens": tokens, "max_abs_logit_diff": diff,
               "config": args.config, "rows": rows}
+    if args.compile:
+        result["compile_seconds"] = compile_s
     print(f"fwd+bwd, batch {args.batch} x seq {args.seq} = {tokens} tokens, {torch.get_num_threads()} threads, "
           f"max |logit diff| moe-gspo vs transformers {diff:.1e}")
-    print(f"{'implementation':45s} {'s/step':>8s} {'tokens/s':>10s} {'vs transformers':>16s}")
+    print(f"{'implementation':47s} {'s/step':>8s} {'tokens/s':>10s} {'vs transformers':>16s}")
     for r in rows:
-        print(f"{r['impl']:45s} {r['seconds']:8.3f} {r['tokens_per_s']:10.0f} {r['speedup_vs_transformers']:15.2f}x")
+        print(f"{r['impl']:47s} {r['seconds']:8.3f} {r['tokens_per_s']:10.0f} {r['speedup_vs_transformers']:15.2f}x")
+    if args.compile:
+        print(f"torch.compile: first forward+backward (compiling) {compile_s:.1f} s")
     if args.optimizer:
         result["optimizer_rows"] = optimizer_rows(args, cfg, policy, x, y, V)
     if args.json:

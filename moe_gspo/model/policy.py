@@ -23,11 +23,25 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from moe_gspo.config import ModelConfig, ParallelConfig
+from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from moe_gspo.model import hf_io
 from moe_gspo.model.layers import Qwen3Router, RMSNorm, RoutingContext
 from moe_gspo.model.routing_capture import RoutingCapture
 from moe_gspo.model.spec import layer_spec, transformer_config
+
+
+# The MoE dispatcher's masked_select and the expert loop's tokens_per_expert.tolist() have data-dependent sizes;
+# capturing them keeps each MoE layer in compiled graphs instead of breaking the trace at every such op. Set only
+# around the compiled call, so torch's global defaults stay as they are.
+_DYNAMO_OPTIONS = dict(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
+
+
+def compiled(fn, num_layers: int):
+    """`fn` under torch.compile (inductor), traced with _DYNAMO_OPTIONS; same signature and results as `fn`.
+
+    Dynamo specializes the layer-level code on each layer's number and on the routing mode (no capture, record,
+    replay, scores) and grad mode, so it allows 8 compiled versions per layer before falling back to eager."""
+    return torch._dynamo.config.patch(**_DYNAMO_OPTIONS)(torch.compile(fn, recompile_limit=8 * num_layers))
 
 
 class MoEPolicy(torch.nn.Module):
@@ -35,6 +49,9 @@ class MoEPolicy(torch.nn.Module):
 
     def __init__(self, mc: ModelConfig, pc: ParallelConfig):
         super().__init__()
+        if mc.compile and (pc.tp > 1 or pc.ep > 1):  # collectives inside the compiled graphs are untested
+            raise ConfigError(f"model.compile=true supports parallel.tp=1 and parallel.ep=1 only, "
+                              f"got tp={pc.tp} ep={pc.ep}")
         self.model_config, self.parallel_config = mc, pc
         self.config = transformer_config(mc, pc)
         spec = layer_spec(mc)
@@ -54,6 +71,8 @@ class MoEPolicy(torch.nn.Module):
             r.norm_topk_prob = mc.norm_topk_prob
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        if mc.compile:
+            self.gpt.forward = compiled(self.gpt.forward, mc.num_hidden_layers)
 
     @property
     def device(self) -> torch.device:

@@ -244,6 +244,10 @@ class TrainConfig:
     """Optimizer steps per rollout batch (the paper uses 4)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward inside a minibatch."""
+    logprob_micro_batch_size: int | None = None
+    """Sequences per forward of the no-grad log-prob pass over the rollout batch (pi_old, and pi_ref with a KL
+    term); None takes train.micro_batch_size. That pass keeps no autograd graph, so it can take larger batches than
+    training: fewer forwards, less per-forward overhead, more activation memory per forward."""
     seq_len: int = 64
     """Sequence length for plain training runs."""
     batch_size: int = 16
@@ -271,6 +275,8 @@ class TrainConfig:
     def __post_init__(self):
         _positive(self, "steps", "minibatches", "micro_batch_size", "seq_len", "batch_size", "keep_checkpoints",
                   "cold_start_batch_size")
+        if self.logprob_micro_batch_size is not None:
+            _positive(self, "logprob_micro_batch_size")
         _choice(self, "logprob_impl", ("fused", "eager"))
         _choice(self, "loss_impl", ("fused", "eager"))
         if self.cold_start_steps < 0 or self.checkpoint_every < 0:

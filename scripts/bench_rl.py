@@ -86,6 +86,9 @@ MISMATCHES = [
     "it in the loss.",
     "weights to the rollout engine: moe-gspo copies the policy into its transformers engine after each rollout "
     "batch (reported under 'other'); TRL generates with the training model itself.",
+    "old log-probs: moe-gspo runs its no-grad pass in forwards of train.logprob_micro_batch_size rows (128 in "
+    "compare_tiny_cpu.yaml: the whole rollout batch); TRL in forwards of per_device_train_batch_size rows, "
+    "having no separate setting for that pass.",
 ]
 
 

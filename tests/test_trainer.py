@@ -217,3 +217,51 @@ def test_kl_to_the_reference_policy_is_logged_and_costs_nothing_when_off(tmp_pat
     monkeypatch.setattr(MoEPolicy, "frozen_copy", lambda self: pytest.fail("built a reference with kl_beta=0"))
     m = train(tiny_cfg("train.steps=1"), run_dir=tmp_path / "nokl")
     assert "kl_loss" not in m
+
+
+class _ParityTask:
+    """Wraps a task; its reward is the parity of the response's length, so that an untrained policy's groups have
+    reward variance and every step updates."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def reward_fn(self, response, ex):
+        return float(len(response) % 2)
+
+
+@pytest.mark.parametrize("replay", ["r2", "r3"])
+def test_logprob_micro_batch_size_changes_only_how_the_old_logprob_pass_is_chunked(tmp_path, monkeypatch, replay):
+    """The no-grad pass over the rollout batch (16 rows here) in one forward or in forwards of 3 rows (uneven
+    chunks) gives the training run of the default chunking (4 rows): the same metrics at every step up to float
+    rounding, with the routing R2 records and R3 replays sliced alongside."""
+    import moe_gspo.train.step as step
+    from moe_gspo.tasks import task_from_config
+    from moe_gspo.train.loop import train
+
+    rows = []
+    real = step.batch_logprobs
+    monkeypatch.setattr(step, "batch_logprobs", lambda policy, ids, *a, **k: rows.append(len(ids)) or real(policy, ids, *a, **k))
+    runs = {}
+    for size in ("null", "16", "3"):
+        rows.clear()
+        cfg = tiny_cfg("algorithm.loss=grpo", f"algorithm.routing_replay={replay}", "rollout.return_routing=true",
+                       f"train.logprob_micro_batch_size={size}", "train.lr=0.01")
+        train(cfg, run_dir=tmp_path / size, task=_ParityTask(task_from_config(cfg.rollout)))
+        runs[size] = (list(rows), [strip_timing(r) for r in records(tmp_path / size)])
+    assert runs["null"][0] == [4, 4, 4, 4] * 2 and runs["16"][0] == [16] * 2 and runs["3"][0] == [3, 3, 3, 3, 3, 1] * 2
+    base = runs["null"][1]
+    assert all(r["groups/with_variance"] > 0 for r in base) and base[-1]["moe/flip_rate"] > 0  # updates moved routing
+    for size in ("16", "3"):
+        for a, b in zip(base, runs[size][1], strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (size, k)
+
+
+def test_logprob_micro_batch_size_must_be_positive():
+    with pytest.raises(ConfigError, match=r"train.logprob_micro_batch_size=0 must be > 0"):
+        tiny_cfg("train.logprob_micro_batch_size=0")

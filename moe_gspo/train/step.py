@@ -80,7 +80,8 @@ def record_engine_routing(ctx: StepContext, pb: PaddedRollout, sample_ids: torch
 @torch.no_grad()  # pi_old and pi_ref are constants of the loss: no graph, no saved activations
 def old_logprob_pass(ctx: StepContext, pb: PaddedRollout,
                      sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(pi_old log-probs (B, T), pi_ref log-probs (B, T) or None) of the local rollout batch, micro-batched.
+    """(pi_old log-probs (B, T), pi_ref log-probs (B, T) or None) of the local rollout batch, in micro-batches of
+    train.logprob_micro_batch_size rows (train.micro_batch_size when unset).
 
     Records what R2 and the flip tracker need, and has the tracker compare the engine's routing (when the rollout
     carries it) with the old policy's. Under R3 the engine's routing is replayed in this pass too (as in
@@ -93,7 +94,8 @@ def old_logprob_pass(ctx: StepContext, pb: PaddedRollout,
     out, live, ref = [], [], []
     if ctx.router_shift:
         ctx.old_router = OldRouterScores(B, T, cfg.model.num_experts, SCORE_DTYPES[cfg.algorithm.router_score_dtype])
-    for sl in _micro(B, cfg.train.micro_batch_size):
+    rows = cfg.train.logprob_micro_batch_size or cfg.train.micro_batch_size
+    for sl in _micro(B, rows):
         replay = None
         if r3_source is not None:
             replay = ReplaySource(r3_source[sl.start * T:sl.stop * T])

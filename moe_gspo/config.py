@@ -74,6 +74,10 @@ class ModelConfig:
     """Parameter dtype: float32 or bfloat16."""
     attention: str = "sdpa"
     """Core attention: 'sdpa' (torch scaled_dot_product_attention) or 'megatron' (megatron's local unfused one)."""
+    experts: str = "torch"
+    """Expert MLPs without Transformer Engine: 'torch' (megatron's SequentialMLP with its per-expert loop in plain
+    torch ops, the same math and parameters; used while the expert linears need no collective, i.e. expert-TP size
+    1) or 'megatron' (SequentialMLP's own ColumnParallelLinear / RowParallelLinear per expert)."""
     compile: bool = False
     """Run the decoder through torch.compile (inductor: fused C++ kernels on the CPU) instead of eagerly. Each new
     input shape compiles on its first forward and backward (about a minute at configs/tiny_cpu.yaml, one thread).
@@ -92,6 +96,7 @@ class ModelConfig:
                               f"model.num_experts={self.num_experts}")
         _choice(self, "params_dtype", ("float32", "bfloat16"))
         _choice(self, "attention", ("sdpa", "megatron"))
+        _choice(self, "experts", ("torch", "megatron"))
 
 
 @dataclass

@@ -73,6 +73,9 @@ def main():
     slow = moe_gspo.load_policy(load_config(args.config, ["model.attention=megatron"]))
     slow.load_full_megatron_state(policy.full_megatron_state())
     models["moe-gspo (megatron-core, local attention)"] = slow
+    twin = moe_gspo.load_policy(load_config(args.config, ["model.experts=megatron"]))
+    twin.load_full_megatron_state(policy.full_megatron_state())
+    models["moe-gspo (megatron-core, SDPA, megatron experts)"] = twin
     if args.compile:
         fast = moe_gspo.load_policy(load_config(args.config, ["model.compile=true"]))
         fast.load_full_megatron_state(policy.full_megatron_state())

@@ -11,9 +11,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import divide
+from megatron.core.utils import divide, get_pg_size
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -151,3 +152,38 @@ class Qwen3Router(TopKRouter):
                 scores_NK = torch.log_softmax(logits_NE.detach(), dim=-1).gather(1, score_idx_NK)
             ctx.record(layer, idx_NK, w_NK, None if replayed is None else live_idx_NK, scores_NK)
         return probs_NE, routing_map_NE
+
+
+class TorchLoopExperts(SequentialMLP):
+    """megatron's SequentialMLP (same parameters, names and sharded state) whose per-expert loop runs in plain torch
+    ops: x W1^T, SwiGLU, times the routing probability, W2^T. megatron's path wraps each of those GEMMs in its
+    ColumnParallelLinear / RowParallelLinear autograd functions, whose per-call Python dominates at small widths;
+    with an expert-TP group of size 1 their collectives are identities, so the plain ops compute the same values
+    and gradients. Any other case (expert TP > 1, FP8/FP4, biases, another activation) goes to megatron's forward."""
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        if not self._plain_ok():
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        counts = tokens_per_expert.tolist()
+        out = []
+        for expert, x, p in zip(self.local_experts, torch.split(permuted_local_hidden_states, counts),
+                                torch.split(permuted_probs, counts), strict=True):
+            h = torch.matmul(x, expert.linear_fc1.weight.t())  # (n, 2I): gate over up, as megatron's fc1
+            gate, up = torch.chunk(h, 2, dim=-1)
+            act = (F.silu(gate) * up) * p.unsqueeze(-1)  # megatron's MLP scales by the probability after the GLU
+            out.append(torch.matmul(act.to(h.dtype), expert.linear_fc2.weight.t()))
+        return torch.cat(out, dim=0), None
+
+    def _plain_ok(self) -> bool:
+        ok = getattr(self, "_plain", None)
+        if ok is None:
+            c = self.config
+            ok = (not (c.fp8 or c.fp4) and not c.add_bias_linear and c.gated_linear_unit
+                  and c.activation_func is F.silu and c.activation_func_clamp_value is None
+                  and not c.glu_linear_offset and not c.moe_apply_probs_on_input
+                  and not c.use_te_activation_func and not c.bias_activation_fusion
+                  and all(get_pg_size(e.linear_fc1.tp_group) == 1 and get_pg_size(e.linear_fc2.tp_group) == 1
+                          for e in self.local_experts))
+            self._plain = ok
+        return ok
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -12,7 +14,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moe_gspo.config import ModelConfig, ParallelConfig
-from moe_gspo.model.layers import Qwen3Router, RMSNorm, SDPAttention
+from moe_gspo.model.layers import Qwen3Router, RMSNorm, SDPAttention, TorchLoopExperts
 
 
 def te_available() -> bool:
@@ -88,5 +90,7 @@ def layer_spec(mc: ModelConfig, use_te: bool | None = None) -> ModuleSpec:
         sub.self_attention.submodules.k_layernorm = RMSNorm
         if mc.attention == "sdpa":
             sub.self_attention.submodules.core_attention = SDPAttention
+        if mc.experts == "torch":
+            sub.mlp.submodules.experts = dataclasses.replace(sub.mlp.submodules.experts, module=TorchLoopExperts)
     spec.submodules.mlp.submodules.router = Qwen3Router
     return spec

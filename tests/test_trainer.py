@@ -265,3 +265,34 @@ def test_logprob_micro_batch_size_changes_only_how_the_old_logprob_pass_is_chunk
 def test_logprob_micro_batch_size_must_be_positive():
     with pytest.raises(ConfigError, match=r"train.logprob_micro_batch_size=0 must be > 0"):
         tiny_cfg("train.logprob_micro_batch_size=0")
+
+
+def test_cpu_adam_steps_fused_and_equals_torch_adams_parameter_loop():
+    """Megatron's optimizer falls back to torch's Adam on the CPU; the trainer switches it to torch's fused kernel.
+    Three steps of it equal three steps of torch's default per-parameter loop on the same gradients."""
+    import moe_gspo
+    from moe_gspo.train.optim import Optimizer, wrap_ddp
+
+    cfg = tiny_cfg("train.lr=0.01")
+    pols, opts = [], []
+    for _ in range(2):
+        p = moe_gspo.load_policy(cfg)
+        if pols:
+            p.load_full_megatron_state(pols[0].full_megatron_state())
+        pols.append(p)
+        opts.append(Optimizer.from_config(wrap_ddp(p, False), p, cfg.train, total_steps=10))
+    groups = opts[1].optimizer.param_groups
+    assert all(g["fused"] is True for g in groups)
+    for g in groups:  # the twin: torch's default on CPU tensors
+        g["fused"] = None
+    x = torch.randint(0, cfg.model.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
+    start = {k: v.clone() for k, v in pols[0].full_megatron_state().items()}
+    for _ in range(3):
+        for p, o in zip(pols, opts, strict=True):
+            o.zero_grad()
+            p(x).float().logsumexp(-1).mean().backward()
+            o.step()
+    a, b = pols[0].full_megatron_state(), pols[1].full_megatron_state()
+    assert any((a[k] - start[k]).abs().max() > 1e-3 for k in a)  # the steps moved the weights
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")

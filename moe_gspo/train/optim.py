@@ -63,6 +63,7 @@ class Optimizer:
             params_dtype=dtype, use_distributed_optimizer=self.distributed)
         with cpu_compat.cuda_type_names():
             self.optimizer = get_megatron_optimizer(self.config, [self.ddp])
+        self.use_fused_adam()
         total_steps = max(int(total_steps), warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=min_lr,
@@ -79,6 +80,20 @@ class Optimizer:
             return cls(ddp, policy, lr, **common)
         return cls(ddp, policy, tc.lr, warmup_steps=tc.lr_warmup_steps, decay=tc.lr_decay, min_lr=tc.min_lr,
                    **common)
+
+    def use_fused_adam(self) -> None:
+        """Step torch's Adam with its fused kernel where megatron falls back to torch's Adam on CPU parameters
+        (no Transformer Engine or Apex): torch's default there is a Python loop over the parameter tensors, one
+        per expert matrix, while the fused kernel computes the same update in one call per parameter group.
+        Called again after an optimizer state is loaded, which replaces the param groups' flags."""
+        subs = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for sub in subs:
+            opt = getattr(sub, "optimizer", None)
+            if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+                continue
+            if all(p.device.type == "cpu" for g in opt.param_groups for p in g["params"]):
+                for g in opt.param_groups:
+                    g["foreach"], g["fused"] = None, True
 
     @property
     def lr(self) -> float:

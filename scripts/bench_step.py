@@ -3,8 +3,9 @@
     python scripts/bench_step.py --json runs/bench_step.json [--config configs/tiny_cpu.yaml] [--seq 256]
 
 Both models are measured in this run, alternating, with the same batch; the table reports medians and the
-ratio against transformers. Variants: moe-gspo with SDPA attention (default) and with megatron's local
-unfused attention; transformers with its default experts implementation and with eager experts.
+ratio against transformers. Variants: moe-gspo with SDPA attention (default), with megatron's local unfused
+attention, and with megatron's own expert layers (model.experts=megatron, the twin of the default plain-torch
+expert loop); transformers with its default experts implementation and with eager experts.
 
 --compile adds moe-gspo with model.compile=true (the SDPA policy under torch.compile); its first forward+backward,
 which compiles, is timed on its own before the warmup and reported as compile seconds.

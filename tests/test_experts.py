@@ -8,6 +8,8 @@ import dataclasses
 import pytest
 import torch
 
+from helpers import make_hf_checkpoint
+
 import moe_gspo
 from moe_gspo.config import ConfigError, ModelConfig
 from moe_gspo.model.layers import TorchLoopExperts
@@ -48,3 +50,11 @@ def test_torch_experts_equal_megatron_sequential_mlp(dtype, tol):
 def test_unknown_experts_impl_is_a_config_error():
     with pytest.raises(ConfigError, match="model.experts"):
         ModelConfig(experts="grouped")
+
+
+@pytest.mark.parametrize("impl", ["torch", "megatron"])
+def test_experts_choice_survives_loading_a_checkpoint(tmp_path, impl):
+    make_hf_checkpoint(tmp_path / "hf")
+    policy = moe_gspo.load_policy(ModelConfig(init_from=str(tmp_path / "hf"), experts=impl))
+    assert policy.model_config.experts == impl
+    assert isinstance(policy.gpt.decoder.layers[0].mlp.experts, TorchLoopExperts) == (impl == "torch")

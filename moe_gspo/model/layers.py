@@ -161,8 +161,18 @@ class TorchLoopExperts(SequentialMLP):
     with an expert-TP group of size 1 their collectives are identities, so the plain ops compute the same values
     and gradients. Any other case (expert TP > 1, FP8/FP4, biases, another activation) goes to megatron's forward."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        c = self.config
+        self._plain = (not (c.fp8 or c.fp4) and not c.add_bias_linear and c.gated_linear_unit
+                       and c.activation_func is F.silu and c.activation_func_clamp_value is None
+                       and not c.glu_linear_offset and not c.moe_apply_probs_on_input
+                       and not c.use_te_activation_func and not c.bias_activation_fusion
+                       and all(get_pg_size(e.linear_fc1.tp_group) == 1 and get_pg_size(e.linear_fc2.tp_group) == 1
+                               for e in self.local_experts))
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        if not self._plain_ok():
+        if not self._plain:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         counts = tokens_per_expert.tolist()
         out = []
@@ -173,17 +183,3 @@ class TorchLoopExperts(SequentialMLP):
             act = (F.silu(gate) * up) * p.unsqueeze(-1)  # megatron's MLP scales by the probability after the GLU
             out.append(torch.matmul(act.to(h.dtype), expert.linear_fc2.weight.t()))
         return torch.cat(out, dim=0), None
-
-    def _plain_ok(self) -> bool:
-        ok = getattr(self, "_plain", None)
-        if ok is None:
-            c = self.config
-            ok = (not (c.fp8 or c.fp4) and not c.add_bias_linear and c.gated_linear_unit
-                  and c.activation_func is F.silu and c.activation_func_clamp_value is None
-                  and not c.glu_linear_offset and not c.moe_apply_probs_on_input
-                  and not c.use_te_activation_func and not c.bias_activation_fusion
-                  and all(get_pg_size(e.linear_fc1.tp_group) == 1 and get_pg_size(e.linear_fc2.tp_group) == 1
-                          for e in self.local_experts))
-            self._plain = ok
-        return ok
-

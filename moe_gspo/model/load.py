@@ -6,7 +6,6 @@ megatron-core Qwen3-MoE policy on this rank, and loads (and shards) HF weights w
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -42,7 +41,7 @@ def load_policy(path_or_config, parallel: ParallelConfig | None = None, seed: in
     seed = cfg_seed if seed is None else seed
     hf_state = None
     if ckpt is not None:  # read and check everything before building anything
-        mc = dataclasses.replace(hf_io.model_config_from_hf(ckpt, mc), compile=mc.compile)
+        mc = hf_io.model_config_from_hf(ckpt, mc)
         hf_state = hf_io.read_safetensors_dir(ckpt)
     init_parallel(pc, mc.num_experts, seed=seed, num_kv_heads=mc.num_key_value_heads, vocab_size=mc.vocab_size)
     torch.manual_seed(seed)

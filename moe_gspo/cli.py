@@ -39,6 +39,24 @@ def _rank_prefix() -> str:
     return f"rank {os.environ.get('RANK', '0')}: " if world > 1 else ""
 
 
+def _leave_process_group() -> None:
+    """Destroy every process group of a multi-rank job before the interpreter finalizes. Left alive, gloo's worker
+    threads can still hold work items at exit, and tearing those down then aborts the process (SIGABRT,
+    "terminate called without an active exception") after the command has already succeeded; torchrun counts
+    that rank as failed and the other agents wait out their exit barrier. A one-rank group (in-process callers,
+    the tests) is kept so that repeated calls reuse it."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    try:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
 def _overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="a.b=value", help="config overrides, applied after the YAML")
 
@@ -232,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"moe-gspo {args.command}: error: {_rank_prefix()}{msg}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        _leave_process_group()
 
 
 if __name__ == "__main__":

@@ -33,3 +33,14 @@ def test_two_nodes_equal_one_node(tmp_path):
     assert [r["step"] for r in two] == [1, 2, 3]
     for a, b in zip(one, two):  # the same 4 ranks and TP2 x EP2 layout: the same collectives in the same order
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+
+
+def test_a_distributed_command_leaves_no_process_group_alive(tmp_path):
+    """A multi-rank command destroys its process groups before returning. gloo's threads, left alive until the
+    interpreter finalizes, can abort a rank that has already succeeded."""
+    from helpers import run_torchrun
+
+    r = run_torchrun(ROOT / "tests" / "dist" / "cli_exit_worker.py", *LM[:3], "parallel.ep=2", "train.steps=1",
+                     *LM[6:], f"train.out_dir={tmp_path}", nproc=2)
+    lines = sorted(x for x in r.stdout.splitlines() if "process_group_alive=" in x)
+    assert lines == ["rank 0 rc=0 process_group_alive=False", "rank 1 rc=0 process_group_alive=False"], r.stdout

@@ -311,3 +311,24 @@ def test_resume_without_checkpoint_starts_fresh_and_only_overwrite_replaces_a_ru
         train(cfg, run_dir=tmp_path)  # neither resume nor overwrite: the first run is kept
     train(cfg, run_dir=tmp_path, overwrite=True)
     assert [r["step"] for r in records(tmp_path)] == [1]
+
+
+def _adam_groups(ctx):
+    subs = getattr(ctx.optim.optimizer, "chained_optimizers", [ctx.optim.optimizer])
+    return [g for s in subs for g in s.optimizer.param_groups]
+
+
+def test_a_checkpoint_saved_by_the_looping_adam_resumes_with_the_fused_kernel(tmp_path):
+    """A checkpoint whose optimizer stepped torch's per-tensor loop (fused=False in its param groups) resumes on
+    the fused kernel, with the same Adam state: loading keeps the live groups' kernel flags."""
+    ctx = _ctx()
+    for g in _adam_groups(ctx):
+        g["fused"], g["foreach"] = False, False
+    _train(ctx, 2)
+    ck = Checkpoints(tmp_path, keep=1)
+    ck.save(2, ctx, {"step": 2, "data_position": 2})
+    fresh = _ctx(seed=5)
+    ck.load(2, fresh)
+    assert [g["fused"] for g in _adam_groups(fresh)] == [True] * len(_adam_groups(fresh))
+    sa, sb = ctx.optim.local_state(), fresh.optim.local_state()
+    assert all(torch.equal(sa[k][n], sb[k][n]) for k in sa for n in sa[k])

@@ -85,7 +85,9 @@ class Optimizer:
         """Step torch's Adam with its fused kernel where megatron falls back to torch's Adam on CPU parameters
         (no Transformer Engine or Apex): torch's default there is a Python loop over the parameter tensors, one
         per expert matrix, while the fused kernel computes the same update in one call per parameter group.
-        Called again after an optimizer state is loaded, which replaces the param groups' flags."""
+        Loading a checkpoint's optimizer state keeps these flags (megatron's sharded optimizer state stores
+        its param groups as non-persistent objects built from the live optimizer), so a resumed run steps with
+        the same kernel."""
         subs = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         for sub in subs:
             opt = getattr(sub, "optimizer", None)

@@ -5,7 +5,7 @@
     moe-gspo train-lm --config configs/tiny_cpu.yaml [a.b=v ...]
     moe-gspo rollout (--config C | --from RUN_DIR) --out FILE.jsonl [--num-prompts N] [--seed S] [a.b=v ...]
     moe-gspo compare --config configs/compare_tiny_cpu.yaml --out DIR [--only grpo,gspo] [--seeds N] [--jobs K]
-                     [a.b=v ...]
+                     [--resume | --overwrite] [a.b=v ...]
     moe-gspo study volatility --config configs/study_volatility_cpu.yaml --out DIR [--jobs K] [--overwrite]
                               [a.b=v ...]
     moe-gspo report volatility RUN_DIR [RUN_DIR ...] [--out FILE.html]
@@ -134,7 +134,7 @@ def _compare(args) -> int:
         run_one(args.config, args.out, args.run_one)
         return 0
     report = run_comparison(args.config, args.out, args.overrides, only=args.only.split(",") if args.only else None,
-                            overwrite=args.overwrite, seeds=args.seeds, jobs=args.jobs)
+                            overwrite=args.overwrite, seeds=args.seeds, jobs=args.jobs, resume=args.resume)
     if os.environ.get("RANK", "0") == "0":
         print(report)
     return 0
@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="output directory: DIR/<variant>/seed_<s>/ and DIR/report.html")
     c.add_argument("--only", default=None, help="comma-separated subset of the variants to run")
     c.add_argument("--overwrite", action="store_true", help="replace a previous comparison in DIR")
+    c.add_argument("--resume", action="store_true",
+                   help="keep the cold starts and runs DIR already finished under this config and run the rest "
+                        "(complete an interrupted comparison, or add seeds with a larger --seeds)")
     c.add_argument("--seeds", type=int, default=None,
                    help="runs per variant with train.seed + 0..N-1, paired across variants (default: compare.seeds)")
     c.add_argument("--jobs", type=int, default=None,

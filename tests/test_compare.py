@@ -326,8 +326,45 @@ def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch):
     assert seq["gspo", 0][0] != seq["gspo", 1][0]
     text = _text(tmp_path / "par" / "report.html")
     assert "2 seeds per variant" in text and "gspo" in text
-    # a second comparison into the same directory is refused unless told to replace the first
+    # a second comparison into the same directory is refused unless told to replace or to complete the first
     assert main([*args, "--out", str(tmp_path / "seq"), "--jobs", "1"]) == 2
+    assert main([*args, "--out", str(tmp_path / "seq"), "--resume", "--overwrite"]) == 2
+
+    # --resume of an interrupted comparison (one run without its wall_time.json, its metrics cut short): only that
+    # run is redone, in a --jobs process, and it reproduces the original; the finished runs are not touched
+    cut = tmp_path / "par" / "gspo" / "seed_1"
+    (cut / "wall_time.json").unlink()
+    (cut / "metrics.jsonl").write_text((cut / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    kept = tmp_path / "par" / "grpo_r3" / "seed_0" / "metrics.jsonl"
+    stamp = kept.stat().st_mtime_ns
+    assert main([*args, "--out", str(tmp_path / "par"), "--jobs", "2", "--resume"]) == 0
+    assert _records(cut) == seq["gspo", 1] and kept.stat().st_mtime_ns == stamp
+
+    # --resume with more seeds adds only the new seed's cold start and runs (in this process), paired as before
+    assert main([*args, "--out", str(tmp_path / "seq"), "--jobs", "1", "--resume", "--seeds", "3"]) == 0
+    info = json.loads((tmp_path / "seq" / "compare.json").read_text())
+    assert info["seeds"] == [0, 1, 2] and set(info["wall_seconds"]) == {f"{v}/seed_{s}" for v in ("grpo_r3", "gspo")
+                                                                        for s in (0, 1, 2)}
+    assert {(v, s): _records(tmp_path / "seq" / v / f"seed_{s}") for v in ("grpo_r3", "gspo") for s in (0, 1)} == seq
+    new = {v: _records(tmp_path / "seq" / v / f"seed_2") for v in ("grpo_r3", "gspo")}
+    assert len(new["gspo"]) == 3 and new["gspo"][0]["reward/mean"] == new["grpo_r3"][0]["reward/mean"]
+    assert "3 seeds per variant" in _text(tmp_path / "seq" / "report.html")
+
+    # what --resume keeps depends on the config: an RL-only change keeps the cold starts and redoes the runs; a
+    # cold-start change redoes both
+    from moe_gspo.experiments.compare import plan_jobs, read_compare_config, reusable_work
+
+    def kept_after(*change):
+        base, variants, _ = read_compare_config("configs/compare_tiny_cpu.yaml", [*SMALL, *change])
+        variants = {v: variants[v] for v in ("grpo_r3", "gspo")}
+        return reusable_work(*plan_jobs(tmp_path / "seq", base, variants, [0, 1, 2]), base)
+
+    cold, runs = kept_after()
+    assert len(cold) == 3 and len(runs) == 6
+    cold, runs = kept_after("train.lr=0.002")
+    assert len(cold) == 3 and runs == {}
+    cold, runs = kept_after("train.cold_start_steps=41")
+    assert cold == {} and runs == {}
 
 
 def test_compare_cli_errors(tmp_path, capsys):

@@ -153,11 +153,13 @@ def plan_jobs(out: Path, base: dict, variants: dict[str, list[str]], seeds: list
 
 
 def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: bool = False,
-                   seeds: int | None = None, jobs: int | None = None) -> Path:
+                   seeds: int | None = None, jobs: int | None = None, resume: bool = False) -> Path:
     """Run every variant at every seed into out_dir/<name>/seed_<s>/ and write out_dir/report.html; returns the
     report's path. `seeds` and `jobs` (the --seeds and --jobs options) replace compare.seeds and compare.jobs;
     jobs > 1 runs that many cold starts, then that many runs, at a time in separate processes. A directory that
-    already holds a comparison is refused unless overwrite=True."""
+    already holds a comparison is refused unless overwrite=True or resume=True. With resume, every cold start and
+    run already finished in out_dir under the same config is kept (see reusable_work) and only the rest run: an
+    interrupted comparison completes, and a larger --seeds adds seeds to a finished one."""
     import torch.distributed as dist
 
     from moe_gspo.report.compare import write_compare_report
@@ -177,17 +179,27 @@ def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: b
             raise ConfigError(f"--only {missing}: not among the variants {list(variants)}")
         variants = {n: variants[n] for n in only}
     out = Path(out_dir)
-    if (out / "compare.json").exists() and not overwrite:
-        raise ConfigError(f"{out} holds a previous comparison (compare.json): pass --overwrite to replace it or "
-                          f"choose another --out")
+    if overwrite and resume:
+        raise ConfigError("--overwrite and --resume exclude each other (replace the comparison, or complete it)")
+    if (out / "compare.json").exists() and not (overwrite or resume):
+        raise ConfigError(f"{out} holds a previous comparison (compare.json): pass --resume to keep its finished "
+                          f"runs and run the rest, --overwrite to replace it, or choose another --out")
     seed_list = [config_from_dict(copy.deepcopy(base)).train.seed + i for i in range(settings.seeds)]
     plan, files = plan_jobs(out, base, variants, seed_list)
+    kept_cold, kept_runs = reusable_work(plan, files, base) if resume else ({}, {})
+    if resume:
+        _say(f"--resume: keeping {len(kept_cold)} of {len(files)} cold start(s) and {len(kept_runs)} of "
+             f"{len(plan)} runs finished in {out} under this config")
+    todo = [job for job in plan if job.label not in kept_runs]
+    todo_files = {f: cfg for f, cfg in files.items() if f not in kept_cold}
     t0 = time.perf_counter()
     threads = max(1, _thread_budget() // jobs)
     if jobs == 1:
-        cold_s, walls = _run_in_process(plan, files, base)
+        cold_s, walls = _run_in_process(todo, todo_files, base)
     else:
-        cold_s, walls = _run_in_processes(plan, files, base, jobs, threads)
+        cold_s, walls = _run_in_processes(todo, todo_files, base, jobs, threads)
+    cold_s = {f.name: kept_cold.get(f.name, cold_s.get(f.name)) for f in files}
+    walls = {job.label: kept_runs.get(job.label, walls.get(job.label)) for job in plan}
     if dist.is_initialized() and dist.get_rank() != 0:
         return out / "report.html"
     meta = {"variants": variants, "seeds": seed_list, "jobs": jobs, "threads_per_run": threads,
@@ -197,9 +209,43 @@ def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: b
     return write_compare_report(out, list(variants), walls)
 
 
+def _comparable(config: dict) -> dict:
+    """A run's config without the fields that cannot change its results (progress bar, output directory)."""
+    d = copy.deepcopy(config)
+    d.get("logging", {}).pop("progress", None)
+    d.get("train", {}).pop("out_dir", None)
+    return d
+
+
+def reusable_work(plan: list[Job], files: dict, base: dict) -> tuple[dict[str, float], dict[str, float]]:
+    """What --resume keeps: ({weights file name: seconds} of the finished cold starts, {run label: seconds} of the
+    finished runs). A cold start is finished when its weights, its seconds (.json, written after the weights) and
+    its config (.yaml) are on disk and the config has the planned cold start's model, layout, task, seed and
+    supervised settings. A run is finished when its wall_time.json (written after training) and config.yaml are
+    on disk, the config equals the planned one but for the progress bar and output directory, and its cold start
+    is kept: a redone cold start redoes every run that starts from it."""
+    cold: dict[str, float] = {}
+    for f, cfg in files.items():
+        info, conf = f.with_suffix(".json"), f.with_suffix(".yaml")
+        if f.is_file() and info.is_file() and conf.is_file() and \
+                cold_start_key(load_config(conf)) == cold_start_key(cfg):
+            cold[f.name] = float(json.loads(info.read_text())["seconds"])
+    runs: dict[str, float] = {}
+    for job in plan:
+        wall, conf = job.dir / "wall_time.json", job.dir / "config.yaml"
+        if job.init.name in cold and wall.is_file() and conf.is_file() and (job.dir / "metrics.jsonl").is_file():
+            planned = to_dict(run_config(base, job.overrides, job.seed))
+            if _comparable(read_yaml(conf)) == _comparable(planned):
+                runs[job.label] = float(json.loads(wall.read_text())["seconds"])
+    return cold, runs
+
+
 def _run_in_process(plan: list[Job], files: dict, base: dict) -> tuple[dict, dict]:
     """Cold starts and runs one after another in this process (also under torchrun), each seed's cold starts just
-    before its runs; ({weights file name: seconds}, {run label: seconds})."""
+    before its runs; a run whose cold start is not in `files` (kept by --resume) starts from its weights file.
+    ({weights file name: seconds}, {run label: seconds})."""
+    from safetensors.torch import load_file
+
     cold_s: dict[str, float] = {}
     walls: dict[str, float] = {}
     states: dict[Path, dict] = {}
@@ -207,8 +253,10 @@ def _run_in_process(plan: list[Job], files: dict, base: dict) -> tuple[dict, dic
     for job in plan:
         if job.seed != seed:  # a new seed: the previous seed's weights are no longer needed
             states, seed = {}, job.seed
-        if job.init not in states:
+        if job.init not in states and job.init in files:
             states[job.init], cold_s[job.init.name] = cold_start_to_file(files[job.init], job.init)
+        elif job.init not in states:
+            states[job.init] = load_file(str(job.init))
         cfg = run_config(base, job.overrides, job.seed)
         walls[job.label] = train_one(cfg, job.dir, states[job.init], job.label, job.overrides)
     return cold_s, walls
@@ -221,13 +269,19 @@ def cold_start_to_file(cfg, path: Path) -> tuple[dict, float]:
     from safetensors.torch import save_file
 
     _say(f"cold start (seed {cfg.train.seed}): {cfg.train.cold_start_steps} supervised steps on {cfg.rollout.task}")
+    info = path.with_suffix(".json")  # written last: a cold start without it is unfinished (see reusable_work)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        info.unlink(missing_ok=True)
     t = time.perf_counter()
     state = cold_start_state(cfg)
     seconds = time.perf_counter() - t
     if not dist.is_initialized() or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(path))
-        path.with_suffix(".json").write_text(json.dumps({"seconds": seconds, "seed": cfg.train.seed}))
+        path.with_suffix(".yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(state, str(tmp))
+        os.replace(tmp, path)
+        info.write_text(json.dumps({"seconds": seconds, "seed": cfg.train.seed}))
     return state, seconds
 
 
@@ -238,12 +292,17 @@ def train_one(cfg, run_dir: Path, init_state: dict, label: str, overrides=()) ->
 
     from moe_gspo.train.loop import train
 
+    import torch
+
+    wall = Path(run_dir) / "wall_time.json"  # written last: a run without it is unfinished (see reusable_work)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        wall.unlink(missing_ok=True)
     t = time.perf_counter()
     train(cfg, run_dir=run_dir, init_state=init_state, label=label, overwrite=True)
     seconds = time.perf_counter() - t
     if not dist.is_initialized() or dist.get_rank() == 0:
-        (Path(run_dir) / "wall_time.json").write_text(json.dumps({"seconds": seconds, "overrides": list(overrides),
-                                                                  "seed": cfg.train.seed}))
+        wall.write_text(json.dumps({"seconds": seconds, "overrides": list(overrides), "seed": cfg.train.seed,
+                                    "threads": torch.get_num_threads()}))
     return seconds
 
 

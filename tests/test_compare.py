@@ -335,14 +335,16 @@ def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch):
     cut = tmp_path / "par" / "gspo" / "seed_1"
     (cut / "wall_time.json").unlink()
     (cut / "metrics.jsonl").write_text((cut / "metrics.jsonl").read_text().splitlines()[0] + "\n")
-    kept = tmp_path / "par" / "grpo_r3" / "seed_0" / "metrics.jsonl"
-    stamp = kept.stat().st_mtime_ns
+    kept = [tmp_path / "par" / "grpo_r3" / "seed_0" / "metrics.jsonl", tmp_path / "par" / "cold_start" / "seed_1.json"]
+    stamps = [p.stat().st_mtime_ns for p in kept]
     assert main([*args, "--out", str(tmp_path / "par"), "--jobs", "2", "--resume"]) == 0
-    assert _records(cut) == seq["gspo", 1] and kept.stat().st_mtime_ns == stamp
+    assert _records(cut) == seq["gspo", 1] and [p.stat().st_mtime_ns for p in kept] == stamps
 
     # --resume with more seeds adds only the new seed's cold start and runs (in this process), paired as before
+    stamp = (tmp_path / "seq" / "cold_start" / "seed_0.json").stat().st_mtime_ns
     assert main([*args, "--out", str(tmp_path / "seq"), "--jobs", "1", "--resume", "--seeds", "3"]) == 0
     info = json.loads((tmp_path / "seq" / "compare.json").read_text())
+    assert (tmp_path / "seq" / "cold_start" / "seed_0.json").stat().st_mtime_ns == stamp
     assert info["seeds"] == [0, 1, 2] and set(info["wall_seconds"]) == {f"{v}/seed_{s}" for v in ("grpo_r3", "gspo")
                                                                         for s in (0, 1, 2)}
     assert {(v, s): _records(tmp_path / "seq" / v / f"seed_{s}") for v in ("grpo_r3", "gspo") for s in (0, 1)} == seq

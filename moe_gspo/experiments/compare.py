@@ -191,7 +191,7 @@ def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: b
         _say(f"--resume: keeping {len(kept_cold)} of {len(files)} cold start(s) and {len(kept_runs)} of "
              f"{len(plan)} runs finished in {out} under this config")
     todo = [job for job in plan if job.label not in kept_runs]
-    todo_files = {f: cfg for f, cfg in files.items() if f not in kept_cold}
+    todo_files = {f: cfg for f, cfg in files.items() if f.name not in kept_cold}
     t0 = time.perf_counter()
     threads = max(1, _thread_budget() // jobs)
     if jobs == 1:

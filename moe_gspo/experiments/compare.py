@@ -1,7 +1,7 @@
 """`moe-gspo compare`: GRPO, GRPO + R2, GRPO + R3, GSPO and GSPO-token on the same model, data and seeds.
 
     moe-gspo compare --config configs/compare_tiny_cpu.yaml --out DIR [--only grpo,gspo] [--seeds N] [--jobs K]
-                     [a.b=v ...]
+                     [--resume | --overwrite] [a.b=v ...]
 
 The config is an ordinary run config plus a `compare:` section (fields: moe_gspo.config.CompareConfig):
 

@@ -1,6 +1,7 @@
 """The trainer under torchrun (2 CPU ranks, gloo): a rank SIGKILLed mid-run resumes from its newest checkpoint and
 every metric equals an uninterrupted run; a checkpoint written at one TP x EP x DP layout resumes at another (1 rank
--> EP=2 on 2 ranks, TP=2 on 2 ranks -> 1 rank) with every tensor bit-identical and the schedule continuing."""
+-> EP=2 on 2 ranks, TP=2 on 2 ranks -> 1 rank, bf16 TP=2 x EP=2 on 4 ranks -> 1 rank) with every tensor
+bit-identical and the schedule continuing."""
 
 from __future__ import annotations
 
@@ -39,12 +40,20 @@ def test_tp2_fused_logprobs_match_eager_and_an_rl_step_runs(tmp_path):
     assert rec["rollout_probs_diff_max"] < 1e-4  # engine (full weights) == TP=2 trainer
 
 
-RESHARD = TINY + ["train.checkpoint_every=2", "train.cold_start_steps=2", "train.lr_warmup_steps=8",
+# the cold start learns the task enough for reward variance, so the RL steps have gradients and Adam moments to check
+RESHARD = TINY + ["train.checkpoint_every=2", "train.cold_start_steps=40", "train.cold_start_lr=0.01",
+                  "rollout.task_args=max_digits=1,num_operands=2", "train.lr_warmup_steps=8",
                   "model.num_key_value_heads=2"]
 
 
 def _lrs(run_dir):
     return [json.loads(x)["lr"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _gradients_by_step_2(run_dir) -> bool:
+    """Whether a step up to the step-2 checkpoint had a gradient (else its Adam moments are all zero)."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return any(r["grad_norm"] > 0 for r in recs if r["step"] <= 2)
 
 
 @pytest.mark.slow
@@ -58,6 +67,7 @@ def test_checkpoint_of_one_rank_resumes_on_two_ranks_with_ep2(tmp_path):
     train(tiny_cfg(*RESHARD[len(TINY):], "train.steps=4"), run_dir=tmp_path / "ref")
     assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == \
         [1, 2, 3, 4]
+    assert _gradients_by_step_2(tmp_path / "run")
     assert _lrs(tmp_path / "run") == _lrs(tmp_path / "ref")  # the warmup went on where it stopped
     m = json.loads((tmp_path / "run" / "checkpoints" / "step_00000004" / "manifest.json").read_text())
     assert m["world_size"] == 2 and m["layout"]["ep"] == 2
@@ -76,9 +86,36 @@ def test_checkpoint_of_tp2_resumes_on_one_rank(tmp_path):
     from reshard_worker import check_load  # noqa: E402
 
     cfg = tiny_cfg(*RESHARD[len(TINY):], "train.steps=4")
+    assert _gradients_by_step_2(tmp_path / "run")
     assert check_load(cfg, tmp_path / "run") == 2  # bit-identical weights, main params and moments at TP=1
     train(cfg, run_dir=tmp_path / "run", resume=True)
     train(cfg, run_dir=tmp_path / "ref")
     assert _lrs(tmp_path / "run") == _lrs(tmp_path / "ref")
     m = json.loads((tmp_path / "run" / "checkpoints" / "step_00000004" / "manifest.json").read_text())
     assert m["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_bf16_checkpoint_of_tp2_ep2_on_four_ranks_resumes_on_one_rank(tmp_path):
+    """bf16 weights with fp32 main parameters, the distributed optimizer over DP=2, TP=2 x EP=2 on 4 ranks: read back
+    whole at 1 rank, every weight, main parameter and Adam moment is bit-identical, and the run goes on."""
+    import sys
+
+    from moe_gspo.train.loop import train
+    from helpers import tiny_cfg
+
+    # no warmup, and an lr at which the fp32 main parameters leave the bf16 grid: a load that lost them would go unseen
+    bf16 = ["model.params_dtype=bfloat16", "train.lr_warmup_steps=0", "train.lr=0.01"]
+    run_torchrun(ROOT / "tests/dist/reshard_worker.py", "--run-dir", tmp_path / "run", "--fresh", *RESHARD, *bf16,
+                 "parallel.tp=2", "parallel.ep=2", "train.steps=2", nproc=4)
+    m = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "manifest.json").read_text())
+    assert m["world_size"] == 4 and m["layout"]["tp"] == 2 and m["layout"]["ep"] == 2
+    assert _gradients_by_step_2(tmp_path / "run")
+    sys.path.insert(0, str(ROOT / "tests" / "dist"))
+    from reshard_worker import check_load  # noqa: E402
+
+    cfg = tiny_cfg(*RESHARD[len(TINY):], *bf16, "train.steps=4")
+    assert check_load(cfg, tmp_path / "run") == 2
+    train(cfg, run_dir=tmp_path / "run", resume=True)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]

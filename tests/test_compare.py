@@ -301,7 +301,7 @@ def _records(run_dir):
     return [strip_timing(r) for r in records(run_dir)]
 
 
-def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch):
+def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch, capsys):
     """2 variants x 2 seeds, 3 steps, run one at a time in this process and then two at a time in separate
     processes: every metric (timings aside) is equal. Seeds are paired: one seed's first rollouts are the same in
     both variants, and the two seeds differ."""
@@ -351,6 +351,22 @@ def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch):
     new = {v: _records(tmp_path / "seq" / v / f"seed_2") for v in ("grpo_r3", "gspo")}
     assert len(new["gspo"]) == 3 and new["gspo"][0]["reward/mean"] == new["grpo_r3"][0]["reward/mean"]
     assert "3 seeds per variant" in _text(tmp_path / "seq" / "report.html")
+
+    # a resumed run with another thread count than the kept ones is run, with a warning that they round differently
+    import torch
+
+    (tmp_path / "seq" / "gspo" / "seed_2" / "wall_time.json").unlink()
+    capsys.readouterr()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main([*args, "--out", str(tmp_path / "seq"), "--jobs", "1", "--resume", "--seeds", "3"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    err = capsys.readouterr().err
+    assert "keeping 3 of 3 cold start(s) and 5 of 6 runs" in err, err
+    assert "the kept runs ran with 1 thread(s) each and the 1 new one(s) run with 2" in err, err
+    assert json.loads((tmp_path / "seq" / "gspo" / "seed_2" / "wall_time.json").read_text())["threads"] == 2
 
     # what --resume keeps depends on the config: an RL-only change keeps the cold starts and redoes the runs; a
     # cold-start change redoes both

@@ -194,6 +194,8 @@ def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: b
     todo_files = {f: cfg for f, cfg in files.items() if f.name not in kept_cold}
     t0 = time.perf_counter()
     threads = max(1, _thread_budget() // jobs)
+    if kept_runs and todo:
+        _warn_on_thread_change(plan, kept_runs, threads, len(todo))
     if jobs == 1:
         cold_s, walls = _run_in_process(todo, todo_files, base)
     else:
@@ -238,6 +240,16 @@ def reusable_work(plan: list[Job], files: dict, base: dict) -> tuple[dict[str, f
             if _comparable(read_yaml(conf)) == _comparable(planned):
                 runs[job.label] = float(json.loads(wall.read_text())["seconds"])
     return cold, runs
+
+
+def _warn_on_thread_change(plan: list[Job], kept_runs: dict, threads: int, new: int) -> None:
+    """Say so when --resume runs new runs with another thread count than the kept ones (recorded in their
+    wall_time.json): CPU kernels split reductions by thread, so the two sets differ in float rounding."""
+    old = {json.loads((job.dir / "wall_time.json").read_text()).get("threads") for job in plan
+           if job.label in kept_runs} - {None}
+    if old and old != {threads}:
+        _say(f"--resume: warning: the kept runs ran with {'/'.join(map(str, sorted(old)))} thread(s) each and the "
+             f"{new} new one(s) run with {threads}, so the two sets differ in float rounding")
 
 
 def _run_in_process(plan: list[Job], files: dict, base: dict) -> tuple[dict, dict]:

@@ -195,13 +195,14 @@ def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: b
     t0 = time.perf_counter()
     threads = max(1, _thread_budget() // jobs)
     if kept_runs and todo:
-        _warn_on_thread_change(plan, kept_runs, threads, len(todo))
+        _warn_on_thread_change(kept_runs, threads, len(todo))
     if jobs == 1:
         cold_s, walls = _run_in_process(todo, todo_files, base)
     else:
         cold_s, walls = _run_in_processes(todo, todo_files, base, jobs, threads)
     cold_s = {f.name: kept_cold.get(f.name, cold_s.get(f.name)) for f in files}
-    walls = {job.label: kept_runs.get(job.label, walls.get(job.label)) for job in plan}
+    walls = {job.label: float(kept_runs[job.label]["seconds"]) if job.label in kept_runs else walls.get(job.label)
+             for job in plan}
     if dist.is_initialized() and dist.get_rank() != 0:
         return out / "report.html"
     meta = {"variants": variants, "seeds": seed_list, "jobs": jobs, "threads_per_run": threads,
@@ -219,9 +220,9 @@ def _comparable(config: dict) -> dict:
     return d
 
 
-def reusable_work(plan: list[Job], files: dict, base: dict) -> tuple[dict[str, float], dict[str, float]]:
-    """What --resume keeps: ({weights file name: seconds} of the finished cold starts, {run label: seconds} of the
-    finished runs). A cold start is finished when its weights, its seconds (.json, written after the weights) and
+def reusable_work(plan: list[Job], files: dict, base: dict) -> tuple[dict[str, float], dict[str, dict]]:
+    """What --resume keeps: ({weights file name: seconds} of the finished cold starts, {run label: its
+    wall_time.json record (seconds, threads, ...)} of the finished runs). A cold start is finished when its weights, its seconds (.json, written after the weights) and
     its config (.yaml) are on disk and the config has the planned cold start's model, layout, task, seed and
     supervised settings. A run is finished when its wall_time.json (written after training) and config.yaml are
     on disk, the config equals the planned one but for the progress bar and output directory, and its cold start
@@ -232,21 +233,20 @@ def reusable_work(plan: list[Job], files: dict, base: dict) -> tuple[dict[str, f
         if f.is_file() and info.is_file() and conf.is_file() and \
                 cold_start_key(load_config(conf)) == cold_start_key(cfg):
             cold[f.name] = float(json.loads(info.read_text())["seconds"])
-    runs: dict[str, float] = {}
+    runs: dict[str, dict] = {}
     for job in plan:
         wall, conf = job.dir / "wall_time.json", job.dir / "config.yaml"
         if job.init.name in cold and wall.is_file() and conf.is_file() and (job.dir / "metrics.jsonl").is_file():
             planned = to_dict(run_config(base, job.overrides, job.seed))
             if _comparable(read_yaml(conf)) == _comparable(planned):
-                runs[job.label] = float(json.loads(wall.read_text())["seconds"])
+                runs[job.label] = json.loads(wall.read_text())
     return cold, runs
 
 
-def _warn_on_thread_change(plan: list[Job], kept_runs: dict, threads: int, new: int) -> None:
+def _warn_on_thread_change(kept_runs: dict[str, dict], threads: int, new: int) -> None:
     """Say so when --resume runs new runs with another thread count than the kept ones (recorded in their
     wall_time.json): CPU kernels split reductions by thread, so the two sets differ in float rounding."""
-    old = {json.loads((job.dir / "wall_time.json").read_text()).get("threads") for job in plan
-           if job.label in kept_runs} - {None}
+    old = {record.get("threads") for record in kept_runs.values()} - {None}
     if old and old != {threads}:
         _say(f"--resume: warning: the kept runs ran with {'/'.join(map(str, sorted(old)))} thread(s) each and the "
              f"{new} new one(s) run with {threads}, so the two sets differ in float rounding")
@@ -265,10 +265,11 @@ def _run_in_process(plan: list[Job], files: dict, base: dict) -> tuple[dict, dic
     for job in plan:
         if job.seed != seed:  # a new seed: the previous seed's weights are no longer needed
             states, seed = {}, job.seed
-        if job.init not in states and job.init in files:
-            states[job.init], cold_s[job.init.name] = cold_start_to_file(files[job.init], job.init)
-        elif job.init not in states:
-            states[job.init] = load_file(str(job.init))
+        if job.init not in states:
+            if job.init in files:
+                states[job.init], cold_s[job.init.name] = cold_start_to_file(files[job.init], job.init)
+            else:  # kept by --resume
+                states[job.init] = load_file(str(job.init))
         cfg = run_config(base, job.overrides, job.seed)
         walls[job.label] = train_one(cfg, job.dir, states[job.init], job.label, job.overrides)
     return cold_s, walls
@@ -300,11 +301,10 @@ def cold_start_to_file(cfg, path: Path) -> tuple[dict, float]:
 def train_one(cfg, run_dir: Path, init_state: dict, label: str, overrides=()) -> float:
     """One run of the loop from `init_state`, replacing any previous run in run_dir; writes wall_time.json
     (seconds of train(), excluding process start-up) and returns those seconds."""
+    import torch
     import torch.distributed as dist
 
     from moe_gspo.train.loop import train
-
-    import torch
 
     wall = Path(run_dir) / "wall_time.json"  # written last: a run without it is unfinished (see reusable_work)
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -304,7 +304,9 @@ def _records(run_dir):
 def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch, capsys):
     """2 variants x 2 seeds, 3 steps, run one at a time in this process and then two at a time in separate
     processes: every metric (timings aside) is equal. Seeds are paired: one seed's first rollouts are the same in
-    both variants, and the two seeds differ."""
+    both variants, and the two seeds differ. Then --resume on both directories: an interrupted run is redone and
+    reproduces the original, a larger --seeds adds a seed, a thread-count change is warned about, and a config
+    change decides what is kept."""
     from moe_gspo.cli import main
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -348,7 +350,7 @@ def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch, capsys):
     assert info["seeds"] == [0, 1, 2] and set(info["wall_seconds"]) == {f"{v}/seed_{s}" for v in ("grpo_r3", "gspo")
                                                                         for s in (0, 1, 2)}
     assert {(v, s): _records(tmp_path / "seq" / v / f"seed_{s}") for v in ("grpo_r3", "gspo") for s in (0, 1)} == seq
-    new = {v: _records(tmp_path / "seq" / v / f"seed_2") for v in ("grpo_r3", "gspo")}
+    new = {v: _records(tmp_path / "seq" / v / "seed_2") for v in ("grpo_r3", "gspo")}
     assert len(new["gspo"]) == 3 and new["gspo"][0]["reward/mean"] == new["grpo_r3"][0]["reward/mean"]
     assert "3 seeds per variant" in _text(tmp_path / "seq" / "report.html")
 

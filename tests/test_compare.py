@@ -385,6 +385,12 @@ def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch, capsys):
     assert len(cold) == 3 and runs == {}
     cold, runs = kept_after("train.cold_start_steps=41")
     assert cold == {} and runs == {}
+    # a damaged record counts as unfinished: its work is redone, not refused
+    (tmp_path / "seq" / "grpo_r3" / "seed_0" / "wall_time.json").write_text("{")
+    (tmp_path / "seq" / "cold_start" / "seed_1.json").write_text("")
+    cold, runs = kept_after()
+    assert sorted(cold) == ["seed_0.safetensors", "seed_2.safetensors"]
+    assert sorted(runs) == ["grpo_r3/seed_2", "gspo/seed_0", "gspo/seed_2"]
 
 
 def test_compare_cli_errors(tmp_path, capsys):

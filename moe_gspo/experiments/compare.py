@@ -201,7 +201,7 @@ def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: b
     else:
         cold_s, walls = _run_in_processes(todo, todo_files, base, jobs, threads)
     cold_s = {f.name: kept_cold.get(f.name, cold_s.get(f.name)) for f in files}
-    walls = {job.label: float(kept_runs[job.label]["seconds"]) if job.label in kept_runs else walls.get(job.label)
+    walls = {job.label: kept_runs[job.label]["seconds"] if job.label in kept_runs else walls.get(job.label)
              for job in plan}
     if dist.is_initialized() and dist.get_rank() != 0:
         return out / "report.html"
@@ -222,24 +222,33 @@ def _comparable(config: dict) -> dict:
 
 def reusable_work(plan: list[Job], files: dict, base: dict) -> tuple[dict[str, float], dict[str, dict]]:
     """What --resume keeps: ({weights file name: seconds} of the finished cold starts, {run label: its
-    wall_time.json record (seconds, threads, ...)} of the finished runs). A cold start is finished when its weights, its seconds (.json, written after the weights) and
-    its config (.yaml) are on disk and the config has the planned cold start's model, layout, task, seed and
-    supervised settings. A run is finished when its wall_time.json (written after training) and config.yaml are
-    on disk, the config equals the planned one but for the progress bar and output directory, and its cold start
-    is kept: a redone cold start redoes every run that starts from it."""
+    wall_time.json record (seconds, threads, ...)} of the finished runs). A cold start is finished when its
+    weights, its seconds (.json, written after the weights) and its config (.yaml) are on disk and the config has
+    the planned cold start's model, layout, task, seed and supervised settings. A run is finished when its
+    wall_time.json (written after training) and config.yaml are on disk, the config equals the planned one but for
+    the progress bar and output directory, and its cold start is kept: a redone cold start redoes every run that
+    starts from it. A record that cannot be read or parsed counts as unfinished, so its work is redone."""
     cold: dict[str, float] = {}
     for f, cfg in files.items():
         info, conf = f.with_suffix(".json"), f.with_suffix(".yaml")
-        if f.is_file() and info.is_file() and conf.is_file() and \
-                cold_start_key(load_config(conf)) == cold_start_key(cfg):
-            cold[f.name] = float(json.loads(info.read_text())["seconds"])
+        if not f.is_file():
+            continue
+        try:
+            if cold_start_key(load_config(conf)) == cold_start_key(cfg):
+                cold[f.name] = float(json.loads(info.read_text())["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     runs: dict[str, dict] = {}
     for job in plan:
-        wall, conf = job.dir / "wall_time.json", job.dir / "config.yaml"
-        if job.init.name in cold and wall.is_file() and conf.is_file() and (job.dir / "metrics.jsonl").is_file():
+        if job.init.name not in cold or not (job.dir / "metrics.jsonl").is_file():
+            continue
+        try:
             planned = to_dict(run_config(base, job.overrides, job.seed))
-            if _comparable(read_yaml(conf)) == _comparable(planned):
-                runs[job.label] = json.loads(wall.read_text())
+            if _comparable(read_yaml(job.dir / "config.yaml")) == _comparable(planned):
+                record = json.loads((job.dir / "wall_time.json").read_text())
+                runs[job.label] = {**record, "seconds": float(record["seconds"])}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     return cold, runs
 
 

@@ -1,0 +1,26 @@
+"""The config's error type and the range checks the dataclasses' __post_init__ share."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or out of range (the message names the field)."""
+
+
+def _section(obj) -> str:
+    return getattr(type(obj), "SECTION", type(obj).__name__)
+
+
+def positive(obj, *names):
+    """Raise ConfigError naming section.field for the first of `names` that is not > 0."""
+    for n in names:
+        v = getattr(obj, n)
+        if v <= 0:
+            raise ConfigError(f"{_section(obj)}.{n}={v!r} must be > 0")
+
+
+def choice(obj, name, choices):
+    """Raise ConfigError naming section.field when its value is not one of `choices`."""
+    v = getattr(obj, name)
+    if v not in choices:
+        raise ConfigError(f"{_section(obj)}.{name}={v!r} is not one of {list(choices)}")

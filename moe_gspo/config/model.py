@@ -1,0 +1,94 @@
+"""The policy architecture (model:) and how it is split over ranks (parallel:)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from moe_gspo.config.checks import ConfigError, choice, positive
+
+
+@dataclass
+class ModelConfig:
+    """Qwen3-MoE architecture (names follow transformers' Qwen3MoeConfig)."""
+
+    SECTION: ClassVar[str] = "model"
+
+    vocab_size: int = 128
+    """Vocabulary size (rows of the embedding and of the LM head)."""
+    hidden_size: int = 128
+    """Model width H."""
+    num_hidden_layers: int = 4
+    """Number of decoder layers; every layer is an MoE layer."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide num_attention_heads."""
+    head_dim: int = 32
+    """Per-head width (Qwen3 decouples it from hidden_size / heads)."""
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    num_experts_per_tok: int = 2
+    """Top-k experts per token."""
+    moe_intermediate_size: int = 256
+    """Hidden width of each SwiGLU expert."""
+    norm_topk_prob: bool = True
+    """Renormalize the top-k router probabilities to sum to 1 (Qwen3-MoE: true)."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon (must match the checkpoint: megatron's 1e-5 default flips experts)."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base."""
+    max_position_embeddings: int = 512
+    """Longest sequence the model is configured for."""
+    tie_word_embeddings: bool = False
+    """Share the embedding and the LM head."""
+    initializer_range: float = 0.02
+    """Std of the normal init for a fresh model."""
+    params_dtype: str = "float32"
+    """Parameter dtype: float32 or bfloat16."""
+    attention: str = "sdpa"
+    """Core attention: 'sdpa' (torch scaled_dot_product_attention) or 'megatron' (megatron's local unfused one)."""
+    experts: str = "torch"
+    """Expert MLPs without Transformer Engine: 'torch' (megatron's SequentialMLP with its per-expert loop in plain
+    torch ops, the same math and parameters; used while the expert linears need no collective, i.e. expert-TP size
+    1) or 'megatron' (SequentialMLP's own ColumnParallelLinear / RowParallelLinear per expert)."""
+    compile: bool = False
+    """Run the decoder through torch.compile (inductor: fused C++ kernels on the CPU) instead of eagerly. Each new
+    input shape compiles on its first forward and backward (about a minute at configs/tiny_cpu.yaml, one thread).
+    Needs parallel.tp = parallel.ep = 1. See docs/performance.md for what it gains."""
+    init_from: str | None = None
+    """A Hugging Face Qwen3-MoE checkpoint directory to load weights from (architecture fields then come from it)."""
+
+    def __post_init__(self):
+        positive(self, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"model.num_key_value_heads={self.num_key_value_heads} must divide "
+                              f"model.num_attention_heads={self.num_attention_heads}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                              f"model.num_experts={self.num_experts}")
+        choice(self, "params_dtype", ("float32", "bfloat16"))
+        choice(self, "attention", ("sdpa", "megatron"))
+        choice(self, "experts", ("torch", "megatron"))
+
+
+@dataclass
+class ParallelConfig:
+    """How the policy is split over ranks (world = tp * ep * dp for the dense part's data parallelism)."""
+
+    SECTION: ClassVar[str] = "parallel"
+
+    tp: int = 1
+    """Tensor-parallel size (attention heads, expert-free dense weights, vocab). TP>1 turns on sequence parallelism."""
+    ep: int = 1
+    """Expert-parallel size: experts are divided among ep ranks."""
+    backend: str = "auto"
+    """torch.distributed backend: 'auto' (nccl with CUDA, else gloo), 'gloo' or 'nccl'."""
+    dispatcher: str = "allgather"
+    """MoE token dispatcher: 'allgather' (works on gloo) or 'alltoall'."""
+
+    def __post_init__(self):
+        positive(self, "tp", "ep")
+        choice(self, "backend", ("auto", "gloo", "nccl"))
+        choice(self, "dispatcher", ("allgather", "alltoall"))

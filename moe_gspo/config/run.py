@@ -1,0 +1,206 @@
+"""Sampling (rollout:), optimization (train:), metrics (logging:), a whole run (Config) and the compare: section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from moe_gspo.config.algorithm import AlgorithmConfig
+from moe_gspo.config.checks import ConfigError, choice, positive
+from moe_gspo.config.model import ModelConfig, ParallelConfig
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling responses from the current policy."""
+
+    SECTION: ClassVar[str] = "rollout"
+
+    engine: str = "hf"
+    """Rollout engine: 'hf' (transformers generate, CPU) or 'sglang' (GPU)."""
+    task: str = "addition"
+    """Built-in task name or 'jsonl'/'parquet' for a dataset file."""
+    dataset_path: str | None = None
+    """Prompt file for dataset tasks."""
+    prompts_per_step: int = 8
+    """Prompts per rollout batch."""
+    group_size: int = 8
+    """Responses sampled per prompt (G)."""
+    max_new_tokens: int = 16
+    """Longest response."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    return_routing: bool = True
+    """Ask the engine for the experts each response token was routed to (needed for R3 and mismatch metrics)."""
+    engine_dtype: str = "float32"
+    """Dtype the rollout engine computes in: 'float32', or 'bfloat16' to mimic a bf16 inference engine's numeric
+    mismatch with the fp32 trainer (what R3 and `use_engine_logprobs` exist for)."""
+    task_args: str = ""
+    """Difficulty knobs of a built-in task as 'key=value,key=value' (e.g. 'max_digits=1,num_operands=3')."""
+    bad_reward: str = "error"
+    """A NaN/inf or failed reward: 'error' (stop, naming the sample) or 'skip' (drop the sample, count it)."""
+
+    def __post_init__(self):
+        positive(self, "prompts_per_step", "group_size", "max_new_tokens")
+        choice(self, "bad_reward", ("error", "skip"))
+        choice(self, "engine_dtype", ("float32", "bfloat16"))
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        if self.temperature <= 0:
+            raise ConfigError(f"rollout.temperature={self.temperature} must be > 0")
+
+
+@dataclass
+class TrainConfig:
+    """Optimization and the loop."""
+
+    SECTION: ClassVar[str] = "train"
+
+    seed: int = 0
+    """Seed for weights, data and sampling."""
+    steps: int = 20
+    """Rollout steps (RL) or optimizer steps (plain training)."""
+    lr: float = 1e-3
+    """Peak Adam learning rate (megatron's optimizer, decoupled weight decay)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to train.lr (an RL step takes train.minibatches optimizer steps)."""
+    lr_decay: str = "constant"
+    """Learning-rate decay after warmup, down to train.min_lr at the last optimizer step: 'constant', 'linear' or
+    'cosine' (megatron's OptimizerParamScheduler)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of 'linear' or 'cosine' decay."""
+    weight_decay: float = 0.0
+    """Adam decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    distributed_optimizer: bool = True
+    """Shard the fp32 main parameters and Adam state over data-parallel ranks when dp > 1 (megatron's
+    DistributedOptimizer); no effect when dp = 1."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables)."""
+    minibatches: int = 4
+    """Optimizer steps per rollout batch (the paper uses 4)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward inside a minibatch."""
+    logprob_micro_batch_size: int | None = None
+    """Sequences per forward of the no-grad log-prob pass over the rollout batch (pi_old, and pi_ref with a KL
+    term); None takes train.micro_batch_size. That pass keeps no autograd graph, so it can take larger batches than
+    training: fewer forwards, less per-forward overhead, more activation memory per forward."""
+    seq_len: int = 64
+    """Sequence length for plain training runs."""
+    batch_size: int = 16
+    """Sequences per optimizer step for plain training runs."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every N steps (0: never)."""
+    keep_checkpoints: int = 2
+    """How many complete checkpoints to keep."""
+    out_dir: str = "runs/tiny"
+    """Where metrics and checkpoints go."""
+    logprob_impl: str = "fused"
+    """Training log-probs: 'fused' (moe_gspo.kernels.token_logprobs on hidden states) or 'eager' (logits); used by
+    the old-log-prob pass, and by the update when train.loss_impl='eager'."""
+    loss_impl: str = "fused"
+    """The update's LM head and loss: 'fused' (moe_gspo.kernels.fused_logprob_loss: hidden states to the loss of
+    moe_gspo.losses and the LM head's gradient in one pass, 6THV, equal to 'eager' up to float rounding) or 'eager'
+    (log-probs by train.logprob_impl, then the loss under autograd)."""
+    cold_start_steps: int = 0
+    """Supervised steps on task demonstrations before RL (0: none), so that groups have reward variance."""
+    cold_start_lr: float = 3e-3
+    """Constant Adam learning rate of the cold-start stage (its own megatron optimizer, no schedule)."""
+    cold_start_batch_size: int = 32
+    """Demonstrations per cold-start step (split over data-parallel ranks)."""
+
+    def __post_init__(self):
+        positive(self, "steps", "minibatches", "micro_batch_size", "seq_len", "batch_size", "keep_checkpoints",
+                  "cold_start_batch_size")
+        if self.logprob_micro_batch_size is not None:
+            positive(self, "logprob_micro_batch_size")
+        choice(self, "logprob_impl", ("fused", "eager"))
+        choice(self, "loss_impl", ("fused", "eager"))
+        if self.cold_start_steps < 0 or self.checkpoint_every < 0:
+            raise ConfigError(f"train.cold_start_steps={self.cold_start_steps} and train.checkpoint_every="
+                              f"{self.checkpoint_every} must be >= 0")
+        if self.lr < 0:
+            raise ConfigError(f"train.lr={self.lr} must be >= 0")
+        choice(self, "lr_decay", ("constant", "linear", "cosine"))
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"train.lr_warmup_steps={self.lr_warmup_steps} must be >= 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
+        if self.adam_eps <= 0:
+            raise ConfigError(f"train.adam_eps={self.adam_eps} must be > 0")
+
+
+@dataclass
+class LoggingConfig:
+    """Where and how metrics are reported."""
+
+    SECTION: ClassVar[str] = "logging"
+
+    jsonl: bool = True
+    """Write metrics.jsonl in the run directory."""
+    tensorboard: bool = True
+    """Write tensorboard event files in the run directory."""
+    progress: bool = True
+    """Show a rich progress bar."""
+    every: int = 1
+    """Log every N steps."""
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy architecture."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor/expert parallelism."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Loss, advantages, routing replay."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimization."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics."""
+
+
+@dataclass
+class CompareConfig:
+    """The `compare:` section of a `moe-gspo compare` config, beside its `variants` (read by
+    moe_gspo.experiments.compare; not part of a run's Config)."""
+
+    SECTION: ClassVar[str] = "compare"
+
+    seeds: int = 1
+    """Seeds per variant: runs use train.seed + 0 .. seeds-1, the same seeds for every variant (paired); each seed
+    has its own cold start (initial weights and demonstrations), shared by the variants of that seed."""
+    jobs: int = 1
+    """Cold starts and runs at a time, each in its own process with OMP_NUM_THREADS = (this process's threads) //
+    jobs; 1 runs everything in this process (and works under torchrun)."""
+    final_window: int = 10
+    """The final reward of a run is the mean of its last `final_window` logged steps."""
+    smooth_window: int = 5
+    """Trailing moving-average window of the curves and of the collapse detector."""
+    collapse_fraction: float = 0.5
+    """A run collapses when its smoothed reward falls below this fraction of its running peak ..."""
+    collapse_patience: int = 10
+    """... and stays below it for this many logged steps."""
+    collapse_min_peak: float = 0.1
+    """Running peaks below this count as this value (noise near zero reward is not a collapse)."""
+
+    def __post_init__(self):
+        positive(self, "seeds", "jobs", "final_window", "smooth_window", "collapse_patience")
+        if not 0 < self.collapse_fraction < 1:
+            raise ConfigError(f"compare.collapse_fraction={self.collapse_fraction} must be in (0, 1)")
+        if self.collapse_min_peak < 0:
+            raise ConfigError(f"compare.collapse_min_peak={self.collapse_min_peak} must be >= 0")

@@ -33,7 +33,7 @@ def _text(report):
 def test_report_with_seeds_intervals_verdicts_and_collapses(tmp_path):
     """3 seeds: gspo ends 0.2 above grpo at every seed (distinguishable), grpo_r2 equals grpo up to +-0.01
     (not distinguishable), and one grpo_r2 seed collapses."""
-    from moe_gspo.experiments.stats import t_interval
+    from moe_gspo.report.stats import t_interval
     from moe_gspo.report.compare import load_variants, run_walls, summary_rows, variant_stats, write_compare_report
     from moe_gspo.config import CompareConfig
 
@@ -145,7 +145,7 @@ def test_curves_smoothed_alike_with_raw_faint_and_legends_outside(tmp_path, monk
     moving average bold (log-scale figures too), and no legend overlaps a plotting area."""
     import numpy as np
 
-    from moe_gspo.experiments.stats import smooth
+    from moe_gspo.report.stats import smooth
 
     figs = _captured_figures(monkeypatch)
     from moe_gspo.report.compare import write_compare_report
@@ -184,7 +184,7 @@ def test_layer_profile_and_churn_average_runs_then_seeds(tmp_path):
     """Per layer, each run's mean over steps, then the mean over seeds with a t-band; per expert likewise."""
     import numpy as np
 
-    from moe_gspo.experiments.stats import band
+    from moe_gspo.report.stats import band
     from moe_gspo.report.compare import CHURN_OUT, expert_churn, layer_profile, load_variants
 
     for s, flip in enumerate((0.01, 0.02, 0.04, 0.5)):

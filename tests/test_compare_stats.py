@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_gspo.experiments.stats import (band, collapses, final_value, smooth, t_critical, t_interval,
+from moe_gspo.report.stats import (band, collapses, final_value, smooth, t_critical, t_interval,
                                         t_two_sided_cdf, verdict)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_gspo.model import cpu_compat
+from moe_gspo.parallel import cpu_compat
 
 
 def test_patched_names_exist_in_this_megatron():

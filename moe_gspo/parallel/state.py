@@ -104,7 +104,7 @@ def init_parallel(pc: ParallelConfig, num_experts: int, seed: int = 0, num_kv_he
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
-    from moe_gspo.model import cpu_compat
+    from moe_gspo.parallel import cpu_compat
 
     cpu_compat.apply()
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))

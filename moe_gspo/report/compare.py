@@ -5,7 +5,7 @@
 
 The seeds and the statistics settings (final window, smoothing, collapse rule) come from DIR/compare.json when it
 is there (CompareConfig defaults otherwise; a variant directory holding metrics.jsonl itself is one run).
-Statistics (moe_gspo/experiments/stats.py): a run's final reward is the mean of its last `final_window` steps; a
+Statistics (moe_gspo/report/stats.py): a run's final reward is the mean of its last `final_window` steps; a
 variant's is the mean over seeds with a 95% Student-t interval; each variant is compared with GRPO (or the first
 variant when GRPO is absent) by the per-seed paired difference of final rewards, with its t-interval and a verdict;
 collapses are counted per run. A run-settings table comes first (each variant's first run's config.yaml: model
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_gspo.config import CompareConfig
-from moe_gspo.experiments.stats import Interval, band, collapses, final_value, smooth, t_interval, verdict
+from moe_gspo.report.stats import Interval, band, collapses, final_value, smooth, t_interval, verdict
 from moe_gspo.report import html
 from moe_gspo.report.plots import (DASHES, Run, _save, band_plot, colors, grouped_bars, legend_outside, load_metrics,
                                    plt)
@@ -96,7 +96,7 @@ class Stats:
     final: Interval
     """Their mean over seeds with the 95% t-interval."""
     collapses: list[list]
-    """Per run, the collapses of its reward curve (moe_gspo.experiments.stats.Collapse)."""
+    """Per run, the collapses of its reward curve (moe_gspo.report.stats.Collapse)."""
     diff: Interval | None = None
     """Paired difference of final rewards against the baseline (None for the baseline itself)."""
     verdict: str = ""

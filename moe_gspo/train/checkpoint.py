@@ -45,7 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moe_gspo.model import cpu_compat
+from moe_gspo.parallel import cpu_compat
 from moe_gspo.model.hf_io import fsync_dir
 from moe_gspo.parallel.state import comm_device
 from moe_gspo.train import sharded_io, sharded_state

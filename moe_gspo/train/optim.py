@@ -33,7 +33,7 @@ from megatron.core.optimizer import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from moe_gspo.model import cpu_compat
+from moe_gspo.parallel import cpu_compat
 
 
 def wrap_ddp(policy, distributed: bool = True) -> DistributedDataParallel:

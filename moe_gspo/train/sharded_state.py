@@ -14,7 +14,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.optimizer import DistributedOptimizer
 
-from moe_gspo.model import cpu_compat
+from moe_gspo.parallel import cpu_compat
 
 # The optimizer's tensors under layout-independent keys ("optimizer.state.exp_avg.<model key>", ...), whether it is
 # one optimizer or a chain (dense + expert), with or without the distributed optimizer. 'fully_reshardable' is the

@@ -285,5 +285,5 @@ def check() -> None:
         if not hasattr(tracker, attr):
             missing.append(f"CudaRNGStatesTracker.{attr}")
     if missing:
-        raise RuntimeError(f"moe_gspo.model.cpu_compat was written for megatron-core 0.16.1 but "
+        raise RuntimeError(f"moe_gspo.parallel.cpu_compat was written for megatron-core 0.16.1 but "
                            f"{megatron.core.__version__} lacks: {missing}; revisit every patch in this module")

@@ -116,7 +116,7 @@ def _train_lm(args) -> int:
 
 
 def _rollout(args) -> int:
-    from moe_gspo.rollout.sample import rollout_command
+    from moe_gspo.train.sample import rollout_command
 
     path, metrics = rollout_command(args.config, args.run_dir, args.overrides, args.num_prompts, args.out, args.seed)
     print(" ".join(f"{k}={v:.3g}" for k, v in metrics.items()))

@@ -4,7 +4,8 @@
 
 Two groups, each against its own naive baseline measured in the same run:
   plain: naive (logits -> log_softmax -> gather, 6THV) vs chunked / triton / liger / cut-cross-entropy (8THV)
-  loss:  naive_loss (naive log-probs + GSPO formula under autograd, 6THV) vs fused_loss (fused_policy_loss, 6THV)
+  loss:  naive_loss (naive log-probs + moe_gspo.losses' GSPO under autograd, 6THV) vs fused_loss
+         (moe_gspo.train.logprob.fused_policy_loss: the same loss through fused_logprob_loss, 6THV)
 `seconds` is wall-clock, or with --clock cpu (CPU device only) the process CPU time, which a busy shared
 machine distorts less at --threads 1. extra_bytes = peak allocated memory during fwd+bwd minus the gradients d hidden and d weight (which any
 implementation must return); inputs exist before measuring. CPU: the torch profiler's allocation events
@@ -20,7 +21,9 @@ import time
 
 import torch
 
-from moe_gspo.kernels import fused_policy_loss, memory, token_logprobs
+from moe_gspo.kernels import memory, token_logprobs
+from moe_gspo.losses import get_policy_loss
+from moe_gspo.train.logprob import fused_policy_loss
 from moe_gspo.kernels.triton_kernels import available as triton_available
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,12 +68,9 @@ def plain_impls(device):
 
 def loss_impls():
     def naive_loss(h, w, t, gl, cu, adv):
-        from moe_gspo.kernels.loss_fused import gspo_coef
-        from moe_gspo.kernels.reduce import segment_ids
         lp = naive_logp(h, w, t)
-        seg = segment_ids(cu, t.shape[0])
-        old = _OLD[0]
-        value = gspo_coef(lp, old, torch.ones_like(t, dtype=torch.bool), seg, adv, float(adv.numel()), 3e-4, 4e-4)[0]
+        value = get_policy_loss("gspo")(lp, _OLD[0], adv, torch.ones_like(t, dtype=torch.bool), cu_seqlens=cu,
+                                        loss_denominator=float(adv.numel()))[0]
         value.backward()
 
     def fused(h, w, t, gl, cu, adv):

@@ -13,7 +13,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from moe_gspo.kernels import fused_policy_loss, token_logprobs
+from moe_gspo.kernels import token_logprobs
+from moe_gspo.train.logprob import fused_policy_loss
 
 
 def close(a, b, tol, what):

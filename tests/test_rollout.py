@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moe_gspo.rollout import RolloutBatch, SamplingParams, build_engine, rollout_probs_diff, token_logprobs_from_logits
+from moe_gspo.kernels import token_logprobs_from_logits
+from moe_gspo.rollout import RolloutBatch, SamplingParams, build_engine, rollout_probs_diff
 from moe_gspo.rollout.hf_engine import HFEngine, copy_into_model, hf_forward_with_routing
 from moe_gspo.tasks import CharTokenizer
 
@@ -205,7 +206,7 @@ def test_padded_layout_and_select(model, prompts):
 
 def test_cli_run_rollout_writes_jsonl(model, tmp_path):
     from moe_gspo.config import load_config
-    from moe_gspo.rollout.sample import run_rollout
+    from moe_gspo.train.sample import run_rollout
 
     cfg = load_config("configs/tiny_cpu.yaml", ["rollout.group_size=2", "rollout.max_new_tokens=6"])
     out = tmp_path / "r.jsonl"

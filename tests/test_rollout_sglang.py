@@ -7,7 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from moe_gspo.rollout import SamplingParams, build_engine, rollout_probs_diff, token_logprobs_from_logits
+from moe_gspo.kernels import token_logprobs_from_logits
+from moe_gspo.rollout import SamplingParams, build_engine, rollout_probs_diff
 from moe_gspo.rollout.sglang_engine import decode_routed_experts
 from moe_gspo.tasks import CharTokenizer
 

@@ -3,7 +3,7 @@
     batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(temperature=1.0, seed=0))
     pb = batch.to_padded()                  # PaddedRollout: input_ids (B, T), response_mask (B, T), ...
     logits = policy(pb.input_ids)           # (B, T, V)
-    new_logp = token_logprobs_from_logits(logits, pb.input_ids, temperature=1.0)       # (B, T)
+    new_logp = token_logprobs_from_logits(logits, pb.input_ids, temperature=1.0)       # moe_gspo.kernels, (B, T)
     metrics = rollout_probs_diff(pb.old_logprobs, new_logp, pb.response_mask)
 
 Conventions (B responses, T = max over responses of P_i + R_i):
@@ -171,25 +171,6 @@ class PaddedRollout:
         if self.routing is None:
             raise ValueError("this rollout carries no routing (generate with return_routing=True)")
         return ReplaySource(self.routing.reshape(-1, *self.routing.shape[2:]))
-
-
-def token_logprobs_from_logits(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float = 1.0,
-                               return_entropy: bool = False):
-    """Token-aligned log pi(input_ids[b, j] | prefix) from a full forward's logits; (B, T) float32, column 0 = 0.
-
-    The one eager log-prob path (float32 log_softmax of logits / temperature; temperature 0 reads as 1): the
-    rollout check and the trainer's `train.logprob_impl=eager` both use it. With return_entropy, also the
-    token-aligned entropy of the same distributions: (logp, entropy)."""
-    t = 1.0 if temperature == 0 else temperature
-    logp = torch.log_softmax(logits_BTV[:, :-1].float() / t, dim=-1)  # (B, T-1, V)
-    tgt = input_ids_BT[:, 1:].long().unsqueeze(-1).to(logp.device)
-    out = torch.zeros(input_ids_BT.shape, dtype=torch.float32, device=logits_BTV.device)
-    out[:, 1:] = logp.gather(-1, tgt).squeeze(-1)
-    if not return_entropy:
-        return out
-    ent = torch.zeros_like(out)
-    ent[:, 1:] = -(logp.exp() * logp).sum(-1)
-    return out, ent
 
 
 def rollout_probs_diff(engine_logp_BT: torch.Tensor, recomputed_logp_BT: torch.Tensor,

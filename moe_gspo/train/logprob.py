@@ -12,14 +12,18 @@ reference: full logits -> log_softmax -> gather. Both return float32.
 goes from the final hidden states straight to a loss of the token log-probs (moe_gspo.kernels.fused_logprob_loss,
 6THV instead of token_logprobs' 8THV): loss_rows(logp_bT, b0, b1) is the loss part of rows b0..b1-1, given their
 token-aligned log-probs; the LM head's gradient is computed inside the call.
+
+    loss, metrics = fused_policy_loss(hidden_TH, weight_VH, targets_T, old_logp_T, adv_B, cu_seqlens=cu, loss="gspo")
+
+is the same on a packed batch of raw tensors with a registered loss by name (benchmarks, users of the kernel).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_gspo.kernels import fused_logprob_loss, token_logprobs
-from moe_gspo.rollout.batch import token_logprobs_from_logits
+from moe_gspo.kernels import fused_logprob_loss, sequence_reduce, token_logprobs, token_logprobs_from_logits
+from moe_gspo.losses import get_policy_loss
 
 
 def _tp_group(policy):
@@ -76,3 +80,52 @@ def hidden_loss(policy, hidden_BTH: torch.Tensor, input_ids_BT: torch.Tensor, lo
                                          return_entropy=True)
     pad = lambda x: torch.nn.functional.pad(x.view(B, T - 1), (1, 0))  # noqa: E731
     return loss, pad(logp), pad(ent)
+
+
+def fused_policy_loss(hidden, weight, targets, old_logp, advantages, *, cu_seqlens, loss="gspo", loss_mask=None,
+                      num_sequences=None, temperature=1.0, ignore_index=-100, process_group=None, chunk_bytes=None,
+                      impl="fused", **loss_options):
+    """A registered policy loss (moe_gspo.losses, by name) of a packed batch, from hidden states: (loss 0-dim fp32,
+    metrics {logp [T], and the loss's own metrics}), tensors only.
+
+    hidden [T, H], weight [V_local, H] (vocab shard as in token_logprobs), targets / old_logp / loss_mask [T] with
+    sequence b at tokens cu_seqlens[b]:cu_seqlens[b+1]; advantages [B], one per sequence. num_sequences: the
+    global denominator (default: the sequences here with a response token; pass the rollout batch's count for
+    gradient accumulation). loss_options go to the loss (clip_low, clip_high, loss_agg_mode, ...; the default
+    seq-mean-token-mean mode divides by num_sequences). impl="fused" computes the LM head's gradient inside the
+    kernel (fused_logprob_loss, 6THV); "unfused" is token_logprobs followed by the loss under autograd."""
+    fn = get_policy_loss(loss)
+    if impl not in ("fused", "unfused"):
+        raise ValueError(f"fused_policy_loss: unknown impl={impl!r}; valid: fused, unfused")
+    T = hidden.shape[0]
+    mask = torch.ones(T, dtype=torch.bool, device=hidden.device) if loss_mask is None else loss_mask.reshape(-1)
+    if mask.shape[0] != T:
+        raise ValueError(f"fused_policy_loss: loss_mask has {mask.shape[0]} tokens, hidden has T={T}")
+    valid = mask.bool().to(hidden.device) & (targets != ignore_index)
+    cu = cu_seqlens.to(device=hidden.device, dtype=torch.long)
+    if advantages.shape != (cu.numel() - 1,):
+        raise ValueError(f"fused_policy_loss: advantages must be [B] = [{cu.numel() - 1}], got "
+                         f"{tuple(advantages.shape)}")
+    if num_sequences is None:
+        num_sequences = int((sequence_reduce(valid.float(), cu_seqlens=cu) > 0).sum())
+    kw = {"loss_denominator": float(max(num_sequences, 1)), **loss_options}
+    old, adv = old_logp.float(), advantages.float()
+    bounds = cu.tolist()
+
+    def part(lp, b0, b1):
+        t0, t1 = bounds[b0], bounds[b1]
+        return fn(lp, old[t0:t1], adv[b0:b1], valid[t0:t1], cu_seqlens=cu[b0:b1 + 1] - t0, **kw)
+
+    targets = torch.where(valid, targets, ignore_index)
+    if impl == "fused":
+        value, logp, _ = fused_logprob_loss(hidden, weight, targets, lambda lp, b0, b1: part(lp, b0, b1)[0],
+                                            cu_seqlens=cu, temperature=temperature, ignore_index=ignore_index,
+                                            process_group=process_group, chunk_bytes=chunk_bytes)
+        with torch.no_grad():  # the metrics of the whole batch, from the finished log-probs
+            metrics = part(logp, 0, len(bounds) - 1)[1]
+    else:
+        logp, _ = token_logprobs(hidden, weight, targets, temperature=temperature, ignore_index=ignore_index,
+                                 process_group=process_group, chunk_bytes=chunk_bytes)
+        value, metrics = part(logp, 0, len(bounds) - 1)
+        logp = logp.detach()
+    return value, {"logp": logp, **metrics}

@@ -19,7 +19,7 @@ import torch
 def rollout_command(config: str | None, run_dir: str | None, overrides: list[str], num_prompts: int,
                     out: str | Path, seed: int | None = None) -> tuple[Path, dict[str, float]]:
     """Build the policy from a config, or from a run directory's config.yaml and newest checkpoint; sample."""
-    from moe_gspo import load_policy
+    from moe_gspo.model.load import load_policy
     from moe_gspo.config import ConfigError, load_config
     from moe_gspo.train.checkpoint import Checkpoints
 
@@ -55,7 +55,8 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
     """Generate cfg.rollout.group_size responses for `num_prompts` task prompts; write JSONL; return metrics."""
     from moe_gspo.rewards import score_responses
     from moe_gspo.rollout.base import SamplingParams, build_engine
-    from moe_gspo.rollout.batch import rollout_probs_diff, token_logprobs_from_logits
+    from moe_gspo.kernels import token_logprobs_from_logits
+    from moe_gspo.rollout.batch import rollout_probs_diff
     from moe_gspo.tasks import task_from_config
     from moe_gspo.train.data import build_tokenizer
 

@@ -1,8 +1,10 @@
-"""The package's shape: no import cycles (lazy imports included), one command-line entry, a small public root,
-test modules that do not import each other."""
+"""The package's shape: no import cycles (lazy imports included), packages that import each other only downward in
+one layer order, one command-line entry, a small public root, test modules that do not import each other, and a
+repository that names no file outside itself."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from helpers import ROOT
@@ -69,6 +71,70 @@ def test_no_import_cycles():
     graph = _import_graph()
     assert "moe_gspo.train.loop" in graph and "moe_gspo.kernels.api" in graph
     assert _cycles(graph) == []
+
+
+# Lowest first: a package may import only packages before it (and itself). The root package's public API
+# (moe_gspo.load_policy) and the CLI are the top two: no package below imports either.
+LAYERS = ["config", "kernels", "losses", "rewards", "tasks", "parallel", "model", "routing", "rollout", "train",
+          "report", "experiments", "moe_gspo", "cli"]
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "moe_gspo"
+
+
+def layer_violations(graph: dict[str, set[str]], layers: list[str]) -> list[str]:
+    """'a.b imports c.d' for every import of a package at or above the importer's layer (same package excepted)."""
+    rank = {p: i for i, p in enumerate(layers)}
+    out = []
+    for mod, deps in sorted(graph.items()):
+        src = _package(mod)
+        for dep in sorted(deps):
+            dst = _package(dep)
+            if src == dst:
+                continue
+            if dst not in rank or src not in rank or rank[dst] >= rank[src]:
+                out.append(f"{mod} imports {dep}")
+    return out
+
+
+def test_packages_import_only_downward():
+    graph = _import_graph()
+    packages = {_package(m) for m in graph}
+    assert packages == set(LAYERS), f"packages not in the layer order: {packages ^ set(LAYERS)}"
+    assert layer_violations(graph, LAYERS) == []
+
+
+def test_layer_check_finds_an_upward_import():
+    graph = {"moe_gspo.model.policy": {"moe_gspo.parallel.state"}, "moe_gspo.parallel.state": {"moe_gspo.model.x"},
+             "moe_gspo.train.loop": {"moe_gspo"}}
+    assert layer_violations(graph, LAYERS) == ["moe_gspo.parallel.state imports moe_gspo.model.x",
+                                               "moe_gspo.train.loop imports moe_gspo"]
+
+
+def _text_files():
+    globs = ["*.md", "pyproject.toml", "docs/*.md", "moe_gspo/**/*.py", "kernels/*.py", "tests/**/*.py", "scripts/*",
+             "configs/*.yaml", ".ci/*"]
+    return [f for g in globs for f in ROOT.glob(g) if f.is_file()]
+
+
+def test_the_repository_names_no_file_outside_itself():
+    """Every repository path a file names exists in the repository, none climbs out of it (../), and every
+    Markdown file named is one of the repository's own."""
+    path_re = re.compile(r"(?<![\w./-])((?:\.\./)*(?:docs|tests|scripts|configs|moe_gspo|kernels|\.ci)/[\w./-]*\w"
+                         r"\.(?:md|py|yaml|sh|json|toml))")
+    md_re = re.compile(r"(?<![\w.-])([\w-]+\.md)\b")
+    installed = {"moe_gspo/kernels/__init__.py", "moe_gspo/kernels/chunked.py"}  # paths inside the built wheel
+    own_md = {f.name for f in ROOT.rglob("*.md") if ".venv" not in f.parts}
+    bad = []
+    for f in _text_files():
+        text = f.read_text()
+        rel = f.relative_to(ROOT)
+        bad += [f"{rel}: {p}" for p in path_re.findall(text)
+                if p.startswith("../") or not ((ROOT / p).exists() or p in installed)]
+        bad += [f"{rel}: {m}" for m in md_re.findall(text) if m not in own_md]
+    assert bad == []
 
 
 def test_cycle_finder_finds_a_cycle():

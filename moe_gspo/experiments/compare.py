@@ -122,7 +122,7 @@ def cold_start_key(cfg) -> str:
 def cold_start_state(cfg) -> dict:
     """Run the cold-start stage once on a fresh policy; return its full (unsharded) weights."""
 
-    from moe_gspo import load_policy
+    from moe_gspo.model.load import load_policy
     from moe_gspo.parallel.state import current_info
     from moe_gspo.tasks import task_from_config
     from moe_gspo.train.data import build_tokenizer
@@ -389,9 +389,7 @@ def _processes(tasks: list[tuple], jobs: int, threads: int) -> dict[str, float]:
     """Run (label, compare arguments, log file, result JSON with "seconds", key) tasks `jobs` at a time as
     `python -m moe_gspo.cli compare ...` processes; {key: seconds}. After a failure no new task starts; the error
     names each failed task with the last line of its log (one line when all failed on user errors, exit code 2)."""
-    import moe_gspo
-
-    pkg_root = str(Path(moe_gspo.__file__).resolve().parent.parent)
+    pkg_root = str(Path(__file__).resolve().parents[2])  # the directory that holds the moe_gspo package
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
     failed: list[tuple[int, str]] = []  # (exit code, message)

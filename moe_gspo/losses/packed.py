@@ -4,7 +4,7 @@ Packed tensors hold several sequences end to end, as flash-attention's varlen ke
 a tensor of shape [total] or [1, total] and an int tensor `cu_seqlens` [B + 1] of cumulative sequence
 lengths (cu_seqlens[0] == 0, cu_seqlens[-1] == total). The losses compute on the padded layout; a
 packed input is scattered into [B, T_max] by a differentiable index_put, so gradients flow back to
-the packed tensor and packed == padded holds by construction (tests/test_losses_packed.py).
+the packed tensor and packed == padded holds by construction (tests/test_losses_layouts.py).
 """
 
 from __future__ import annotations

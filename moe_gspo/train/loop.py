@@ -99,7 +99,7 @@ class Run:
     def setup(cls, cfg, run_dir, task, engine, init_state, resume, label, overwrite=False) -> Run:
         from megatron.core import parallel_state as ps
 
-        from moe_gspo import load_policy
+        from moe_gspo.model.load import load_policy
         from moe_gspo.parallel.state import current_info, init_distributed, validate_sizes
         from moe_gspo.train.optim import Optimizer, wrap_ddp
 

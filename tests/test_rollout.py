@@ -204,6 +204,34 @@ def test_padded_layout_and_select(model, prompts):
         build_engine("vllm", model)
 
 
+def test_engines_are_built_from_the_config_through_the_registry(model, prompts):
+    """rollout.engine names a registered engine and its own from_config reads the section: a new engine needs only its
+    file and the registry; the trainer and the rollout command build every engine the same way."""
+    from moe_gspo.config import RolloutConfig
+    from moe_gspo.rollout import ENGINES, engine_from_config, register_engine
+
+    hf = engine_from_config(RolloutConfig(engine="hf", engine_dtype="bfloat16"), model, tokenizer=TOK)
+    assert isinstance(hf, HFEngine) and hf.dtype == torch.bfloat16
+
+    @register_engine("probe")
+    class ProbeEngine(HFEngine):
+        @classmethod
+        def from_config(cls, policy, rollout_cfg, tokenizer=None):
+            eng = cls(policy, tokenizer=tokenizer)
+            eng.seen = rollout_cfg
+            return eng
+
+    try:
+        cfg = RolloutConfig(engine="probe", max_new_tokens=3)
+        eng = engine_from_config(cfg, model, tokenizer=TOK)
+        assert type(eng) is ProbeEngine and eng.seen is cfg
+        assert len(eng.generate(prompts[:1], 2, SamplingParams(max_new_tokens=3, seed=0))) == 2
+        with pytest.raises(KeyError, match="valid"):
+            engine_from_config(RolloutConfig(engine="vllm"), model)
+    finally:
+        del ENGINES["probe"]
+
+
 def test_cli_run_rollout_writes_jsonl(model, tmp_path):
     from moe_gspo.config import load_config
     from moe_gspo.train.sample import run_rollout

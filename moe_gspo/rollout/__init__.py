@@ -10,8 +10,9 @@ from __future__ import annotations
 
 # the engines register themselves by name on import (sglang itself is imported only when its engine is built)
 from moe_gspo.rollout import hf_engine, sglang_engine  # noqa: F401
-from moe_gspo.rollout.base import ENGINES, RolloutEngine, SamplingParams, build_engine, register_engine
+from moe_gspo.rollout.base import (ENGINES, RolloutEngine, SamplingParams, build_engine, engine_from_config,
+                                   register_engine)
 from moe_gspo.rollout.batch import PaddedRollout, RolloutBatch, rollout_probs_diff
 
 __all__ = ["ENGINES", "PaddedRollout", "RolloutBatch", "RolloutEngine", "SamplingParams", "build_engine",
-           "register_engine", "rollout_probs_diff"]
+           "engine_from_config", "register_engine", "rollout_probs_diff"]

@@ -1,6 +1,6 @@
 """The rollout engine interface, sampling parameters, and the engine registry.
 
-    engine = build_engine("hf", policy, tokenizer=CharTokenizer())
+    engine = build_engine("hf", policy, tokenizer=CharTokenizer())   # or engine_from_config(cfg.rollout, policy, tok)
     batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(temperature=1.0, seed=0))
     ...optimizer steps on the policy...
     engine.update_weights(policy)             # the engine now samples from the new weights
@@ -64,6 +64,12 @@ class RolloutEngine(ABC):
     def close(self) -> None:
         """Release engine resources (GPU memory, worker processes)."""
 
+    @classmethod
+    def from_config(cls, policy, rollout_cfg, tokenizer=None) -> RolloutEngine:
+        """The engine for a run's `rollout:` section (moe_gspo.config.RolloutConfig), holding the policy's weights.
+        Each engine reads the fields it honours (rollout.engine_dtype, ...) and its own device placement."""
+        return cls(policy, tokenizer=tokenizer)
+
 
 def _validate_prompts(prompts, n_per_prompt: int, vocab_size: int | None = None) -> None:
     if n_per_prompt < 1:
@@ -90,8 +96,18 @@ def register_engine(name: str):
     return deco
 
 
-def build_engine(name: str, policy, **kwargs) -> RolloutEngine:
-    """The engine registered as `name`, holding the policy's weights; an unknown name lists the valid ones."""
+def _engine_class(name: str) -> type[RolloutEngine]:
     if name not in ENGINES:
         raise KeyError(f"unknown rollout engine {name!r}; valid: {sorted(ENGINES)}")
-    return ENGINES[name](policy, **kwargs)
+    return ENGINES[name]
+
+
+def build_engine(name: str, policy, **kwargs) -> RolloutEngine:
+    """The engine registered as `name`, holding the policy's weights; an unknown name lists the valid ones."""
+    return _engine_class(name)(policy, **kwargs)
+
+
+def engine_from_config(rollout_cfg, policy, tokenizer=None) -> RolloutEngine:
+    """The engine `rollout_cfg.engine` names, built by its own from_config from the run's `rollout:` section: the
+    trainer knows no engine by name."""
+    return _engine_class(rollout_cfg.engine).from_config(policy, rollout_cfg, tokenizer=tokenizer)

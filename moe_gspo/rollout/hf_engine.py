@@ -173,6 +173,12 @@ class HFEngine(RolloutEngine):
         if policy is not None:
             self.update_weights(policy)
 
+    @classmethod
+    def from_config(cls, policy, rollout_cfg, tokenizer=None) -> HFEngine:
+        """On the policy's device, computing in rollout.engine_dtype."""
+        return cls(policy, tokenizer=tokenizer, device=getattr(policy, "device", "cpu"),
+                   dtype=getattr(torch, rollout_cfg.engine_dtype))
+
     def update_weights(self, policy) -> None:
         if isinstance(policy, PreTrainedModel):
             self.model = policy

@@ -96,6 +96,11 @@ class SGLangEngine(RolloutEngine):
         self._next_sample_id = 0
         self._next_group_id = 0
 
+    @classmethod
+    def from_config(cls, policy, rollout_cfg, tokenizer=None) -> SGLangEngine:
+        """Computing in rollout.engine_dtype (SGLang's own dtype name)."""
+        return cls(policy, tokenizer=tokenizer, dtype=rollout_cfg.engine_dtype)
+
     def update_weights(self, policy) -> None:
         _, state_dict = _export(policy)
         self.engine.update_weights_from_tensor(named_tensors=list(state_dict.items()))

@@ -27,7 +27,7 @@ from moe_gspo.config import Config, ConfigError, to_dict
 from moe_gspo.losses import get_advantage_estimator
 from moe_gspo.model.policy import MoEPolicy
 from moe_gspo.parallel.state import ParallelInfo, max_over_ranks
-from moe_gspo.rollout import RolloutEngine, SamplingParams, build_engine, rollout_probs_diff
+from moe_gspo.rollout import RolloutEngine, SamplingParams, engine_from_config, rollout_probs_diff
 from moe_gspo.rewards import score_responses
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.tasks import CharTokenizer, Task, task_from_config
@@ -149,10 +149,7 @@ class Run:
             ckpts.load(start, ctx)
             _say(info, f"resumed from {ckpts.root / ckpts.name(start)}")
         if engine is None:
-            dtype = cfg.rollout.engine_dtype
-            dtype = getattr(torch, dtype) if cfg.rollout.engine == "hf" else dtype
-            kw = {"device": policy.device} if cfg.rollout.engine == "hf" else {}
-            engine = build_engine(cfg.rollout.engine, policy, tokenizer=tok, dtype=dtype, **kw)  # current weights
+            engine = engine_from_config(cfg.rollout, policy, tokenizer=tok)  # holds the current weights
         else:
             engine.update_weights(policy)
         logc = cfg.logging

@@ -54,7 +54,7 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
                 engine=None) -> dict[str, float]:
     """Generate cfg.rollout.group_size responses for `num_prompts` task prompts; write JSONL; return metrics."""
     from moe_gspo.rewards import score_responses
-    from moe_gspo.rollout.base import SamplingParams, build_engine
+    from moe_gspo.rollout.base import SamplingParams, engine_from_config
     from moe_gspo.kernels import token_logprobs_from_logits
     from moe_gspo.rollout.batch import rollout_probs_diff
     from moe_gspo.tasks import task_from_config
@@ -67,7 +67,7 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
     task = task_from_config(cfg.rollout)
     examples = task.examples(num_prompts, seed=seed)
     prompts = [tok.encode(ex.prompt, bos=True) for ex in examples]
-    engine = engine or build_engine(cfg.rollout.engine, policy, tokenizer=tok)
+    engine = engine or engine_from_config(cfg.rollout, policy, tokenizer=tok)
     sampling = SamplingParams.from_config(cfg.rollout, seed=seed)
     batch = engine.generate(prompts, cfg.rollout.group_size, sampling)
 

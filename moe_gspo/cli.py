@@ -25,13 +25,7 @@ import sys
 import warnings
 from pathlib import Path
 
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions whose message names what the user got wrong (ConfigError is a ValueError)."""
-    from moe_gspo.tasks.datasets import DatasetError
-    from moe_gspo.train.checkpoint import CheckpointError
-
-    return (ValueError, KeyError, FileNotFoundError, NotADirectoryError, CheckpointError, DatasetError)
+from moe_gspo.config import UserError
 
 
 def _rank_prefix() -> str:
@@ -102,7 +96,7 @@ def _train(args) -> int:
     from moe_gspo.train.loop import train
 
     if args.resume and args.overwrite:
-        raise ValueError("--resume and --overwrite exclude each other")
+        raise UserError("--resume and --overwrite exclude each other")
     train(load_config(args.config, args.overrides), resume=args.resume, overwrite=args.overwrite, run_dir=args.out)
     return 0
 
@@ -162,7 +156,7 @@ def _report_compare(args) -> int:
     d = Path(args.dir)
     meta = d / "compare.json"
     if not meta.is_file():
-        raise FileNotFoundError(f"{meta}: not found (DIR must be the --out of a `moe-gspo compare` run)")
+        raise UserError(f"{meta}: not found (DIR must be the --out of a `moe-gspo compare` run)")
     info = json.loads(meta.read_text())
     print(write_compare_report(d, list(info["variants"]), info.get("wall_seconds"),
                                cold_start_seconds=info.get("cold_start_seconds")))
@@ -249,9 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except _user_errors() as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"moe-gspo {args.command}: error: {_rank_prefix()}{msg}", file=sys.stderr, flush=True)
+    except UserError as e:  # anything else is a bug here and keeps its traceback
+        print(f"moe-gspo {args.command}: error: {_rank_prefix()}{e}", file=sys.stderr, flush=True)
         return 2
     finally:
         _leave_process_group()

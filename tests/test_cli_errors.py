@@ -106,3 +106,18 @@ def test_only_the_line_reaches_stderr(argv):
                        text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith(f"moe-gspo {argv[0]}: error: "), r.stderr
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, capsys):
+    """A ValueError or KeyError raised by this package's own code is a bug, not a user error: it propagates with its
+    traceback instead of becoming one line."""
+    from moe_gspo.train import sample
+
+    def broken(*args, **kwargs):
+        raise KeyError("an internal table lacks a key")
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sample, "rollout_command", broken)
+    with pytest.raises(KeyError, match="internal table"):
+        main(["rollout", "--config", "configs/tiny_cpu.yaml", "--out", "x.jsonl"])
+    assert "error:" not in capsys.readouterr().err

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from moe_gspo.config import ConfigError, load_config
+from moe_gspo.config import ConfigError, UserError, load_config
 
 from helpers import TINY, records, strip_timing, tiny_cfg  # noqa: F401 - shared with other test modules
 
@@ -65,7 +65,7 @@ def test_nan_reward_errors_naming_the_sample_or_is_skipped_and_counted(tmp_path)
     from moe_gspo.train.loop import train
 
     cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0")
-    with pytest.raises(ValueError, match=r"non-finite reward for sample 0 \(prompt"):
+    with pytest.raises(UserError, match=r"non-finite reward for sample 0 \(prompt"):
         train(cfg, run_dir=tmp_path / "e", task=_NaNTask(task_from_config(cfg.rollout)))
     cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0", "rollout.bad_reward=skip")
     m = train(cfg, run_dir=tmp_path / "s", task=_NaNTask(task_from_config(cfg.rollout)))

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from moe_gspo.cli import main as cli_main
+from moe_gspo.config import UserError
 from moe_gspo.report.volatility import write_volatility_report
 
 L, E = 4, 8
@@ -56,8 +57,8 @@ def test_two_runs_cli_and_errors(tmp_path, capsys):
     assert cli_main(["report", "volatility", str(tmp_path / "empty")]) == 2
     assert "no metrics file" in capsys.readouterr().err
     (tmp_path / "empty" / "metrics.jsonl").write_text('{"step": 0, "loss": 1}\n')
-    with pytest.raises(ValueError, match="no 'moe/flip_rate' metrics"):
+    with pytest.raises(UserError, match="no 'moe/flip_rate' metrics"):
         write_volatility_report([tmp_path / "empty"])
     (tmp_path / "empty" / "metrics.jsonl").write_text('{"step": 0}\n{oops\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
+    with pytest.raises(UserError, match=r"metrics.jsonl:2: not valid JSON"):
         write_volatility_report([tmp_path / "empty"])

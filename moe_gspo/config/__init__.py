@@ -8,7 +8,7 @@ compare); load.py reads YAML and overrides.
 """
 
 from moe_gspo.config.algorithm import AlgorithmConfig
-from moe_gspo.config.checks import ConfigError
+from moe_gspo.config.checks import ConfigError, UserError
 from moe_gspo.config.load import (apply_overrides, compare_config_from_dict, config_from_dict, load_config, read_yaml,
                                   to_dict)
 from moe_gspo.config.model import ModelConfig, ParallelConfig
@@ -17,5 +17,5 @@ from moe_gspo.config.run import CompareConfig, Config, LoggingConfig, RolloutCon
 __all__ = [
     "AlgorithmConfig", "CompareConfig", "Config", "ConfigError", "LoggingConfig", "ModelConfig", "ParallelConfig",
     "RolloutConfig", "TrainConfig", "apply_overrides", "compare_config_from_dict", "config_from_dict",
-    "load_config", "read_yaml", "to_dict",
+    "UserError", "load_config", "read_yaml", "to_dict",
 ]

@@ -1,9 +1,15 @@
-"""The config's error type and the range checks the dataclasses' __post_init__ share."""
+"""The errors a user can cause, and the range checks the config dataclasses' __post_init__ share."""
 
 from __future__ import annotations
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """Something the user gave is wrong: a config value, a data row, a path, a size, a world size. The message
+    names the field, file, line or rank at fault, and the CLI prints it as one line (exit 2, no traceback). Any
+    other exception is a bug in this package and keeps its traceback."""
+
+
+class ConfigError(UserError, ValueError):
     """A configuration value is unknown, of the wrong type or out of range (the message names the field)."""
 
 

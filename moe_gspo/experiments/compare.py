@@ -43,8 +43,8 @@ from pathlib import Path
 
 import yaml
 
-from moe_gspo.config import (CompareConfig, ConfigError, apply_overrides, compare_config_from_dict, config_from_dict,
-                             load_config, read_yaml, to_dict)
+from moe_gspo.config import (CompareConfig, ConfigError, UserError, apply_overrides, compare_config_from_dict,
+                             config_from_dict, load_config, read_yaml, to_dict)
 from moe_gspo.train.data import check_names
 
 DEFAULT_VARIANTS = {
@@ -334,7 +334,7 @@ def run_one(config_path, run_dir, weights) -> float:
 
     weights, run_dir = Path(weights), Path(run_dir)
     if not weights.is_file():
-        raise FileNotFoundError(f"--run-one {weights}: weights file not found")
+        raise UserError(f"--run-one {weights}: weights file not found")
     cfg = load_config(config_path)
     job = run_dir / "job.json"  # the variant's overrides, recorded in wall_time.json as in-process runs do
     overrides = json.loads(job.read_text()).get("overrides", []) if job.is_file() else []

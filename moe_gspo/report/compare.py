@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_gspo.config import CompareConfig
+from moe_gspo.config import CompareConfig, UserError
 from moe_gspo.report.stats import Interval, band, collapses, final_value, smooth, t_interval, verdict
 from moe_gspo.report import html
 from moe_gspo.report.plots import (DASHES, Run, _save, band_plot, colors, grouped_bars, legend_outside, load_metrics,
@@ -81,7 +81,7 @@ def load_variants(out: Path, names: Sequence[str], seeds: Sequence[int] | None =
         else:
             found = sorted(int(m.group(1)) for p in d.glob("seed_*") if (m := re.fullmatch(r"seed_(\d+)", p.name)))
             if not found:
-                raise FileNotFoundError(f"{d}: no runs (neither metrics.jsonl nor seed_<s>/ directories)")
+                raise UserError(f"{d}: no runs (neither metrics.jsonl nor seed_<s>/ directories)")
         runs = [Run(d / f"seed_{s}", f"{name}/seed_{s}", load_metrics(d / f"seed_{s}")) for s in found]
         variants.append(Variant(name, runs, list(found)))
     return variants

@@ -23,6 +23,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from moe_gspo.config import UserError  # noqa: E402
+
 
 DASHES = ["-", "--", "-.", ":", (0, (6, 2, 1, 2))]  # line styles by index: identical lines overlap visibly
 
@@ -67,7 +69,7 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
     """Records of RUN_DIR/metrics.jsonl merged per step, sorted by step. Bad lines raise naming file:line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"no metrics file {path} (is {run_dir} a run directory?)")
+        raise UserError(f"no metrics file {path} (is {run_dir} a run directory?)")
     by_step: dict[int, dict] = {}
     step = -1
     for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -76,9 +78,9 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(rec, dict):
-            raise ValueError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+            raise UserError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
         step = int(rec.get("step", step + 1))
         by_step.setdefault(step, {"step": step}).update({k: v for k, v in rec.items() if k != "step"})
     return [by_step[s] for s in sorted(by_step)]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_gspo.config import UserError
 from moe_gspo.report import html
 from moe_gspo.report.plots import Run, grouped_bars, heatmap_panels, line_plot, load_runs
 
@@ -45,11 +46,11 @@ def summary_row(run: Run) -> list:
 def write_volatility_report(run_dirs: Sequence[str | Path], out_html: str | Path | None = None) -> Path:
     """Write the volatility HTML and its PNGs; returns the HTML path. Raises if no run has flip metrics."""
     if not run_dirs:
-        raise ValueError("report volatility: give at least one run directory")
+        raise UserError("report volatility: give at least one run directory")
     runs = load_runs(run_dirs)
     have = [r for r in runs if len(r.series(FLIP)[0])]
     if not have:
-        raise ValueError(f"report volatility: no '{FLIP}' metrics in {', '.join(str(r.dir) for r in runs)} "
+        raise UserError(f"report volatility: no '{FLIP}' metrics in {', '.join(str(r.dir) for r in runs)} "
                          f"(was algorithm.track_flips on?)")
     out = Path(out_html) if out_html is not None else Path(run_dirs[0]) / "volatility.html"
     out.parent.mkdir(parents=True, exist_ok=True)

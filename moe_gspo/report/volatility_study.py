@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_gspo.config import UserError
 from moe_gspo.report import html
 from moe_gspo.report.plots import Run, colors, load_runs, plt
 
@@ -98,7 +99,7 @@ def write_study_report(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     meta_path = out / "study.json"
     if not meta_path.is_file():
-        raise FileNotFoundError(f"{meta_path}: not found (DIR must be the --out of a `moe-gspo study volatility` run)")
+        raise UserError(f"{meta_path}: not found (DIR must be the --out of a `moe-gspo study volatility` run)")
     meta = json.loads(meta_path.read_text())
     stats = point_stats(out, meta)
     rows = table_rows(stats)

@@ -15,10 +15,11 @@ import json
 import random
 from pathlib import Path
 
+from moe_gspo.config import UserError
 from moe_gspo.tasks.base import Example, Task
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset file is missing or a row does not match the declared schema (message names file and line)."""
 
 

@@ -45,8 +45,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moe_gspo.parallel import cpu_compat
+from moe_gspo.config import UserError
 from moe_gspo.model.hf_io import fsync_dir
+from moe_gspo.parallel import cpu_compat
 from moe_gspo.parallel.state import comm_device
 from moe_gspo.train import sharded_io, sharded_state
 
@@ -96,7 +97,7 @@ def _write_synced(root: Path, path: Path, data: bytes) -> dict:
             "sha256": hashlib.sha256(data).hexdigest()}
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint directory is incomplete, corrupt or unsafe (the message says which file and why)."""
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_gspo.config import Config, ConfigError
+from moe_gspo.config import Config, ConfigError, UserError
 from moe_gspo.tasks import Example, Task
 from moe_gspo.tasks.tokenizer import CharTokenizer
 
@@ -110,12 +110,12 @@ def hash_seed(*parts: int) -> int:
 
 
 def encode_prompts(examples: list[Example], tok: CharTokenizer, max_new_tokens: int, context: int) -> list[list[int]]:
-    """bos + prompt ids; raise ValueError naming the prompt when prompt + max_new_tokens exceeds the context."""
+    """bos + prompt ids; raise ConfigError naming the prompt when prompt + max_new_tokens exceeds the context."""
     out = []
     for i, ex in enumerate(examples):
         ids = tok.encode(ex.prompt, bos=True)
         if len(ids) + max_new_tokens > context:
-            raise ValueError(f"prompt {i} ({ex.prompt[:40]!r}...) has {len(ids)} tokens; with rollout.max_new_tokens="
+            raise ConfigError(f"prompt {i} ({ex.prompt[:40]!r}...) has {len(ids)} tokens; with rollout.max_new_tokens="
                              f"{max_new_tokens} it exceeds the context model.max_position_embeddings={context}")
         out.append(ids)
     return out
@@ -138,7 +138,7 @@ def handle_bad_rewards(rewards: torch.Tensor, errors: list, examples: list[Examp
     i = int((~valid).nonzero()[0])
     why = errors[i] if errors and errors[i] else f"reward {float(rewards[i])}"
     if mode == "error":
-        raise ValueError(f"step {step}: non-finite reward for sample {int(sample_ids[i])} (prompt "
+        raise UserError(f"step {step}: non-finite reward for sample {int(sample_ids[i])} (prompt "
                          f"{examples[i].prompt!r}, response {texts[i]!r}): {why}; {int((~valid).sum())} bad in this "
                          f"batch. Set rollout.bad_reward=skip to drop such samples instead.")
     return valid

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from moe_gspo.config import UserError
+
 
 def rollout_command(config: str | None, run_dir: str | None, overrides: list[str], num_prompts: int,
                     out: str | Path, seed: int | None = None) -> tuple[Path, dict[str, float]]:
@@ -24,11 +26,11 @@ def rollout_command(config: str | None, run_dir: str | None, overrides: list[str
     from moe_gspo.train.checkpoint import Checkpoints
 
     if num_prompts < 1:
-        raise ValueError(f"--num-prompts={num_prompts} must be >= 1")
+        raise UserError(f"--num-prompts={num_prompts} must be >= 1")
     if run_dir is not None:
         run = Path(run_dir)
         if not (run / "config.yaml").is_file():
-            raise FileNotFoundError(f"--from {run}: no config.yaml (not a `moe-gspo train` run directory)")
+            raise UserError(f"--from {run}: no config.yaml (not a `moe-gspo train` run directory)")
         cfg = load_config(run / "config.yaml", overrides)
     else:
         cfg = load_config(config, overrides)
@@ -61,7 +63,7 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
     from moe_gspo.train.data import build_tokenizer
 
     if num_prompts < 1:
-        raise ValueError(f"--num-prompts={num_prompts} must be >= 1")
+        raise UserError(f"--num-prompts={num_prompts} must be >= 1")
     tok = build_tokenizer(cfg)
     seed = cfg.train.seed if seed is None else seed
     task = task_from_config(cfg.rollout)

@@ -41,7 +41,9 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.planner import LoadPlan
 
-class UnsafeCheckpoint(RuntimeError):
+from moe_gspo.config import UserError
+
+class UnsafeCheckpoint(UserError, RuntimeError):
     """A checkpoint file holds something that would run code, or is not what its name says (the message names
     the file)."""
 

@@ -34,7 +34,8 @@ def test_report_with_seeds_intervals_verdicts_and_collapses(tmp_path):
     """3 seeds: gspo ends 0.2 above grpo at every seed (distinguishable), grpo_r2 equals grpo up to +-0.01
     (not distinguishable), and one grpo_r2 seed collapses."""
     from moe_gspo.report.stats import t_interval
-    from moe_gspo.report.compare import load_variants, run_walls, summary_rows, variant_stats, write_compare_report
+    from moe_gspo.report.compare import write_compare_report
+    from moe_gspo.report.compare_data import load_variants, run_walls, summary_rows, variant_stats
     from moe_gspo.config import CompareConfig
 
     seeds = [0, 1, 2]
@@ -95,7 +96,8 @@ def _write_config(run_dir, **algorithm):
 def test_settings_table_gives_the_clip_ranges_actually_used(tmp_path):
     """Shared settings once, the settings that differ by variant in their own columns; a clip range left to the
     loss resolves to its registered default, an explicit one is shown as set."""
-    from moe_gspo.report.compare import settings_tables, write_compare_report
+    from moe_gspo.report.compare import write_compare_report
+    from moe_gspo.report.compare_data import settings_tables
 
     algos = {"grpo": {}, "grpo_r2": {"routing_replay": "r2"}, "gspo": {"loss": "gspo"},
              "gspo_wide": {"loss": "gspo", "clip_low": 0.001, "clip_high": 0.002}}
@@ -105,7 +107,7 @@ def test_settings_table_gives_the_clip_ranges_actually_used(tmp_path):
             _fake_run(d, clip=0.01, flip=0.02, rewards=[0.3] * 6)
             _write_config(d, **algo)
     report = write_compare_report(tmp_path, list(algos))
-    from moe_gspo.report.compare import load_variants
+    from moe_gspo.report.compare_data import load_variants
 
     shared, header, rows = settings_tables(load_variants(tmp_path, list(algos)))
     shared = dict(shared)
@@ -123,7 +125,7 @@ def test_settings_table_gives_the_clip_ranges_actually_used(tmp_path):
 
 def _captured_figures(monkeypatch):
     """Figures the report draws, kept open (every module saves through plots._save)."""
-    import moe_gspo.report.compare as compare_mod
+    import moe_gspo.report.compare_figures as compare_mod
     import moe_gspo.report.plots as plots_mod
 
     figs = {}
@@ -157,7 +159,7 @@ def test_curves_smoothed_alike_with_raw_faint_and_legends_outside(tmp_path, monk
                       rewards=list(rng.uniform(0.2, 0.6, 20)))
     (tmp_path / "compare.json").write_text(json.dumps({"seeds": [0, 1, 2], "settings": {"smooth_window": 4}}))
     write_compare_report(tmp_path, ["grpo", "gspo", "grpo_r2"])
-    from moe_gspo.report.compare import load_variants
+    from moe_gspo.report.compare_data import load_variants
 
     grpo = load_variants(tmp_path, ["grpo"], [0, 1, 2])[0]
     for png, key in (("compare_reward.png", "reward/mean"), ("compare_clipfrac.png", "pg_clipfrac"),
@@ -185,7 +187,8 @@ def test_layer_profile_and_churn_average_runs_then_seeds(tmp_path):
     import numpy as np
 
     from moe_gspo.report.stats import band
-    from moe_gspo.report.compare import CHURN_OUT, expert_churn, layer_profile, load_variants
+    from moe_gspo.report.compare_data import expert_churn, layer_profile, load_variants
+    from moe_gspo.report.volatility import CHURN_OUT
 
     for s, flip in enumerate((0.01, 0.02, 0.04, 0.5)):
         _fake_run(tmp_path / "grpo" / f"seed_{s}", clip=0.01, flip=flip, rewards=[0.3] * 5, layers=4)
@@ -208,7 +211,7 @@ def test_clip_ratio_is_paired_by_seed_over_steps_with_gradient(tmp_path):
     """GSPO clips 100x GRPO's fraction at every seed on the steps that carry gradient; steps without reward
     variance (clip fraction 0 there) are left out, and the paired geometric mean is exactly 100 with a zero-width
     interval."""
-    from moe_gspo.report.compare import load_variants, metric_rows, run_mean
+    from moe_gspo.report.compare_data import load_variants, metric_rows, run_mean
 
     for s in (0, 1, 2):
         for name, clip in (("grpo", 0.001 * (s + 1)), ("gspo", 0.1 * (s + 1))):
@@ -225,7 +228,7 @@ def test_clip_ratio_is_paired_by_seed_over_steps_with_gradient(tmp_path):
     assert run_mean(grpo0, "pg_clipfrac", only_with_gradient=True) == pytest.approx(0.001)
     assert run_mean(grpo0, "pg_clipfrac") == pytest.approx(0.001 * 4 / 6)
     from moe_gspo.config import CompareConfig
-    from moe_gspo.report.compare import run_rows, variant_stats
+    from moe_gspo.report.compare_data import run_rows, variant_stats
 
     _, stats = variant_stats(variants, CompareConfig())
     assert [r[5] for r in run_rows(variants, stats, {})] == ["4/6"] * 6  # steps 5 and 6 carry no gradient
@@ -328,6 +331,13 @@ def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch, capsys):
     assert seq["gspo", 0][0] != seq["gspo", 1][0]
     text = _text(tmp_path / "par" / "report.html")
     assert "2 seeds per variant" in text and "gspo" in text
+    # the terminal ends with the answer, then the report's path
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == f"report: {tmp_path / 'par' / 'report.html'}", out
+    head, gr, gs = out[-4:-1]
+    assert head.split()[:3] == ["variant", "seeds", "final"] and "minus grpo_r3, paired [95% t]" in head, head
+    assert gr.startswith("grpo_r3") and "baseline" in gr and gr.endswith("/2"), gr
+    assert gs.startswith("gspo ") and gs.endswith("/2") and "[" in gs, gs
     # a second comparison into the same directory is refused unless told to replace or to complete the first
     assert main([*args, "--out", str(tmp_path / "seq"), "--jobs", "1"]) == 2
     assert main([*args, "--out", str(tmp_path / "seq"), "--resume", "--overwrite"]) == 2
@@ -388,9 +398,13 @@ def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch, capsys):
     # a damaged record counts as unfinished: its work is redone, not refused
     (tmp_path / "seq" / "grpo_r3" / "seed_0" / "wall_time.json").write_text("{")
     (tmp_path / "seq" / "cold_start" / "seed_1.json").write_text("")
+    capsys.readouterr()
     cold, runs = kept_after()
     assert sorted(cold) == ["seed_0.safetensors", "seed_2.safetensors"]
     assert sorted(runs) == ["grpo_r3/seed_2", "gspo/seed_0", "gspo/seed_2"]
+    said = "".join(capsys.readouterr())  # and says why each is redone
+    assert "redoing the cold start seed_1.safetensors: its record is damaged (JSONDecodeError" in said, said
+    assert "redoing grpo_r3/seed_0: its record is damaged (JSONDecodeError" in said, said
 
 
 def test_compare_cli_errors(tmp_path, capsys):

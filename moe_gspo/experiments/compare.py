@@ -220,6 +220,12 @@ def _comparable(config: dict) -> dict:
     return d
 
 
+# What reading a kept record can raise when the file is damaged (a truncated write, an edit by hand): OSError (an
+# unreadable file), ValueError (JSON or YAML that does not parse, a config that does not validate, a seconds field
+# that is not a number), KeyError (no seconds field), TypeError (a record that is not a JSON object).
+_DAMAGED = (OSError, ValueError, KeyError, TypeError)
+
+
 def reusable_work(plan: list[Job], files: dict, base: dict) -> tuple[dict[str, float], dict[str, dict]]:
     """What --resume keeps: ({weights file name: seconds} of the finished cold starts, {run label: its
     wall_time.json record (seconds, threads, ...)} of the finished runs). A cold start is finished when its
@@ -227,28 +233,35 @@ def reusable_work(plan: list[Job], files: dict, base: dict) -> tuple[dict[str, f
     the planned cold start's model, layout, task, seed and supervised settings. A run is finished when its
     wall_time.json (written after training) and config.yaml are on disk, the config equals the planned one but for
     the progress bar and output directory, and its cold start is kept: a redone cold start redoes every run that
-    starts from it. A record that cannot be read or parsed counts as unfinished, so its work is redone."""
+    starts from it. A damaged record counts as unfinished, so its work is redone, and the command says so."""
     cold: dict[str, float] = {}
     for f, cfg in files.items():
         info, conf = f.with_suffix(".json"), f.with_suffix(".yaml")
-        if not f.is_file():
-            continue
+        if not (f.is_file() and info.is_file()):
+            continue  # not finished
         try:
-            if cold_start_key(load_config(conf)) == cold_start_key(cfg):
-                cold[f.name] = float(json.loads(info.read_text())["seconds"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+            kept = load_config(conf)
+            seconds = float(json.loads(info.read_text())["seconds"])
+        except _DAMAGED as e:
+            _say(f"--resume: redoing the cold start {f.name}: its record is damaged ({type(e).__name__}: {e})")
+            continue
+        if cold_start_key(kept) == cold_start_key(cfg):
+            cold[f.name] = seconds
     runs: dict[str, dict] = {}
     for job in plan:
-        if job.init.name not in cold or not (job.dir / "metrics.jsonl").is_file():
-            continue
+        wall = job.dir / "wall_time.json"
+        if job.init.name not in cold or not (job.dir / "metrics.jsonl").is_file() or not wall.is_file():
+            continue  # not finished, or its cold start is redone
+        planned = to_dict(run_config(base, job.overrides, job.seed))
         try:
-            planned = to_dict(run_config(base, job.overrides, job.seed))
-            if _comparable(read_yaml(job.dir / "config.yaml")) == _comparable(planned):
-                record = json.loads((job.dir / "wall_time.json").read_text())
-                runs[job.label] = {**record, "seconds": float(record["seconds"])}
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+            kept = read_yaml(job.dir / "config.yaml")
+            record = json.loads(wall.read_text())
+            record = {**record, "seconds": float(record["seconds"])}
+        except _DAMAGED as e:
+            _say(f"--resume: redoing {job.label}: its record is damaged ({type(e).__name__}: {e})")
+            continue
+        if _comparable(kept) == _comparable(planned):
+            runs[job.label] = record
     return cold, runs
 
 

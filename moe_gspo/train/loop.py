@@ -12,7 +12,6 @@ The pieces live in moe_gspo/train/; the figures a step logs are listed in docs/t
 from __future__ import annotations
 
 import dataclasses
-import random
 import shutil
 import sys
 import time

@@ -1,6 +1,6 @@
 """torchrun worker: vocab-parallel token_logprobs / fused_policy_loss at TP=world size (gloo) equal one process.
 
-    torchrun --nproc-per-node 2 tests/dist_kernels_worker.py SEED
+    torchrun --nproc-per-node 2 tests/dist_kernels_worker.py SEED OK_FILE
 
 Every rank builds the same full inputs from SEED, runs the single-process op on the full LM head, then the
 vocab-parallel op on its shard rows [r * V_local, (r + 1) * V_local), and compares values and gradients
@@ -9,6 +9,7 @@ vocab-parallel op on its shard rows [r * V_local, (r + 1) * V_local), and compar
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -73,8 +74,8 @@ def main():
         close(gh2, gh1, 2e-5, f"{loss} d hidden")
         close(gw2, gw1[rows], 2e-5, f"{loss} d weight")
     dist.barrier()
-    if rank == 0:
-        print("dist kernels OK", flush=True)
+    if rank == 0:  # a file, not stdout: the ranks share torchrun's stdout, where lines can interleave
+        Path(sys.argv[2]).write_text(f"dist kernels OK at world size {world}")
     dist.destroy_process_group()
 
 

@@ -40,7 +40,10 @@ def test_a_distributed_command_leaves_no_process_group_alive(tmp_path):
     interpreter finalizes, can abort a rank that has already succeeded."""
     from helpers import run_torchrun
 
-    r = run_torchrun(ROOT / "tests" / "dist" / "cli_exit_worker.py", *LM[:3], "parallel.ep=2", "train.steps=1",
-                     *LM[6:], f"train.out_dir={tmp_path}", nproc=2)
-    lines = sorted(x for x in r.stdout.splitlines() if "process_group_alive=" in x)
-    assert lines == ["rank 0 rc=0 process_group_alive=False", "rank 1 rc=0 process_group_alive=False"], r.stdout
+    report = tmp_path / "report"
+    report.mkdir()
+    run_torchrun(ROOT / "tests" / "dist" / "cli_exit_worker.py", report, *LM[:3], "parallel.ep=2", "train.steps=1",
+                 *LM[6:], f"train.out_dir={tmp_path / 'run'}", nproc=2)
+    got = {f.name: json.loads(f.read_text()) for f in sorted(report.glob("rank_*.json"))}
+    want = {"rc": 0, "process_group_alive": False}
+    assert got == {"rank_0.json": want, "rank_1.json": want}, got

@@ -45,6 +45,15 @@ def main():
             return res
 
         trainer.Run.log = log_then_die
+    say = trainer._say
+
+    def say_and_record(info, msg):  # what rank 0 says, also in a file: the ranks' stderr lines can interleave
+        say(info, msg)
+        if dist.get_rank() == 0:
+            with (out / "run_said.txt").open("a") as f:
+                f.write(msg + "\n")
+
+    trainer._say = say_and_record
     trainer.train(cfg, run_dir=out / "run", resume=True)
     if dist.get_rank() == 0:
         (out / "run" / "attempts.txt").write_text(str(attempt + 1))

@@ -54,7 +54,7 @@ def sapo_loss(
                          f"got ({tau_pos}, {tau_neg})")
     adv = advantages if advantages.dim() == 2 else advantages[:, None]  # (B, T) or (B, 1)
     ratio = torch.exp((logp - old_logp).clamp(-log_ratio_clamp, log_ratio_clamp))  # (B, T)
-    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
+    tau = torch.where(adv > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))  # in the loss's dtype
     gate = torch.sigmoid(tau * (ratio - 1.0))
     pg_losses = -(4.0 / tau) * gate * adv
     pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, loss_denominator)

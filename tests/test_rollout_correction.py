@@ -278,3 +278,35 @@ def test_rollout_correction_under_tp2_equals_one_process(tmp_path):
     for name in ("eager", "fused", "bypass"):
         assert out[name].keys() == ref[name].keys()
         assert out[name] == pytest.approx(ref[name], rel=1e-5, abs=1e-6), name
+
+
+# ------------------------------------------------------------------ the trainer's loss call
+@pytest.mark.parametrize("bypass", [False, True])
+@pytest.mark.parametrize("loss", ["grpo", "gspo", "cispo"])
+def test_trainer_loss_call_applies_rejection_then_weights(bypass, loss):
+    """train/step.py's loss call equals the functions composed by hand: rho from the trainer's old log-probs
+    (decoupled) or from the detached current ones (bypass, where pi_old is the engine)."""
+    from types import SimpleNamespace
+
+    from moe_gspo.train.step import _loss_rows
+
+    logp, old, adv, mask, _ = _inputs(3)
+    g = torch.Generator().manual_seed(9)
+    engine = old + 0.08 * torch.randn(old.shape, generator=g, dtype=D)
+    ovs = [f"algorithm.loss={loss}", "algorithm.rollout_rs=token_k2", "algorithm.rollout_rs_threshold=0.003"]
+    ovs += ["algorithm.use_engine_logprobs=true"] if bypass else ["algorithm.rollout_is=token",
+                                                                  "algorithm.rollout_is_threshold=1.05"]
+    cfg = load_config(None, ovs)
+    ctx = SimpleNamespace(cfg=cfg, loss_fn=get_policy_loss(loss))
+    pi_old = engine if bypass else old
+    got, m = _loss_rows(ctx, pi_old, adv, mask, None, {}, 7.0, engine)(logp, 0, len(logp))
+    (g_got,) = torch.autograd.grad(got, logp)
+
+    lr = rollout_log_ratio(logp if bypass else old, engine, mask)
+    keep, _ = rollout_rejection_mask(lr, mask, "token_k2", 0.003)
+    kw = {} if bypass else {"rollout_is_weight": rollout_is_weights(lr, keep, "token", 1.05)[0]}
+    want, _ = get_policy_loss(loss)(logp, pi_old, adv, keep, loss_agg_mode=cfg.algorithm.loss_agg_mode,
+                                    loss_denominator=7.0, **kw)
+    (g_want,) = torch.autograd.grad(want, logp)
+    assert 0 < float(m["rollout_corr/rs_masked_frac"]) < 1
+    assert torch.equal(got, want) and torch.equal(g_got, g_want)

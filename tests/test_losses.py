@@ -63,10 +63,11 @@ def grad_of(loss, x):
 
 
 def test_registry_and_defaults():
-    assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo_token", "gmpo", "rspo"}
+    assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo_token", "gmpo", "rspo", "sapo", "cispo"}
     assert DEFAULT_CLIP == {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4),
-                            "gmpo": (0.4, 0.4), "rspo": (0.4, 0.4)}  # gmpo/rspo: log-space bounds
-    with pytest.raises(ValueError, match="gmpo, grpo, gspo, gspo_token, rspo"):
+                            "gmpo": (0.4, 0.4), "rspo": (0.4, 0.4),  # gmpo/rspo: log-space bounds
+                            "sapo": (0.2, 0.28), "cispo": (1.0, 0.28)}  # sapo: diagnostic band; cispo: no lower bound
+    with pytest.raises(ValueError, match="cispo, gmpo, grpo, gspo, gspo_token, rspo, sapo"):
         get_policy_loss("ppo")
 
 

@@ -48,6 +48,11 @@ def _coerce(value, tp, where: str):
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, (list, tuple)):
+            return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        raise ConfigError(f"{where}={value!r} must be a list")
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -1,16 +1,21 @@
-"""moe_gspo.losses: GRPO / GSPO / GSPO-token / GMPO / RSPO policy losses and group advantages, registered by name.
+"""moe_gspo.losses: GRPO / GSPO / GSPO-token / GMPO / RSPO / SAPO / CISPO policy losses and group advantages,
+registered by name, and the rollout-mismatch correction (truncated IS, IcePop, rejection).
 
     from moe_gspo.losses import get_policy_loss, get_advantage_estimator, DEFAULT_CLIP
     adv = get_advantage_estimator("grpo")(rewards, group_ids)                  # (N,)
     loss, metrics = get_policy_loss("gspo")(logp, old_logp, adv, mask)          # clip defaults (3e-4, 4e-4)
     w = router_shift_weight(router_shift_ratio(cur_scores, old_scores), floor=0.8)   # RSPO's per-token weight
     loss, metrics = get_policy_loss("rspo")(logp, old_logp, adv, mask, router_shift_weight=w)
+    w, m = rollout_is_weights(trainer_logp - engine_logp, mask, level="token", threshold=2.0)      # TIS
+    keep, m = rollout_rejection_mask(trainer_logp - engine_logp, mask, mode="token_k3", threshold=0.01)
+    loss, metrics = get_policy_loss("grpo")(logp, old_logp, adv, mask & keep, rollout_is_weight=w)
 
 Formulas, defaults and aggregation pitfalls: docs/losses.md.
 """
 
 from moe_gspo.losses import policy as _policy  # noqa: F401  (registers grpo, gspo, gspo_token)
 from moe_gspo.losses import gmpo as _gmpo  # noqa: F401  (registers gmpo, rspo)
+from moe_gspo.losses import sapo_cispo as _sapo_cispo  # noqa: F401  (registers sapo, cispo)
 from moe_gspo.losses.advantages import (
     ADVANTAGE_ESTIMATORS,
     get_advantage_estimator,
@@ -22,6 +27,7 @@ from moe_gspo.losses.gmpo import gmpo_loss
 from moe_gspo.losses.packed import pad_packed, unpad_to_packed
 from moe_gspo.losses.policy import gspo_loss, gspo_token_loss, grpo_loss, sequence_log_ratio
 from moe_gspo.losses.registry import (
+    DEFAULT_AGG,
     DEFAULT_AGG_MODE,
     DEFAULT_CLIP,
     LOG_RATIO_CLAMP,
@@ -33,10 +39,19 @@ from moe_gspo.losses.registry import (
     kl_penalty,
     register_policy_loss,
 )
+from moe_gspo.losses.rollout_correction import (
+    IS_LEVELS,
+    RS_MODES,
+    rollout_is_weights,
+    rollout_log_ratio,
+    rollout_rejection_mask,
+)
 from moe_gspo.losses.router_shift import router_shift_metrics, router_shift_ratio, router_shift_weight
+from moe_gspo.losses.sapo_cispo import cispo_loss, sapo_loss
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGG_MODES", "DEFAULT_AGG_MODE", "DEFAULT_CLIP", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
+    "ADVANTAGE_ESTIMATORS", "AGG_MODES", "DEFAULT_AGG", "DEFAULT_AGG_MODE", "IS_LEVELS", "RS_MODES", "cispo_loss",
+    "rollout_is_weights", "rollout_log_ratio", "rollout_rejection_mask", "sapo_loss", "DEFAULT_CLIP", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
     "ROUTER_SHIFT_LOSSES", "agg_loss", "agg_seq_loss", "get_advantage_estimator", "get_policy_loss", "gmpo_loss",
     "group_stats", "grpo_loss", "gspo_loss", "gspo_token_loss", "KL_ESTIMATORS", "kl_k3", "kl_penalty",
     "loss_denominator", "pad_packed", "register_advantage_estimator", "register_policy_loss", "router_shift_metrics",

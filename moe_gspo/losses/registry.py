@@ -13,6 +13,11 @@
     loss clips and aggregates it. That is the same as lowering old_logp by log gamma, which is how it is applied,
     so every registered loss takes the weight without code of its own; `ppo_kl` is still measured against the
     true old_logp, while the ratio stats describe the rescaled ratios the loss clips.
+  - applies an optional per-token rollout-correction weight w [B, T] (rollout_correction.py): a detached
+    multiplier of each token's gradient. The loss sees logp' = sg[logp] + w (logp - sg[logp]), equal to logp in
+    value (so clipping, ratios and metrics are unchanged) with d logp' / d logp = w, so d loss / d logp_{i,t} is
+    multiplied by exactly w_{i,t} for every registered loss, sequence-level ones included. The KL term is not
+    weighted.
 `get_policy_loss(name)` returns the wrapped function; an unknown name raises ValueError listing valid names.
 """
 
@@ -32,11 +37,13 @@ DEFAULT_AGG_MODE = "seq-mean-token-mean"  # the paper's 1/G sum_i 1/|y_i| sum_t,
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {}
 DEFAULT_CLIP: dict[str, tuple[float, float]] = {}
+DEFAULT_AGG: dict[str, str] = {}  # loss_agg_mode=None takes this (seq-mean-token-mean but for cispo)
 ROUTER_SHIFT_LOSSES: set[str] = set()  # losses that cannot run without a router-shift weight (rspo)
 
 
 def get_policy_loss(name: str) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
-    """The policy loss registered as `name` (grpo, gspo, gspo_token, gmpo, rspo); unknown names raise ValueError."""
+    """The policy loss registered as `name` (grpo, gspo, gspo_token, gmpo, rspo, sapo, cispo); unknown names raise
+    ValueError listing the valid ones."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; valid names: {', '.join(sorted(POLICY_LOSSES))}")
     return POLICY_LOSSES[name]
@@ -86,11 +93,11 @@ def _check_finite(tensors: dict[str, Tensor], mask_BT: Tensor) -> None:
 
 
 def _check_shapes(name: str, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ref_logp,
-                  router_shift_weight) -> None:
+                  router_shift_weight, rollout_is_weight=None) -> None:
     if logp.dim() != 2:
         raise ValueError(f"{name}: logp must be [B, T] (or packed with cu_seqlens), got shape {tuple(logp.shape)}")
     for tname, x in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp),
-                     ("router_shift_weight", router_shift_weight)):
+                     ("router_shift_weight", router_shift_weight), ("rollout_is_weight", rollout_is_weight)):
         if x is not None and x.shape != logp.shape:
             raise ValueError(f"{name}: {tname} shape {tuple(x.shape)} != logp shape {tuple(logp.shape)}")
     if advantages.shape not in (logp.shape[:1], logp.shape):
@@ -100,7 +107,8 @@ def _check_shapes(name: str, logp: Tensor, old_logp: Tensor, advantages: Tensor,
         )
 
 
-def _to_padded(cu_seqlens: Tensor, max_seqlen, logp, old_logp, advantages, mask, ref_logp, router_shift_weight):
+def _to_padded(cu_seqlens: Tensor, max_seqlen, logp, old_logp, advantages, mask, ref_logp, router_shift_weight,
+               rollout_is_weight):
     """Packed -> padded for every per-token tensor; per-sequence advantages [B] pass through.
 
     A 1-D advantages tensor of length B is per-sequence, even when logp is [total] with total == B;
@@ -119,15 +127,17 @@ def _to_padded(cu_seqlens: Tensor, max_seqlen, logp, old_logp, advantages, mask,
     per_seq = advantages.shape == (num_seqs,)
     adv = advantages if per_seq else pad(advantages, "advantages")
     return (pad(logp, "logp"), pad(old_logp, "old_logp"), adv, pad(mask, "mask"), pad(ref_logp, "ref_logp"),
-            pad(router_shift_weight, "router_shift_weight"))
+            pad(router_shift_weight, "router_shift_weight"), pad(rollout_is_weight, "rollout_is_weight"))
 
 
 def register_policy_loss(name: str, *, default_clip: tuple[float, float], clip_space: str = "ratio",
-                         agg_modes: tuple[str, ...] = AGG_MODES, needs_router_shift: bool = False):
+                         agg_modes: tuple[str, ...] = AGG_MODES, needs_router_shift: bool = False,
+                         default_agg_mode: str = DEFAULT_AGG_MODE, open_low: bool = False):
     """Decorator: wrap a pure loss `fn` with the shared input handling and register it as `name`.
 
-    clip_space: "ratio" (clip w to [1 - clip_low, 1 + clip_high], clip_low < 1) or "log" (clip log w to
-    [-clip_low, clip_high]). agg_modes: the loss_agg_mode values the loss accepts. needs_router_shift: calls without
+    clip_space: "ratio" (clip w to [1 - clip_low, 1 + clip_high], clip_low < 1, or <= 1 with open_low, where 1 means
+    no lower bound) or "log" (clip log w to [-clip_low, clip_high]). agg_modes: the loss_agg_mode values the loss
+    accepts; default_agg_mode: the one loss_agg_mode=None picks. needs_router_shift: calls without
     router_shift_weight raise."""
     if clip_space not in ("ratio", "log"):
         raise ValueError(f"clip_space must be 'ratio' or 'log', got {clip_space!r}")
@@ -142,13 +152,14 @@ def register_policy_loss(name: str, *, default_clip: tuple[float, float], clip_s
             *,
             clip_low: float | None = None,
             clip_high: float | None = None,
-            loss_agg_mode: str = DEFAULT_AGG_MODE,
+            loss_agg_mode: str | None = None,
             loss_denominator: Tensor | float | None = None,
             ref_logp: Tensor | None = None,
             beta: float = 0.0,
             kl_estimator: str = "k3",
             log_ratio_clamp: float = LOG_RATIO_CLAMP,
             router_shift_weight: Tensor | None = None,
+            rollout_is_weight: Tensor | None = None,
             cu_seqlens: Tensor | None = None,
             max_seqlen: int | None = None,
             check_finite: bool = True,
@@ -156,8 +167,11 @@ def register_policy_loss(name: str, *, default_clip: tuple[float, float], clip_s
         ) -> tuple[Tensor, dict[str, Tensor]]:
             clip_low = default_clip[0] if clip_low is None else float(clip_low)
             clip_high = default_clip[1] if clip_high is None else float(clip_high)
-            if clip_space == "ratio" and not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
-                raise ValueError(f"{name}: need 0 <= clip_low < 1 and clip_high >= 0, got ({clip_low}, {clip_high})")
+            low_ok = clip_low <= 1.0 if open_low else clip_low < 1.0
+            if clip_space == "ratio" and not (0.0 <= clip_low and low_ok and clip_high >= 0.0):
+                raise ValueError(f"{name}: need 0 <= clip_low {'<=' if open_low else '<'} 1 and clip_high >= 0, "
+                                 f"got ({clip_low}, {clip_high})")
+            loss_agg_mode = default_agg_mode if loss_agg_mode is None else loss_agg_mode
             if clip_space == "log" and not (0.0 <= clip_low < float("inf") and 0.0 <= clip_high < float("inf")):
                 raise ValueError(f"{name}: clip_low and clip_high bound the log-ratio and must be finite and >= 0, "
                                  f"got ({clip_low}, {clip_high})")
@@ -171,10 +185,10 @@ def register_policy_loss(name: str, *, default_clip: tuple[float, float], clip_s
                 raise ValueError(f"{name}: needs router_shift_weight [B, T], the per-token router-shift weight from "
                                  "the old and current router scores (moe_gspo.losses.router_shift_weight)")
             if cu_seqlens is not None:
-                logp, old_logp, advantages, mask, ref_logp, router_shift_weight = _to_padded(
-                    cu_seqlens, max_seqlen, logp, old_logp, advantages, mask, ref_logp, router_shift_weight
-                )
-            _check_shapes(name, logp, old_logp, advantages, mask, ref_logp, router_shift_weight)
+                logp, old_logp, advantages, mask, ref_logp, router_shift_weight, rollout_is_weight = _to_padded(
+                    cu_seqlens, max_seqlen, logp, old_logp, advantages, mask, ref_logp, router_shift_weight,
+                    rollout_is_weight)
+            _check_shapes(name, logp, old_logp, advantages, mask, ref_logp, router_shift_weight, rollout_is_weight)
             mask = mask.bool()
             dtype = torch.promote_types(logp.dtype, torch.float32)
             zero = logp.new_zeros((), dtype=dtype)
@@ -186,6 +200,9 @@ def register_policy_loss(name: str, *, default_clip: tuple[float, float], clip_s
                 inputs["ref_logp"] = ref_logp
             if log_weight is not None:
                 inputs["router_shift_weight"] = log_weight  # log: a weight <= 0 shows up as -inf / NaN
+            if rollout_is_weight is not None:
+                rollout_is_weight = rollout_is_weight.detach().to(dtype)
+                inputs["rollout_is_weight"] = rollout_is_weight
             if check_finite:
                 _check_finite(inputs, mask)
             logp = torch.where(mask, logp.to(dtype), zero)
@@ -194,8 +211,12 @@ def register_policy_loss(name: str, *, default_clip: tuple[float, float], clip_s
             advantages = torch.where(mask if advantages.dim() == 2 else mask.any(-1), advantages, zero)
             # gamma * exp(logp - old_logp) == exp(logp - (old_logp - log gamma)): the loss sees a lowered old_logp
             ratio_old = old_logp if log_weight is None else old_logp - torch.where(mask, log_weight, zero)
+            pg_logp = logp
+            if rollout_is_weight is not None:  # value logp, gradient w * grad logp (w detached, 0 off the mask)
+                w = torch.where(mask, rollout_is_weight, zero)
+                pg_logp = logp.detach() + w * (logp - logp.detach())
             loss, metrics = fn(
-                logp, ratio_old, advantages, mask,
+                pg_logp, ratio_old, advantages, mask,
                 clip_low=clip_low, clip_high=clip_high, loss_agg_mode=loss_agg_mode,
                 loss_denominator=loss_denominator, log_ratio_clamp=log_ratio_clamp, **options,
             )  # fmt: skip
@@ -213,6 +234,7 @@ def register_policy_loss(name: str, *, default_clip: tuple[float, float], clip_s
             raise ValueError(f"policy loss {name!r} is already registered")
         POLICY_LOSSES[name] = wrapped
         DEFAULT_CLIP[name] = default_clip
+        DEFAULT_AGG[name] = default_agg_mode
         if needs_router_shift:
             ROUTER_SHIFT_LOSSES.add(name)
         return wrapped

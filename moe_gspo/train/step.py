@@ -7,6 +7,11 @@ With the router shift (algorithm.loss=rspo or algorithm.router_shift), the old p
 experts and router scores in ctx.old_router, and each update forward scores the same experts under the current
 router; their shift gives every response token the weight that rescales its importance ratio (docs/losses.md).
 
+With the rollout correction (algorithm.rollout_is / rollout_rs), every loss call gets the importance weights of
+the rollout ratio rho = pi_trainer / pi_engine as a detached per-token gradient multiplier, and loses the tokens the
+rejection mode rejects from its mask. pi_trainer is the old-log-prob pass (decoupled mode) or, with
+algorithm.use_engine_logprobs (the engine as pi_old, "bypass"), the detached current log-probs of the update.
+
 Global denominators (docs/losses.md): the count D of a minibatch is summed over data-parallel ranks once, and
 every micro-batch's loss is divided by D / dp and summed, so gradient accumulation over micro-batches and the
 data-parallel mean equal one step on the whole minibatch.
@@ -21,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from moe_gspo.config import Config
-from moe_gspo.losses import (ROUTER_SHIFT_LOSSES, get_policy_loss, loss_denominator, router_shift_metrics,
-                             router_shift_ratio, router_shift_weight)
+from moe_gspo.losses import (ROUTER_SHIFT_LOSSES, get_policy_loss, loss_denominator, rollout_is_weights,
+                             rollout_log_ratio, rollout_rejection_mask, router_shift_metrics, router_shift_ratio,
+                             router_shift_weight)
 from moe_gspo.model.policy import MoEPolicy
 from moe_gspo.model.routing_capture import ReplaySource, RoutingCapture
 from moe_gspo.parallel.state import comm_device, max_over_ranks
@@ -145,7 +151,11 @@ def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: 
     ref = ref_logp_BT[idx][:, :T] if a.kl_beta > 0 and ref_logp_BT is not None else None
     if a.kl_beta > 0 and ref is None:
         raise RuntimeError("algorithm.kl_beta > 0 but the step has no reference log-probs")
-    denom = global_count(mask, a.loss_agg_mode, ctx)
+    engine = pb.old_logprobs[idx][:, :T] if _corrects(a) else None
+    kept = mask
+    if engine is not None and not a.use_engine_logprobs:  # decoupled: rejected tokens leave the denominator too
+        kept = rollout_correction(a, old, engine, mask)[0]
+    denom = global_count(kept, a.loss_agg_mode, ctx)
     if ctx.router_shift and ctx.old_router is None:
         raise RuntimeError("the router shift needs the old router scores, which old_logprob_pass records")
     ctx.optim.zero_grad()
@@ -168,7 +178,8 @@ def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: 
             gamma = _router_shift_ratio(ctx, cap, old_src, mask[sl].shape)
             gammas.append(gamma[mask[sl]])
             shift["router_shift_weight"] = router_shift_weight(gamma, a.router_shift_floor)
-        loss_rows = _loss_rows(ctx, old[sl], adv[sl], mask[sl], None if ref is None else ref[sl], shift, denom)
+        loss_rows = _loss_rows(ctx, old[sl], adv[sl], mask[sl], None if ref is None else ref[sl], shift, denom,
+                               None if engine is None else engine[sl])
         if fused:
             loss, m, logp, ent = _fused_loss(ctx, hidden, ids[sl], loss_rows)
         else:
@@ -187,18 +198,48 @@ def update_minibatch(ctx: StepContext, pb, old_logp_BT, adv_B, sample_ids, idx: 
     return out
 
 
-def _loss_rows(ctx: StepContext, old_bT, adv_b, mask_bT, ref_bT, shift: dict, denom):
-    """loss_rows(logp_bT, b0, b1) -> (loss, metrics): the configured policy loss (with its KL term and router-shift
-    weight) of rows b0..b1-1 of a micro-batch. With the global denominator the parts of any split of the rows
-    add up to the loss of the whole micro-batch."""
+def _corrects(a) -> bool:
+    return a.rollout_is != "off" or a.rollout_rs != "off"
+
+
+def rollout_correction(a, trainer_bT, engine_bT, mask_bT) -> tuple[torch.Tensor, dict, dict]:
+    """(mask without the rejected tokens, loss kwargs with the importance weight, metrics) of algorithm.rollout_is /
+    rollout_rs for rows whose trainer-side log-probs are trainer_bT (detached here) and engine log-probs engine_bT.
+    The weights' metrics describe the tokens that stay."""
+    log_ratio = rollout_log_ratio(trainer_bT, engine_bT, mask_bT)
+    metrics, kwargs = {}, {}
+    if a.rollout_rs != "off":
+        mask_bT, m = rollout_rejection_mask(log_ratio, mask_bT, a.rollout_rs, a.rollout_rs_threshold)
+        metrics.update(m)
+    if a.rollout_is != "off":
+        kwargs["rollout_is_weight"], m = rollout_is_weights(log_ratio, mask_bT, a.rollout_is, a.rollout_is_threshold)
+        metrics.update(m)
+    return mask_bT, kwargs, metrics
+
+
+def loss_options(a) -> dict:
+    """The configured options of the loss beyond the shared ones (sapo's temperatures)."""
+    return {"tau_pos": a.sapo_tau_pos, "tau_neg": a.sapo_tau_neg} if a.loss == "sapo" else {}
+
+
+def _loss_rows(ctx: StepContext, old_bT, adv_b, mask_bT, ref_bT, shift: dict, denom, engine_bT=None):
+    """loss_rows(logp_bT, b0, b1) -> (loss, metrics): the configured policy loss (with its KL term, router-shift
+    weight and rollout correction against the engine's log-probs engine_bT) of rows b0..b1-1 of a micro-batch. With
+    the global denominator the parts of any split of the rows add up to the loss of the whole micro-batch."""
     a = ctx.cfg.algorithm
 
     def loss_rows(logp_bT, b0, b1):
         r = slice(b0, b1)
-        return ctx.loss_fn(logp_bT, old_bT[r], adv_b[r], mask_bT[r], clip_low=a.clip_low, clip_high=a.clip_high,
-                           loss_agg_mode=a.loss_agg_mode, loss_denominator=denom,
-                           ref_logp=None if ref_bT is None else ref_bT[r], beta=a.kl_beta,
-                           kl_estimator=a.kl_estimator, **{k: v[r] for k, v in shift.items()})
+        mask, corr, corr_m = mask_bT[r], {}, {}
+        if engine_bT is not None:  # bypass: pi_old is the engine, rho compares the current policy with it
+            trainer = logp_bT if a.use_engine_logprobs else old_bT[r]
+            mask, corr, corr_m = rollout_correction(a, trainer, engine_bT[r], mask)
+        loss, m = ctx.loss_fn(logp_bT, old_bT[r], adv_b[r], mask, clip_low=a.clip_low, clip_high=a.clip_high,
+                              loss_agg_mode=a.loss_agg_mode, loss_denominator=denom,
+                              ref_logp=None if ref_bT is None else ref_bT[r], beta=a.kl_beta,
+                              kl_estimator=a.kl_estimator, **{k: v[r] for k, v in shift.items()}, **corr,
+                              **loss_options(a))
+        return loss, {**m, **corr_m}
     return loss_rows
 
 

@@ -137,6 +137,12 @@ def test_the_repository_names_no_file_outside_itself():
     assert bad == []
 
 
+def test_no_package_file_over_500_lines():
+    long = {str(f.relative_to(ROOT)): n for f in [*(ROOT / "moe_gspo").rglob("*.py"), *(ROOT / "kernels").glob("*.py")]
+            if (n := len(f.read_text().splitlines())) > 500}
+    assert long == {}
+
+
 def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -218,7 +218,7 @@ def _replicated_experts(policy) -> list[torch.nn.Parameter]:
     would count each one tp times; they are marked TP-replicated here, so the norm counts them once."""
     if ps.get_tensor_model_parallel_world_size() == 1 or ps.get_expert_model_parallel_world_size() > 1:
         return []
-    experts = [p for name, p in policy.gpt.named_parameters() if ".local_experts." in name]
+    experts = [p for name, p in policy.gpt.named_parameters() if ".mlp.experts." in name]
     for p in experts:
         p.tensor_model_parallel = False
     return experts

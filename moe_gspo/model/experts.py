@@ -29,8 +29,8 @@ _GROUPED_KEY = re.compile(r"^(?P<head>.*\.mlp\.experts\.)(?P<w>weight1|weight2)$
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient: torch._grouped_mm's CPU backward rejects the
-    zero-stride gradients that reductions such as `y.sum()` produce."""
+    """Identity whose backward hands on a gradient with row-major strides: torch._grouped_mm's CPU backward rejects
+    the zero strides that reductions such as `y.sum()` produce (which an empty tensor keeps, even `.contiguous()`)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -38,7 +38,9 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g.contiguous()
+        if g.stride() == (g.shape[1], 1):
+            return g
+        return torch.empty(g.shape, dtype=g.dtype, device=g.device).copy_(g)
 
 
 def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,8 @@ class GroupedGemmExperts(GroupedMLP):
     device from tokens_per_expert (no host sync). Where a device needs each group's row count aligned
     (`align_rows` > 1: the CUDA kernels' 16-byte rule for the transposed operand of the weight gradient), groups
     are zero-padded to that multiple, again without leaving the device. Widths whose rows are not 16-byte
-    aligned (H, F) fall back, at build time, to a loop over the stacked weights.
+    aligned (H, F) fall back, at build time, to a loop over the stacked weights; so do fp32 weights under
+    torch.compile, whose tracing kernel of _grouped_mm takes bf16 only.
     """
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None, pg_collection=None):
@@ -126,7 +127,8 @@ class GroupedGemmExperts(GroupedMLP):
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         """x (N, H) sorted by local expert, tokens_per_expert (E,) int, probs (N,) -> ((N, H), None)."""
-        if not self.use_grouped_mm:
+        if not self.use_grouped_mm or (torch.compiler.is_compiling() and self.weight1.dtype != torch.bfloat16):
+            # torch 2.13's fake-tensor kernel of _grouped_mm (what torch.compile traces with) takes bf16 only
             return self._forward_loop(permuted_local_hidden_states, tokens_per_expert, permuted_probs), None
         x_NH, p_N = permuted_local_hidden_states, permuted_probs
         w1_EHF2, w2_EFH = self._stacked()

@@ -67,7 +67,7 @@ class GroupedGemmExperts(GroupedMLP):
     (`align_rows` > 1: the CUDA kernels' 16-byte rule for the transposed operand of the weight gradient), groups
     are zero-padded to that multiple, again without leaving the device. Widths whose rows are not 16-byte
     aligned (H, F) fall back, at build time, to a loop over the stacked weights; so do fp32 weights under
-    torch.compile, whose tracing kernel of _grouped_mm takes bf16 only.
+    torch.compile, whose tracing kernel of _grouped_mm takes bf16 only, and off the CPU (the same bf16 check).
     """
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None, pg_collection=None):
@@ -96,9 +96,12 @@ class GroupedGemmExperts(GroupedMLP):
         for w in (self.weight1, self.weight2):
             setattr(w, "allreduce", not self.expert_parallel)
         self.register_load_state_dict_post_hook(_ignore_extra_state)
-        self.use_grouped_mm = aligned(H, c.params_dtype) and aligned(Fh, c.params_dtype)
+        on_cpu = self.weight1.device.type == "cpu"
+        # torch's CPU kernel takes fp32 and bf16 (measured); its tracing kernel, like CUDA's, checks for bf16
+        self.use_grouped_mm = (aligned(H, c.params_dtype) and aligned(Fh, c.params_dtype)
+                               and (on_cpu or c.params_dtype == torch.bfloat16))
         # CPU kernels take any group sizes (measured, forward and backward); CUDA's want 16-byte aligned groups
-        self.align_rows = 1 if self.weight1.device.type == "cpu" else 16 // self.weight1.element_size()
+        self.align_rows = 1 if on_cpu else 16 // self.weight1.element_size()
 
     @torch.no_grad()
     def _init_like_sequential_mlp(self) -> None:

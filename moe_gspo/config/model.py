@@ -54,8 +54,9 @@ class ModelConfig:
     torch._grouped_mm calls, forward and backward; checkpoints interchange with the other two), 'torch'
     (megatron's SequentialMLP with its per-expert loop in plain torch ops, used while the expert linears need no
     collective, i.e. expert-TP size 1) or 'megatron' (SequentialMLP's own ColumnParallelLinear /
-    RowParallelLinear per expert). 'grouped' is the default: the fastest on CPU (docs/performance.md); on a GPU
-    without TE it is not yet measured against the others."""
+    RowParallelLinear per expert). 'grouped' is the default: on CPU it is the fastest at the few hundred tokens per
+    forward of RL micro-batches, while 'torch' is about 5% faster per step at thousands of tokens per forward
+    (docs/performance.md); on a GPU without TE it is not yet measured against the others."""
     compile: bool = False
     """Run the decoder through torch.compile (inductor: fused C++ kernels on the CPU) instead of eagerly. Each new
     input shape compiles on its first forward and backward (about a minute at configs/tiny_cpu.yaml, one thread).

@@ -4,8 +4,8 @@
 
 Both models are measured in this run, alternating, with the same batch; the table reports medians and the
 ratio against transformers. Variants: moe-gspo with SDPA attention (default), with megatron's local unfused
-attention, and with megatron's own expert layers (model.experts=megatron, the twin of the default plain-torch
-expert loop); transformers with its default experts implementation and with eager experts.
+attention, and with the eager twins of the default grouped-GEMM experts (model.experts=torch: the per-expert loop
+in plain torch ops; model.experts=megatron: megatron's own expert layers); transformers with its default experts implementation and with eager experts.
 
 --compile adds moe-gspo with model.compile=true (the SDPA policy under torch.compile); its first forward+backward,
 which compiles, is timed on its own before the warmup and reported as compile seconds.
@@ -74,9 +74,10 @@ def main():
     slow = moe_gspo.load_policy(load_config(args.config, ["model.attention=megatron"]))
     slow.load_full_megatron_state(policy.full_megatron_state())
     models["moe-gspo (megatron-core, local attention)"] = slow
-    twin = moe_gspo.load_policy(load_config(args.config, ["model.experts=megatron"]))
-    twin.load_full_megatron_state(policy.full_megatron_state())
-    models["moe-gspo (megatron-core, SDPA, megatron experts)"] = twin
+    for impl in ("torch", "megatron"):  # the eager twins of the default grouped-GEMM experts
+        twin = moe_gspo.load_policy(load_config(args.config, [f"model.experts={impl}"]))
+        twin.load_full_megatron_state(policy.full_megatron_state())
+        models[f"moe-gspo (megatron-core, SDPA, {impl} experts)"] = twin
     if args.compile:
         fast = moe_gspo.load_policy(load_config(args.config, ["model.compile=true"]))
         fast.load_full_megatron_state(policy.full_megatron_state())

@@ -332,3 +332,21 @@ def test_a_checkpoint_saved_by_the_looping_adam_resumes_with_the_fused_kernel(tm
     assert [g["fused"] for g in _adam_groups(fresh)] == [True] * len(_adam_groups(fresh))
     sa, sb = ctx.optim.local_state(), fresh.optim.local_state()
     assert all(torch.equal(sa[k][n], sb[k][n]) for k in sa for n in sa[k])
+
+
+def test_checkpoint_of_one_experts_setting_resumes_with_another(tmp_path):
+    """model.experts=torch (SequentialMLP's per-expert parameters) saves, model.experts=grouped (GroupedMLP's stacked
+    ones) resumes: weights, fp32 main params and Adam moments equal, and the next steps are identical."""
+    src, dst = _ctx("model.experts=torch"), _ctx("model.experts=grouped", seed=5)
+    _train(src, 2)
+    Checkpoints(tmp_path).save(2, src, {"step": 2})
+    Checkpoints(tmp_path).load(2, dst)
+    for kind in ("param", "exp_avg"):
+        a = src.policy.per_expert(src.optim.local_state()[kind])
+        b = dst.policy.per_expert(dst.optim.local_state()[kind])
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), kind
+    assert any(v.abs().max() > 0 for n, v in a.items() if ".experts." in n)  # experts moments, not zeros
+    _train(src, 2, seed=9)
+    _train(dst, 2, seed=9)
+    a, b = src.policy.megatron_state(), dst.policy.megatron_state()
+    assert all(torch.equal(a[n], b[n]) for n in a)

@@ -1,6 +1,8 @@
 """TP=2, EP=2 and TP=2 x EP=2 under torchrun + gloo equal one process: logits, routing, reduced gradients, and
 three steps of megatron's optimizer (DDP, distributed optimizer over DP, clipping by the global grad norm): losses,
-grad norms and final weights (same HF weights, same global batch)."""
+grad norms and final weights (same HF weights, same global batch). The one process runs megatron's own expert
+layers (model.experts=megatron, the slow reference); the parallel runs the grouped-GEMM experts (the default),
+and the plain-torch loop in one EP=2 case."""
 
 from pathlib import Path
 
@@ -12,9 +14,9 @@ from helpers import make_hf_checkpoint, run_torchrun
 WORKER = Path(__file__).parent / "dist" / "parallel_worker.py"
 
 
-def run_worker(ckpt, tp, ep, nproc, out, distopt=False):
-    run_torchrun(WORKER, "--ckpt", ckpt, "--tp", tp, "--ep", ep, "--out", out, *(["--distopt"] if distopt else []),
-                 nproc=nproc)
+def run_worker(ckpt, tp, ep, nproc, out, distopt=False, experts="grouped"):
+    run_torchrun(WORKER, "--ckpt", ckpt, "--tp", tp, "--ep", ep, "--out", out, "--experts", experts,
+                 *(["--distopt"] if distopt else []), nproc=nproc)
     return torch.load(out)
 
 
@@ -23,15 +25,15 @@ def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("par")
     ckpt = make_hf_checkpoint(d / "ckpt", vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8,
                               experts=4, topk=2, inter=16, seed=3)
-    return ckpt, d, run_worker(ckpt, 1, 1, 1, d / "single.pt")
+    return ckpt, d, run_worker(ckpt, 1, 1, 1, d / "single.pt", experts="megatron")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,ep,nproc,distopt", [(2, 1, 2, False), (1, 2, 2, False), (1, 2, 2, True),
-                                                 (2, 2, 4, True)])
-def test_parallel_equals_single_process(reference, tp, ep, nproc, distopt):
+@pytest.mark.parametrize("tp,ep,nproc,distopt,experts", [(2, 1, 2, False, "grouped"), (1, 2, 2, False, "grouped"),
+                                                         (1, 2, 2, True, "torch"), (2, 2, 4, True, "grouped")])
+def test_parallel_equals_single_process(reference, tp, ep, nproc, distopt, experts):
     ckpt, d, ref = reference
-    out = run_worker(ckpt, tp, ep, nproc, d / f"tp{tp}_ep{ep}_{distopt}.pt", distopt)
+    out = run_worker(ckpt, tp, ep, nproc, d / f"tp{tp}_ep{ep}_{distopt}_{experts}.pt", distopt, experts)
     torch.testing.assert_close(out["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
     assert torch.equal(out["routing"], ref["routing"]), "top-k experts differ from the single-process run"
     if out["grads"] is not None:

@@ -1,7 +1,8 @@
 """The trainer under torchrun (2 CPU ranks, gloo): a rank SIGKILLed mid-run resumes from its newest checkpoint and
 every metric equals an uninterrupted run; a checkpoint written at one TP x EP x DP layout resumes at another (1 rank
 -> EP=2 on 2 ranks, TP=2 on 2 ranks -> 1 rank, bf16 TP=2 x EP=2 on 4 ranks -> 1 rank) with every tensor
-bit-identical and the schedule continuing."""
+bit-identical and the schedule continuing. Two of them also change model.experts between the save and the resume
+(torch -> grouped, grouped -> megatron): the implementations share one checkpoint format."""
 
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ def test_checkpoint_of_one_rank_resumes_on_two_ranks_with_ep2(tmp_path):
     from moe_gspo.train.loop import train
     from helpers import tiny_cfg
 
-    train(tiny_cfg(*RESHARD[len(TINY):], "train.steps=2"), run_dir=tmp_path / "run")  # 1 rank writes step 2
+    # 1 rank with the plain-torch expert loop writes step 2; 2 ranks with grouped-GEMM experts resume it
+    train(tiny_cfg(*RESHARD[len(TINY):], "train.steps=2", "model.experts=torch"), run_dir=tmp_path / "run")
     run_torchrun(ROOT / "tests/dist/reshard_worker.py", "--run-dir", tmp_path / "run", *RESHARD, "parallel.ep=2",
-                 "train.steps=4")  # checks every tensor after resharding, then trains steps 3-4
+                 "model.experts=grouped", "train.steps=4")  # checks every tensor after resharding, then trains 3-4
     train(tiny_cfg(*RESHARD[len(TINY):], "train.steps=4"), run_dir=tmp_path / "ref")
     assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == \
         [1, 2, 3, 4]
@@ -115,7 +117,8 @@ def test_bf16_checkpoint_of_tp2_ep2_on_four_ranks_resumes_on_one_rank(tmp_path):
     sys.path.insert(0, str(ROOT / "tests" / "dist"))
     from reshard_worker import check_load  # noqa: E402
 
-    cfg = tiny_cfg(*RESHARD[len(TINY):], *bf16, "train.steps=4")
+    # written by grouped-GEMM experts (the default), read back by megatron's SequentialMLP
+    cfg = tiny_cfg(*RESHARD[len(TINY):], *bf16, "train.steps=4", "model.experts=megatron")
     assert check_load(cfg, tmp_path / "run") == 2
     train(cfg, run_dir=tmp_path / "run", resume=True)
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -48,10 +48,15 @@ class ModelConfig:
     """Parameter dtype: float32 or bfloat16."""
     attention: str = "sdpa"
     """Core attention: 'sdpa' (torch scaled_dot_product_attention) or 'megatron' (megatron's local unfused one)."""
-    experts: str = "torch"
-    """Expert MLPs without Transformer Engine: 'torch' (megatron's SequentialMLP with its per-expert loop in plain
-    torch ops, the same math and parameters; used while the expert linears need no collective, i.e. expert-TP size
-    1) or 'megatron' (SequentialMLP's own ColumnParallelLinear / RowParallelLinear per expert)."""
+    experts: str = "grouped"
+    """Expert MLPs without Transformer Engine (with TE, TE's spec chooses), all the same math on the same weights:
+    'grouped' (each rank's experts stacked in megatron GroupedMLP's layout and computed with two
+    torch._grouped_mm calls, forward and backward; checkpoints interchange with the other two), 'torch'
+    (megatron's SequentialMLP with its per-expert loop in plain torch ops, used while the expert linears need no
+    collective, i.e. expert-TP size 1) or 'megatron' (SequentialMLP's own ColumnParallelLinear /
+    RowParallelLinear per expert). 'grouped' is the default: on CPU it is the fastest at the few hundred tokens per
+    forward of RL micro-batches, while 'torch' is about 5% faster per step at thousands of tokens per forward
+    (docs/performance.md); on a GPU without TE it is not yet measured against the others."""
     compile: bool = False
     """Run the decoder through torch.compile (inductor: fused C++ kernels on the CPU) instead of eagerly. Each new
     input shape compiles on its first forward and backward (about a minute at configs/tiny_cpu.yaml, one thread).
@@ -70,7 +75,7 @@ class ModelConfig:
                               f"model.num_experts={self.num_experts}")
         choice(self, "params_dtype", ("float32", "bfloat16"))
         choice(self, "attention", ("sdpa", "megatron"))
-        choice(self, "experts", ("torch", "megatron"))
+        choice(self, "experts", ("grouped", "torch", "megatron"))
 
 
 @dataclass

@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from moe_gspo.model import hf_io
+from moe_gspo.model.experts import per_expert_state
 from moe_gspo.model.layers import Qwen3Router, RMSNorm, RoutingContext
 from moe_gspo.model.routing_capture import RoutingCapture
 from moe_gspo.model.spec import layer_spec, transformer_config
@@ -157,8 +158,15 @@ class MoEPolicy(torch.nn.Module):
         return self.gpt.output_layer.weight
 
     def megatron_state(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters under megatron's names (no extra state)."""
-        return {k: v for k, v in self.gpt.state_dict().items() if "_extra_state" not in k}
+        """This rank's parameters under megatron's names (no extra state); experts under SequentialMLP's
+        per-expert names whatever `model.experts` holds them as (grouped experts give views of their stacks)."""
+        return self.per_expert({k: v for k, v in self.gpt.state_dict().items() if "_extra_state" not in k})
+
+    def per_expert(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors named and shaped like this rank's parameters -> the same with grouped experts' stacked weights
+        split into per-expert views (other entries unchanged)."""
+        e_local = self.model_config.num_experts // ps.get_expert_model_parallel_world_size()
+        return per_expert_state(local, e_local, self.model_config.hidden_size)
 
     def full_megatron_state(self) -> dict[str, torch.Tensor]:
         """All parameters, unsharded (a collective over TP and EP when they are > 1)."""
@@ -167,6 +175,7 @@ class MoEPolicy(torch.nn.Module):
     def gather_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Tensors named and shaped like this rank's parameters (weights, or optimizer state per parameter) ->
         the unsharded tensors (a collective over TP and EP when they are > 1)."""
+        local = self.per_expert(local)
         if self.tp == 1 and ps.get_expert_model_parallel_world_size() == 1:
             return {k: v.detach() for k, v in local.items()}
         return hf_io.gather_state(local, self.model_config, ps.get_tensor_model_parallel_group(),

@@ -14,6 +14,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moe_gspo.config import ModelConfig, ParallelConfig
+from moe_gspo.model.experts import GroupedGemmExperts
 from moe_gspo.model.layers import Qwen3Router, RMSNorm, SDPAttention, TorchLoopExperts
 
 
@@ -92,5 +93,7 @@ def layer_spec(mc: ModelConfig, use_te: bool | None = None) -> ModuleSpec:
             sub.self_attention.submodules.core_attention = SDPAttention
         if mc.experts == "torch":
             sub.mlp.submodules.experts = dataclasses.replace(sub.mlp.submodules.experts, module=TorchLoopExperts)
+        elif mc.experts == "grouped":
+            sub.mlp.submodules.experts = ModuleSpec(module=GroupedGemmExperts)
     spec.submodules.mlp.submodules.router = Qwen3Router
     return spec

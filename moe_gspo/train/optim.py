@@ -132,7 +132,7 @@ class Optimizer:
         """{"param" | "exp_avg" | "exp_avg_sq": {megatron param name: fp32 tensor}}: the fp32 main parameters and
         Adam moments of this rank's TP/EP shard of every parameter, whole over data parallel (a DistributedOptimizer
         shard is completed by a sum over its data-parallel group: a collective). Shapes equal the model
-        parameters', so moe_gspo.model.hf_io.gather_state / shard_state reshard them like weights."""
+        parameters', so MoEPolicy.gather_full (per-expert names, then hf_io.gather_state) reshards them like weights."""
         out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in ADAM_KINDS}
         for name, model_p, main_p, states, sub in self._entries():
             if isinstance(sub, DistributedOptimizer):
@@ -218,7 +218,7 @@ def _replicated_experts(policy) -> list[torch.nn.Parameter]:
     would count each one tp times; they are marked TP-replicated here, so the norm counts them once."""
     if ps.get_tensor_model_parallel_world_size() == 1 or ps.get_expert_model_parallel_world_size() > 1:
         return []
-    experts = [p for name, p in policy.gpt.named_parameters() if ".local_experts." in name]
+    experts = [p for name, p in policy.gpt.named_parameters() if ".mlp.experts." in name]
     for p in experts:
         p.tensor_model_parallel = False
     return experts

@@ -1,6 +1,7 @@
 """torchrun worker for tests/test_parallel.py: logits, grads and 3 steps of megatron's optimizer under TP x EP x DP.
 
-    torchrun --nproc-per-node 4 tests/dist/parallel_worker.py --ckpt DIR --tp 2 --ep 2 --out OUT.pt [--distopt]
+    torchrun --nproc-per-node 4 tests/dist/parallel_worker.py --ckpt DIR --tp 2 --ep 2 --out OUT.pt [--distopt] \
+        [--experts grouped|torch|megatron]
 
 Loads the same HF checkpoint on every rank, feeds each data-parallel rank its contiguous slice of one fixed
 global batch, and on global rank 0 saves the full logits, the full (unsharded) gradients after megatron's DDP
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import moe_gspo
-from moe_gspo.config import ParallelConfig
+from moe_gspo.config import ModelConfig, ParallelConfig
 from moe_gspo.model.routing_capture import RoutingCapture
 from moe_gspo.train.optim import Optimizer, wrap_ddp
 
@@ -28,9 +29,11 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=12)
     ap.add_argument("--distopt", action="store_true")
+    ap.add_argument("--experts", default="grouped")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    policy = moe_gspo.load_policy(args.ckpt, parallel=ParallelConfig(tp=args.tp, ep=args.ep))
+    policy = moe_gspo.load_policy(ModelConfig(init_from=args.ckpt, experts=args.experts),
+                                  parallel=ParallelConfig(tp=args.tp, ep=args.ep))
     from megatron.core import parallel_state as ps
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -107,13 +110,8 @@ def engine_sync(policy):
 
 
 def policy_full(policy, grads):
-    from megatron.core import parallel_state as ps
-    from moe_gspo.model import hf_io
-
-    if policy.tp == 1 and ps.get_expert_model_parallel_world_size() == 1:
-        return grads
-    return hf_io.gather_state(grads, policy.model_config, ps.get_tensor_model_parallel_group(),
-                              ps.get_expert_model_parallel_group())
+    """Per-parameter tensors of this rank -> full tensors under per-expert names (a collective under TP/EP)."""
+    return policy.gather_full(grads)
 
 
 if __name__ == "__main__":

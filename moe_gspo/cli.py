@@ -79,6 +79,7 @@ def _info(_args) -> int:
         ("Transformer Engine", version("transformer_engine")), ("Triton", version("triton")),
         ("SGLang", version("sglang")), ("math-verify", version("math_verify")),
         ("CPU threads", str(torch.get_num_threads())),
+        ("layer spec (model.spec)", _spec_line()),
     ]
     from rich.console import Console
     from rich.table import Table
@@ -90,6 +91,16 @@ def _info(_args) -> int:
         t.add_row(k, v)
     Console().print(t)
     return 0
+
+
+def _spec_line() -> str:
+    """Which decoder layer spec a run gets and why: 'local' unless a config says model.spec=te, which needs TE on
+    CUDA."""
+    from moe_gspo.model.spec import te_missing
+
+    missing = te_missing()
+    te = "model.spec=te can run here" if missing is None else f"model.spec=te cannot run here: {missing}"
+    return f"local by default (a config's model.spec selects; an installed TE changes nothing); {te}"
 
 
 def _train(args) -> int:

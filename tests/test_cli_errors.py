@@ -69,6 +69,7 @@ CASES = [
     ("checkpoint config garbled", TRAIN + ["model.init_from={d}/hf_garbled", "--out", "{d}/r"], "{d}/hf_garbled"),
     ("run dir holds a run", TRAIN + ["--out", "{d}/previous_run"], "run directory {d}/previous_run holds a previous run"),
     ("resume and overwrite", TRAIN + ["--resume", "--overwrite", "--out", "{d}/r"], "--resume and --overwrite exclude each other"),
+    ("te spec without TE", TRAIN + ["model.spec=te", "--out", "{d}/r"], "model.spec='te' needs Transformer Engine on CUDA"),
     ("vocabulary smaller than the tokenizer", TRAIN + ["model.vocab_size=16", "--out", "{d}/r"], "model.vocab_size=16 is smaller than the character tokenizer's"),
     ("rollout vocabulary smaller than the tokenizer", ["rollout", "--config", "configs/tiny_cpu.yaml", "--out", "{d}/x.jsonl", "model.vocab_size=16"], "model.vocab_size=16 is smaller than the character tokenizer's"),
     ("negative prompt count", ["rollout", "--config", "configs/tiny_cpu.yaml", "--out", "{d}/x.jsonl", "--num-prompts", "-1"], "--num-prompts=-1 must be >= 1"),

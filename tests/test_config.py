@@ -22,6 +22,11 @@ def test_yaml_and_overrides():
     (["algorithm.routing_replay=r5"], "algorithm.routing_replay='r5' is not one of"),
     (["model.num_key_value_heads=3"], "model.num_key_value_heads=3 must divide"),
     (["trainlr"], "not of the form"),
+    (["model.spec=fused"], "model.spec='fused' is not one of"),
+    (["model.spec=te", "model.attention=sdpa"], r"model.attention='sdpa' is not one of \['te'\]"),
+    (["model.attention=te"], r"model.attention='te' is not one of \['sdpa', 'megatron'\]"),
+    (["model.spec=te", "model.experts=torch"], "model.experts='torch' is a local-spec module"),
+    (["model.spec=te", "model.experts=megatron", "model.compile=true"], "model.compile=true is tested on the local"),
 ])
 def test_bad_values_name_the_field(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -59,3 +64,19 @@ def test_off_stays_a_string():
     """YAML 1.1 would read `off` as False; the config reader keeps it the string it is."""
     c = load_config("configs/tiny_cpu.yaml", ["algorithm.routing_replay=off", "algorithm.track_flips=false"])
     assert c.algorithm.routing_replay == "off" and c.algorithm.track_flips is False
+
+
+def test_layer_spec_is_chosen_by_the_config_alone():
+    """model.spec defaults to the local spec whatever is installed; its attention default follows the spec; 'te' where
+    TE cannot run is one ConfigError naming the field and what is missing, raised when the layer spec is built."""
+    from moe_gspo.model.spec import layer_spec, te_missing
+
+    local = load_config("configs/tiny_cpu.yaml").model
+    assert local.spec == "local" and local.attention == "sdpa"
+    te = load_config("configs/tiny_cpu.yaml", ["model.spec=te", "model.experts=grouped"]).model
+    assert te.attention == "te"
+    if te_missing() is None:
+        pytest.skip("Transformer Engine runs here: the refusal cannot be shown")
+    with pytest.raises(ConfigError, match=r"model.spec='te' needs Transformer Engine on CUDA: "):
+        layer_spec(te)
+    assert layer_spec(local) is not None

@@ -171,18 +171,13 @@ def test_te_spec_matches_local_spec(hf_dir):
         pytest.skip("transformer_engine is not importable here")
     import moe_gspo
     from moe_gspo.config import ModelConfig
-    from moe_gspo.model import spec as spec_mod
     from moe_gspo.model.routing_capture import RoutingCapture
 
     x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     outs, routes = {}, {}
     for use_te in (False, True):
-        orig = spec_mod.layer_spec
-        spec_mod.layer_spec = lambda mc, use_te=use_te, _o=orig: _o(mc, use_te=use_te)
-        try:
-            policy = moe_gspo.load_policy(ModelConfig(init_from=str(hf_dir)))
-        finally:
-            spec_mod.layer_spec = orig
+        policy = moe_gspo.load_policy(ModelConfig(init_from=str(hf_dir), spec="te" if use_te else "local",
+                                                  experts="megatron"))
         cap = RoutingCapture()
         with torch.no_grad():
             outs[use_te] = policy(x, routing=cap).float()

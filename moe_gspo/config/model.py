@@ -46,8 +46,15 @@ class ModelConfig:
     """Std of the normal init for a fresh model."""
     params_dtype: str = "float32"
     """Parameter dtype: float32 or bfloat16."""
-    attention: str = "sdpa"
-    """Core attention: 'sdpa' (torch scaled_dot_product_attention) or 'megatron' (megatron's local unfused one)."""
+    spec: str = "local"
+    """The decoder layer spec: 'local' (megatron's local spec with this package's Qwen3 router and RMSNorm, and the
+    attention and experts chosen below; runs anywhere) or 'te' (megatron's Transformer Engine spec: TE's fused
+    attention, linears and norms; needs transformer_engine and CUDA, refused with one line where either is
+    missing). Never chosen implicitly: an installed Transformer Engine changes nothing unless this says 'te'."""
+    attention: str | None = None
+    """Core attention: 'sdpa' (torch scaled_dot_product_attention) or 'megatron' (megatron's local unfused one) with
+    model.spec='local' (None: 'sdpa'); 'te' (TE's fused attention, the only one the TE spec runs) with
+    model.spec='te' (None: 'te')."""
     experts: str = "grouped"
     """Expert MLPs without Transformer Engine (with TE, TE's spec chooses), all the same math on the same weights:
     'grouped' (each rank's experts stacked in megatron GroupedMLP's layout and computed with two
@@ -74,8 +81,18 @@ class ModelConfig:
             raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                               f"model.num_experts={self.num_experts}")
         choice(self, "params_dtype", ("float32", "bfloat16"))
-        choice(self, "attention", ("sdpa", "megatron"))
+        choice(self, "spec", ("local", "te"))
+        if self.attention is None:
+            self.attention = "te" if self.spec == "te" else "sdpa"
+        choice(self, "attention", ("te",) if self.spec == "te" else ("sdpa", "megatron"))
         choice(self, "experts", ("grouped", "torch", "megatron"))
+        if self.spec == "te":  # what the TE spec cannot honour is refused, never ignored
+            if self.experts == "torch":
+                raise ConfigError("model.experts='torch' is a local-spec module; with model.spec='te' use 'grouped' "
+                                  "(TE's grouped GEMM) or 'megatron' (SequentialMLP of TE linears)")
+            if self.compile:
+                raise ConfigError("model.compile=true is tested on the local spec only; with model.spec='te' set "
+                                  "model.compile=false")
 
 
 @dataclass

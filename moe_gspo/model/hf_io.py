@@ -55,7 +55,7 @@ def fsync_dir(path: Path) -> None:
 
 def model_config_from_hf(path: Path, overrides: ModelConfig | None = None) -> ModelConfig:
     """Read config.json; refuse other architectures and MoE features this policy does not implement. The
-    architecture comes from config.json; how to run it (params_dtype, attention, experts, compile) from
+    architecture comes from config.json; how to run it (params_dtype, spec, attention, experts, compile) from
     `overrides`."""
     f = path / "config.json"
     if not f.is_file():
@@ -83,7 +83,8 @@ def model_config_from_hf(path: Path, overrides: ModelConfig | None = None) -> Mo
             rope_theta=float(rope), max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             initializer_range=c.get("initializer_range", 0.02), params_dtype=base.params_dtype,
-            attention=base.attention, experts=base.experts, compile=base.compile, init_from=str(path))
+            spec=base.spec, attention=base.attention, experts=base.experts, compile=base.compile,
+            init_from=str(path))
     except KeyError as e:
         raise ConfigError(f"{f}: missing field {e.args[0]!r}") from None
 

@@ -1,4 +1,6 @@
-"""Qwen3-MoE as a megatron-core TransformerConfig and layer spec (local torch spec on CPU, TE spec on GPU)."""
+"""Qwen3-MoE as a megatron-core TransformerConfig and layer spec: megatron's local spec with this package's router,
+norms, attention and experts (model.spec='local', anywhere), or megatron's Transformer Engine spec (model.spec='te',
+CUDA with transformer_engine)."""
 
 from __future__ import annotations
 
@@ -13,20 +15,25 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from moe_gspo.config import ModelConfig, ParallelConfig
+from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from moe_gspo.model.experts import GroupedGemmExperts
 from moe_gspo.model.layers import Qwen3Router, RMSNorm, SDPAttention, TorchLoopExperts
 
 
-def te_available() -> bool:
-    """Transformer Engine importable and CUDA present (TE is CUDA-only)."""
+def te_missing() -> str | None:
+    """Why the Transformer Engine spec cannot run here (None when it can): TE is CUDA-only."""
     if not torch.cuda.is_available():
-        return False
+        return "CUDA is not available"
     try:
         import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except Exception as e:  # noqa: BLE001 - any import failure means TE cannot run; say which
+        return f"transformer_engine does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def te_available() -> bool:
+    """Transformer Engine importable and CUDA present."""
+    return te_missing() is None
 
 
 def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig:
@@ -58,7 +65,7 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type=pc.dispatcher,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=mc.spec == "te" and mc.experts == "grouped",  # TE's grouped GEMM; the local spec's is ours
         tensor_model_parallel_size=pc.tp,
         expert_model_parallel_size=pc.ep,
         expert_tensor_parallel_size=1,
@@ -76,12 +83,16 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig
     )
 
 
-def layer_spec(mc: ModelConfig, use_te: bool | None = None) -> ModuleSpec:
-    """The decoder layer spec: megatron's local (or TE) spec with Qwen3's router, an SP-capable RMSNorm, and
-    SDPA attention when configured."""
-    use_te = te_available() if use_te is None else use_te
-    if use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=mc.num_experts, qk_layernorm=True)
+def layer_spec(mc: ModelConfig) -> ModuleSpec:
+    """The decoder layer spec model.spec names: megatron's local spec with Qwen3's router, an SP-capable RMSNorm,
+    and the configured attention and experts; or megatron's TE spec with Qwen3's router (refused, naming what is
+    missing, where TE cannot run)."""
+    if mc.spec == "te":
+        missing = te_missing()
+        if missing:
+            raise ConfigError(f"model.spec='te' needs Transformer Engine on CUDA: {missing}; use model.spec=local")
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=mc.num_experts, qk_layernorm=True,
+                                                           moe_grouped_gemm=mc.experts == "grouped")
     else:
         spec = get_gpt_layer_local_spec(num_experts=mc.num_experts, qk_layernorm=True, normalization="RMSNorm")
         sub = spec.submodules

@@ -130,10 +130,6 @@ def _rollout(args) -> int:
     return 0
 
 
-def _compared_variants(out: Path) -> list[str]:
-    return list(json.loads((out / "compare.json").read_text())["variants"])
-
-
 def _compare(args) -> int:
     from moe_gspo.experiments.compare import cold_start_one, run_comparison, run_one
     from moe_gspo.report.compare_data import summary_lines
@@ -147,7 +143,7 @@ def _compare(args) -> int:
     report = run_comparison(args.config, args.out, args.overrides, only=args.only.split(",") if args.only else None,
                             overwrite=args.overwrite, seeds=args.seeds, jobs=args.jobs, resume=args.resume)
     if os.environ.get("RANK", "0") == "0":  # the answer first, then where the figures are
-        print("\n".join(summary_lines(report.parent, _compared_variants(report.parent))))
+        print("\n".join(summary_lines(report.parent)))
         print(f"report: {report}")
     return 0
 
@@ -167,7 +163,6 @@ def _report_volatility(args) -> int:
 
 
 def _report_compare(args) -> int:
-
     from moe_gspo.report.compare import write_compare_report
 
     d = Path(args.dir)

@@ -19,17 +19,15 @@ difference. Reads the JSONL metrics, each run's config.yaml and compare.json.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from moe_gspo.config import CompareConfig
 from moe_gspo.report import html
 from moe_gspo.report.compare_data import (ACC, CLIP, DIFF_HEADER, METRIC_HEADER, MISMATCH, PDIFF, REWARD, RUN_HEADER,
-                                          SUMMARY_HEADER, _read_meta, diff_rows, identical_variants, load_variants,
-                                          metric_rows, run_rows, run_walls, settings_tables, summary_rows,
+                                          SUMMARY_HEADER, diff_rows, identical_variants, load_variants, metric_rows,
+                                          read_meta, run_rows, run_walls, settings_tables, summary_rows,
                                           variant_stats)
 from moe_gspo.report.compare_figures import mean_curves, seed_panels, volatility_section
 from moe_gspo.report.stats import smooth
@@ -40,9 +38,7 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
     """Write DIR/report.html and its PNGs from the runs of `names`; returns the HTML path. `walls`: seconds per run
     label ('grpo/seed_0'), else read from each run's wall_time.json."""
     out = Path(out_dir)
-    meta = _read_meta(out)
-    known = {f.name for f in dataclasses.fields(CompareConfig)}
-    settings = CompareConfig(**{k: v for k, v in (meta.get("settings") or {}).items() if k in known})
+    meta, settings = read_meta(out)
     variants = load_variants(out, names, meta.get("seeds"))
     walls = run_walls(variants, walls)
     base, stats = variant_stats(variants, settings)

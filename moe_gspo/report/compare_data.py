@@ -341,9 +341,12 @@ def run_walls(variants: Sequence[Variant], walls: dict[str, float] | None = None
     return walls
 
 
-def _read_meta(out: Path) -> dict:
+def read_meta(out: Path) -> tuple[dict, CompareConfig]:
+    """(DIR/compare.json's content, {} without one; its statistics settings, CompareConfig defaults where absent)."""
     p = out / "compare.json"
-    return json.loads(p.read_text()) if p.is_file() else {}
+    meta = json.loads(p.read_text()) if p.is_file() else {}
+    known = {f for f in CompareConfig.__dataclass_fields__}
+    return meta, CompareConfig(**{k: v for k, v in (meta.get("settings") or {}).items() if k in known})
 
 
 def _fmt(iv: Interval | None, signed: bool = False) -> str:
@@ -353,15 +356,13 @@ def _fmt(iv: Interval | None, signed: bool = False) -> str:
     return f"{iv.mean:{f}}" + ("" if iv.lo is None else f" [{iv.lo:{f}}, {iv.hi:{f}}]")
 
 
-def summary_lines(out_dir: str | Path, names: Sequence[str]) -> list[str]:
-    """The comparison's answer as aligned text for the terminal: per variant, its final reward with the 95%
-    t-interval over seeds, the paired difference against the baseline with its interval and verdict, and how many
-    runs collapsed (the report's summary and difference tables, in the same numbers)."""
+def summary_lines(out_dir: str | Path) -> list[str]:
+    """The answer of the comparison in DIR as aligned text for the terminal: per variant (compare.json's), its final
+    reward with the 95% t-interval over seeds, the paired difference against the baseline with its interval and
+    verdict, and how many runs collapsed (the report's summary and difference tables, in the same numbers)."""
     out = Path(out_dir)
-    meta = _read_meta(out)
-    known = {f for f in CompareConfig.__dataclass_fields__}
-    settings = CompareConfig(**{k: v for k, v in (meta.get("settings") or {}).items() if k in known})
-    variants = load_variants(out, names, meta.get("seeds"))
+    meta, settings = read_meta(out)
+    variants = load_variants(out, list(meta["variants"]), meta.get("seeds"))
     base, stats = variant_stats(variants, settings)
     header = ["variant", "seeds", "final reward [95% t]", f"minus {base}, paired [95% t]", "verdict", "collapsed"]
     rows = [header]

@@ -116,7 +116,7 @@ def encode_prompts(examples: list[Example], tok: CharTokenizer, max_new_tokens: 
         ids = tok.encode(ex.prompt, bos=True)
         if len(ids) + max_new_tokens > context:
             raise ConfigError(f"prompt {i} ({ex.prompt[:40]!r}...) has {len(ids)} tokens; with rollout.max_new_tokens="
-                             f"{max_new_tokens} it exceeds the context model.max_position_embeddings={context}")
+                              f"{max_new_tokens} it exceeds the context model.max_position_embeddings={context}")
         out.append(ids)
     return out
 
@@ -139,7 +139,7 @@ def handle_bad_rewards(rewards: torch.Tensor, errors: list, examples: list[Examp
     why = errors[i] if errors and errors[i] else f"reward {float(rewards[i])}"
     if mode == "error":
         raise UserError(f"step {step}: non-finite reward for sample {int(sample_ids[i])} (prompt "
-                         f"{examples[i].prompt!r}, response {texts[i]!r}): {why}; {int((~valid).sum())} bad in this "
-                         f"batch. Set rollout.bad_reward=skip to drop such samples instead.")
+                        f"{examples[i].prompt!r}, response {texts[i]!r}): {why}; {int((~valid).sum())} bad in this "
+                        f"batch. Set rollout.bad_reward=skip to drop such samples instead.")
     return valid
 

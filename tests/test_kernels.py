@@ -136,7 +136,7 @@ def test_fused_policy_loss_bf16_within_bf16_tolerance(loss):
         old = (logprobs_f64(h, w, t)[0] + 0.2 * torch.randn(t.shape[0], dtype=torch.float64)).float()
     hb, wb = h.clone().requires_grad_(), w.clone().requires_grad_()
     value, _ = fused_policy_loss(hb, wb, t, old, adv, cu_seqlens=cu, loss_mask=mask, loss=loss, clip_low=0.2,
-                                 clip_high=0.2, num_sequences=4, chunk_bytes=12 * (211 * 2 + 32) * 4)
+                                 clip_high=0.2, denominator=4, chunk_bytes=12 * (211 * 2 + 32) * 4)
     value.backward()
     assert hb.grad.dtype == torch.bfloat16 and wb.grad.dtype == torch.bfloat16
     hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
@@ -202,7 +202,7 @@ def test_fused_policy_loss_matches_float64(loss, clip, noise, impl):
     # cuts its 10-token chunks through sequences
     lengths = [5, 1, 13, 0, 9, 30, 4]
     h, w, t, cu, mask, old, adv = _loss_inputs(seed, lengths, noise=noise)
-    kw = dict(cu_seqlens=cu, loss_mask=mask, loss=loss, clip_low=clip[0], clip_high=clip[1], num_sequences=11,
+    kw = dict(cu_seqlens=cu, loss_mask=mask, loss=loss, clip_low=clip[0], clip_high=clip[1], denominator=11,
               temperature=0.9)
     hf, wf = h.clone().requires_grad_(), w.clone().requires_grad_()
     value, metrics = fused_policy_loss(hf, wf, t, old, adv, chunk_bytes=16 * 173 * 3, impl=impl, **kw)
@@ -218,7 +218,8 @@ def test_fused_policy_loss_matches_float64(loss, clip, noise, impl):
     assert 0 <= float(metrics["pg_clipfrac"]) <= 1
 
 
-@pytest.mark.parametrize("loss,noise", [("gspo", 1e-3), ("grpo", 0.3), ("gspo_token", 1e-3), ("gmpo", 0.3)])
+@pytest.mark.parametrize("loss,noise", [("gspo", 1e-3), ("grpo", 0.3), ("gspo_token", 1e-3), ("gmpo", 0.3),
+                                        ("cispo", 0.3), ("sapo", 0.3)])
 def test_fused_policy_loss_metrics_are_the_losses_own(loss, noise):
     """The fused path hands back the registered loss's metrics of the whole batch (its chunks only see parts)."""
     seed = fresh_seed()

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_gspo.kernels import fused_logprob_loss, sequence_reduce, token_logprobs, token_logprobs_from_logits
-from moe_gspo.losses import get_policy_loss
+from moe_gspo.kernels import fused_logprob_loss, token_logprobs, token_logprobs_from_logits
+from moe_gspo.losses import DEFAULT_AGG, get_policy_loss, loss_denominator
 
 
 def _tp_group(policy):
@@ -83,16 +83,16 @@ def hidden_loss(policy, hidden_BTH: torch.Tensor, input_ids_BT: torch.Tensor, lo
 
 
 def fused_policy_loss(hidden, weight, targets, old_logp, advantages, *, cu_seqlens, loss="gspo", loss_mask=None,
-                      num_sequences=None, temperature=1.0, ignore_index=-100, process_group=None, chunk_bytes=None,
+                      denominator=None, temperature=1.0, ignore_index=-100, process_group=None, chunk_bytes=None,
                       impl="fused", **loss_options):
     """A registered policy loss (moe_gspo.losses, by name) of a packed batch, from hidden states: (loss 0-dim fp32,
     metrics {logp [T], and the loss's own metrics}), tensors only.
 
     hidden [T, H], weight [V_local, H] (vocab shard as in token_logprobs), targets / old_logp / loss_mask [T] with
-    sequence b at tokens cu_seqlens[b]:cu_seqlens[b+1]; advantages [B], one per sequence. num_sequences: the
-    global denominator (default: the sequences here with a response token; pass the rollout batch's count for
-    gradient accumulation). loss_options go to the loss (clip_low, clip_high, loss_agg_mode, ...; the default
-    seq-mean-token-mean mode divides by num_sequences). impl="fused" computes the LM head's gradient inside the
+    sequence b at tokens cu_seqlens[b]:cu_seqlens[b+1]; advantages [B], one per sequence. loss_options go to the
+    loss (clip_low, clip_high, loss_agg_mode, ...). denominator: the count the loss's aggregation mode divides by
+    (default: moe_gspo.losses.loss_denominator of this call's tokens, i.e. its sequences with a response token, or
+    its response tokens for token-mean; pass the rollout batch's count for gradient accumulation). impl="fused" computes the LM head's gradient inside the
     kernel (fused_logprob_loss, 6THV); "unfused" is token_logprobs followed by the loss under autograd."""
     fn = get_policy_loss(loss)
     if impl not in ("fused", "unfused"):
@@ -106,9 +106,10 @@ def fused_policy_loss(hidden, weight, targets, old_logp, advantages, *, cu_seqle
     if advantages.shape != (cu.numel() - 1,):
         raise ValueError(f"fused_policy_loss: advantages must be [B] = [{cu.numel() - 1}], got "
                          f"{tuple(advantages.shape)}")
-    if num_sequences is None:
-        num_sequences = int((sequence_reduce(valid.float(), cu_seqlens=cu) > 0).sum())
-    kw = {"loss_denominator": float(max(num_sequences, 1)), **loss_options}
+    if denominator is None:  # the loss's own count, fixed for the whole call: the kernel hands it parts of the batch
+        mode = loss_options.get("loss_agg_mode") or DEFAULT_AGG[loss]
+        denominator = int(loss_denominator(valid, mode, cu_seqlens=cu))
+    kw = {"loss_denominator": float(max(denominator, 1)), **loss_options}
     old, adv = old_logp.float(), advantages.float()
     bounds = cu.tolist()
 

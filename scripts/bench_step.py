@@ -10,6 +10,11 @@ in plain torch ops; model.experts=megatron: megatron's own expert layers); trans
 --compile adds moe-gspo with model.compile=true (the SDPA policy under torch.compile); its first forward+backward,
 which compiles, is timed on its own before the warmup and reported as compile seconds.
 
+--ragged MIN gives the rows lengths drawn uniformly from [MIN, seq] (right padding, as RL batches are): every
+model runs the padded batch (transformers with its attention mask) and the loss covers the real tokens only, and
+a row "moe-gspo (packed)" runs the same rows packed back to back (MoEPolicy's `lengths`: no padding computed, as
+train.max_tokens_per_micro_batch does). Tokens/s count real tokens.
+
 --optimizer adds a second table: a whole training step (forward, backward, optimizer step with clipping) of the
 policy under the trainer's optimizer (megatron DDP buffers, megatron's Adam on fp32 main params, its grad norm and
 LR schedule) against the same policy under plain torch.optim.AdamW + clip_grad_norm_, same weights and batch.
@@ -52,6 +57,8 @@ def main():
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--optimizer", action="store_true", help="also time whole train steps: megatron's optimizer vs AdamW")
     ap.add_argument("--compile", action="store_true", help="also time the policy under model.compile=true")
+    ap.add_argument("--ragged", type=int, default=None, metavar="MIN",
+                    help="row lengths uniform in [MIN, seq]; adds the packed policy")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,6 +76,11 @@ def main():
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, V, (args.batch, args.seq), generator=g)
     y = torch.randint(0, V, (args.batch, args.seq), generator=g)
+    lengths = [args.seq] * args.batch
+    if args.ragged:
+        lengths = torch.randint(args.ragged, args.seq + 1, (args.batch,), generator=g).tolist()
+    real = torch.arange(args.seq)[None] < torch.tensor(lengths)[:, None]  # (B, S) True on real tokens
+    y = torch.where(real, y, -100)
 
     models = {"moe-gspo (megatron-core, SDPA)": policy}
     slow = moe_gspo.load_policy(load_config(args.config, ["model.attention=megatron"]))
@@ -90,9 +102,19 @@ def main():
     except (TypeError, ValueError):
         pass
 
-    def step_fn(m):
+    packed = {}
+    if args.ragged:
+        models["moe-gspo (packed)"] = policy
+        packed["moe-gspo (packed)"] = {"lengths": lengths}
+
+    def step_fn(m, name=None):
         def run():
-            out = m(x)
+            if name in packed:
+                out = m(x, **packed[name])
+            elif isinstance(m, torch.nn.Module) and hasattr(m, "generation_config"):  # transformers
+                out = m(x, attention_mask=real.long() if args.ragged else None)
+            else:
+                out = m(x)
             logits = out.logits if hasattr(out, "logits") else out
             torch.nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1)).backward()
             m.zero_grad(set_to_none=True)
@@ -106,11 +128,11 @@ def main():
     secs = {name: [] for name in models}
     for _ in range(args.warmup):
         for name, m in models.items():
-            step_fn(m)()
+            step_fn(m, name)()
     for _ in range(args.iters):  # interleave so background load hits all models alike
         for name, m in models.items():
-            secs[name].append(timed(step_fn(m), 0, 1))
-    tokens = args.batch * args.seq
+            secs[name].append(timed(step_fn(m, name), 0, 1))
+    tokens = sum(lengths)
     base = statistics.median(secs["transformers (default)"])
     rows = []
     for name, ts in secs.items():
@@ -118,10 +140,11 @@ def main():
         rows.append({"impl": name, "seconds": s, "tokens_per_s": tokens / s, "speedup_vs_transformers": base / s})
     result = {"device": "cpu", "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "batch": args.batch, "seq": args.seq, "tokens": tokens, "max_abs_logit_diff": diff,
+              "ragged_min": args.ragged, "lengths": lengths,
               "config": args.config, "rows": rows}
     if args.compile:
         result["compile_seconds"] = compile_s
-    print(f"fwd+bwd, batch {args.batch} x seq {args.seq} = {tokens} tokens, {torch.get_num_threads()} threads, "
+    print(f"fwd+bwd, batch {args.batch} x seq {args.seq}: {tokens} real tokens, {torch.get_num_threads()} threads, "
           f"max |logit diff| moe-gspo vs transformers {diff:.1e}")
     print(f"{'implementation':47s} {'s/step':>8s} {'tokens/s':>10s} {'vs transformers':>16s}")
     for r in rows:

@@ -359,9 +359,9 @@ def test_step_weight_is_one_without_an_update_and_below_one_after_the_router_mov
     B = pb.input_ids.shape[0]
     ctx = make_ctx(cfg, policy)
     sids, adv = torch.arange(B), torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0])
-    old, _ = old_logprob_pass(ctx, pb, sids)
+    old = old_logprob_pass(ctx, pb, sids)
     mc = cfg.model
-    assert ctx.old_router.bytes_per_token() == mc.num_hidden_layers * mc.num_experts_per_tok * 3  # uint8 + fp16
+    assert old.router.bytes_per_token() == mc.num_hidden_layers * mc.num_experts_per_tok * 3  # uint8 + fp16
     m = update_minibatch(ctx, pb, old, adv, sids, torch.arange(B))  # same weights, same batch layout
     assert m["moe/router_shift_mean"] == 1 and m["moe/router_shift_min"] == 1
     assert m["ratio_min"] == m["ratio_max"] == 1
@@ -389,13 +389,13 @@ def test_token_weight_uses_the_routing_that_produced_the_token(tiny):
             pb.input_ids[:, p] = (pb.input_ids[:, p] + 1) % cfg.model.vocab_size
         B, T = pb.input_ids.shape
         ctx = make_ctx(cfg, policy)
-        old_logprob_pass(ctx, pb, torch.arange(B))
+        old = old_logprob_pass(ctx, pb, torch.arange(B))
         perturb_routers(policy)
-        src = ctx.old_router.source(torch.arange(B), T, policy.device)
+        src = old.router.source(torch.arange(B), T, policy.device)
         cap = RoutingCapture(score_at=src)
         with torch.no_grad():
             batch_logprobs(policy, pb.input_ids, cap, want_entropy=False)
-        gammas.append(_router_shift_ratio(ctx, cap, src, (B, T)))
+        gammas.append(_router_shift_ratio(old.router, cap, src, (B, T)))
     a, b = gammas
     assert (a[:, 0] == 1).all()
     assert torch.equal(a[:, :p + 1], b[:, :p + 1])

@@ -92,6 +92,12 @@ class TrainConfig:
     """Sequences per forward of the no-grad log-prob pass over the rollout batch (pi_old, and pi_ref with a KL
     term); None takes train.micro_batch_size. That pass keeps no autograd graph, so it can take larger batches than
     training: fewer forwards, less per-forward overhead, more activation memory per forward."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of a packed micro-batch (0: row micro-batches of train.micro_batch_size and
+    train.logprob_micro_batch_size sequences). With a budget, both the old-log-prob pass and the update lay whole
+    sequences back to back with no padding, at most this many tokens per forward (attention and rotary positions
+    stay within each sequence), and every rank runs the same number of forwards. A sequence (prompt + response)
+    longer than the budget is refused. Needs model.attention='sdpa' or the TE spec, and model.compile=false."""
     seq_len: int = 64
     """Sequence length for plain training runs."""
     batch_size: int = 16
@@ -121,6 +127,9 @@ class TrainConfig:
                   "cold_start_batch_size")
         if self.logprob_micro_batch_size is not None:
             positive(self, "logprob_micro_batch_size")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"train.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 0 "
+                              f"(0: row micro-batches)")
         choice(self, "logprob_impl", ("fused", "eager"))
         choice(self, "loss_impl", ("fused", "eager"))
         if self.cold_start_steps < 0 or self.checkpoint_every < 0:
@@ -172,6 +181,15 @@ class Config:
     """Optimization."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics."""
+
+    def __post_init__(self):
+        if self.train.max_tokens_per_micro_batch:  # packed forwards: THD attention, shapes that vary per forward
+            if self.model.attention == "megatron":
+                raise ConfigError("train.max_tokens_per_micro_batch > 0 packs sequences, which megatron's local "
+                                  "attention cannot attend; set model.attention=sdpa")
+            if self.model.compile:
+                raise ConfigError("train.max_tokens_per_micro_batch > 0 gives every forward another length, which "
+                                  "model.compile=true would recompile; set one of them off")
 
 
 @dataclass

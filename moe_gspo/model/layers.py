@@ -34,8 +34,10 @@ class SDPAttention(MegatronModule):
 
     Replaces megatron's local DotProductAttention (unfused baddbmm + masked softmax + bmm), which spends about
     half of a CPU step in copies. Inputs/outputs use megatron's layout: q (sq, b, np, hn), k/v (sk, b, ng, hn)
-    -> context (sq, b, np * hn). Only causal self-attention over right-padded or full sequences is supported:
-    the explicit mask megatron passes is ignored in favour of is_causal.
+    -> context (sq, b, np * hn), causal over right-padded or full sequences (the explicit mask megatron passes is
+    ignored in favour of is_causal). Packed sequences come in megatron's THD format (packed_seq_params with
+    qkv_format='thd': q (t, np, hn) holding the sequences back to back) and are attended one sequence at a time,
+    causal within each, so no token sees another sequence and no [t, t] mask is built.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
@@ -49,17 +51,37 @@ class SDPAttention(MegatronModule):
         self.scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
+    def _sdpa(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                              dropout_p=self.dropout if self.training else 0.0,
+                                              enable_gqa=self.groups != self.heads)
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        assert packed_seq_params is None and attention_bias is None, "SDPAttention: causal, unpacked only"
+        assert attention_bias is None, "SDPAttention: no attention bias"
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         q = query.permute(1, 2, 0, 3)  # (b, np, sq, hn)
         k = key.permute(1, 2, 0, 3)  # (b, ng, sk, hn)
         v = value.permute(1, 2, 0, 3)
-        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                             dropout_p=self.dropout if self.training else 0.0,
-                                             enable_gqa=self.groups != self.heads)
+        ctx = self._sdpa(q, k, v)
         sq, b = query.shape[0], query.shape[1]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)  # (sq, b, np*hn)
+
+    def _packed(self, query, key, value, psp):
+        """THD: q (t, np, hn), k/v (t, ng, hn) -> (t, np * hn), each sequence of psp.cu_seqlens_q on its own."""
+        assert psp.qkv_format == "thd", f"SDPAttention: packed format {psp.qkv_format!r} is not 'thd'"
+        bounds = seq_bounds(psp)
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # (heads, t, hn)
+        out = [self._sdpa(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return torch.cat(out, dim=1).transpose(0, 1).reshape(query.shape[0], self.heads * self.head_dim)
+
+
+def seq_bounds(psp) -> list[int]:
+    """Host copy of a PackedSeqParams' cu_seqlens_q: the policy attaches it when it packs (`bounds`), so that no
+    layer waits on the device for it."""
+    bounds = getattr(psp, "bounds", None)
+    return bounds if bounds is not None else psp.cu_seqlens_q.tolist()
 
 
 class RoutingContext:

@@ -13,6 +13,7 @@ moe_gspo.parallel before the model is built. Under TP the policy's forward gathe
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,13 +22,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from moe_gspo.model import hf_io
 from moe_gspo.model.experts import per_expert_state
 from moe_gspo.model.layers import Qwen3Router, RMSNorm, RoutingContext
-from moe_gspo.model.routing_capture import RoutingCapture
+from moe_gspo.model.routing_capture import PackedLayout, RoutingCapture
 from moe_gspo.model.spec import layer_spec, transformer_config
 
 
@@ -82,13 +84,20 @@ class MoEPolicy(torch.nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, routing: RoutingCapture | None = None,
-                return_hidden: bool = False, gather_logits: bool = True) -> torch.Tensor:
+                return_hidden: bool = False, gather_logits: bool = True,
+                lengths: list[int] | None = None, pack_to: int | None = None) -> torch.Tensor:
         """input_ids (B, T) int64 -> logits (B, T, V) float32, or hidden (B, T, H) with return_hidden.
 
         Under TP the hidden states are replicated on every TP rank and their gradient must come back whole
         (already summed over the TP vocab shards), as moe_gspo.kernels.token_logprobs(process_group=TP) returns it.
 
-        gather_logits=False keeps TP's vocab shard (B, T, V/tp)."""
+        gather_logits=False keeps TP's vocab shard (B, T, V/tp).
+
+        lengths (B ints): run the rows packed. Row b's first lengths[b] tokens go back to back with the other rows'
+        into one sequence of sum(lengths) tokens (megatron's THD format: rotary positions restart and attention
+        stays within each row), so no padding is computed; the outputs come back in the (B, T) frame with zeros
+        at the padding, and a routing capture sees the same batch-major positions as unpacked. pack_to: pad the
+        packed sequence to at least this many tokens (expert-parallel ranks exchanging equal-sized blocks)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
         input_ids = input_ids.to(self.device)  # rollouts and data batches are built on the CPU
@@ -96,6 +105,8 @@ class MoEPolicy(torch.nn.Module):
         if T > self.model_config.max_position_embeddings:
             raise ValueError(f"sequence length {T} exceeds model.max_position_embeddings="
                              f"{self.model_config.max_position_embeddings}")
+        if lengths is not None:
+            return self._packed_forward(input_ids, routing, return_hidden, gather_logits, lengths, pack_to or 0)
         pad = (-T) % self.tp  # sequence parallelism splits the sequence evenly over TP ranks
         if pad:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad))
@@ -127,9 +138,61 @@ class MoEPolicy(torch.nn.Module):
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         return logits[:, :T]
 
-    def _routing_context(self, capture, B, T, Tp, dev) -> RoutingContext:
+    def _packed_forward(self, input_ids, routing, return_hidden, gather_logits, lengths, pack_to) -> torch.Tensor:
+        B, T = input_ids.shape
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != B or any(not 0 < n <= T for n in lengths):
+            raise ValueError(f"lengths must be {B} ints in [1, {T}], got {lengths}")
+        if self.model_config.attention != "sdpa" and self.model_config.spec == "local":
+            raise ConfigError(f"packed sequences need model.attention='sdpa' on the local spec, got "
+                              f"{self.model_config.attention!r}")
+        dev = input_ids.device
+        pos = torch.cat([torch.arange(b * T, b * T + n, device=dev) for b, n in enumerate(lengths)])  # (N,)
+        N = pos.numel()
+        pad = max(pack_to - N, 0)
+        pad += (-(N + pad)) % self.tp  # sequence parallelism splits the packed sequence evenly over TP ranks
+        bounds = list(itertools.accumulate([0, *lengths, *([pad] if pad else [])]))
+        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+        longest = max(lengths + [pad])
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                              max_seqlen_kv=longest)
+        psp.bounds = bounds  # read by the attention (seq_bounds) without a device sync per layer
+        ids = torch.nn.functional.pad(input_ids.reshape(-1)[pos], (0, pad)).unsqueeze(0)  # (1, Np)
+        position_ids = torch.cat([torch.arange(n, device=dev) for n in lengths + ([pad] if pad else [])])
+        ctx = None
+        if routing is not None:
+            ctx = self._routing_context(routing, B, T, N + pad, dev, packed=pos)
+        for r in self.routers:
+            r.routing_context = ctx
+        try:
+            if return_hidden:
+                self.gpt.post_process = False
+                try:
+                    h = self.gpt(ids, position_ids.unsqueeze(0), None, packed_seq_params=psp)  # (Np/tp, 1, H)
+                finally:
+                    self.gpt.post_process = True
+                if self.tp > 1:  # as in forward: every TP rank gets all tokens, the backward keeps its shard
+                    h = tensor_parallel.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False)
+                out = h[:N, 0]  # (N, H)
+            else:
+                logits = self.gpt(ids, position_ids.unsqueeze(0), None, packed_seq_params=psp)  # (1, Np, V/tp)
+                if self.tp > 1 and gather_logits:
+                    logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+                out = logits[0, :N]  # (N, V)
+        finally:
+            for r in self.routers:
+                r.routing_context = None
+        full = out.new_zeros(B * T, out.shape[-1]).index_copy(0, pos, out)
+        return full.view(B, T, -1)
+
+    def _routing_context(self, capture, B, T, Tp, dev, packed: torch.Tensor | None = None) -> RoutingContext:
         # Megatron's router sees (s, b) sequence-major tokens; under SP this rank holds s in [r*S, (r+1)*S).
-        local_pos = self._replay_positions(B, T, Tp, dev) if capture.replay is not None else None
+        if packed is not None:  # one row of Tp packed tokens; layout: where each goes in the (B, T) frame
+            local_pos = self._packed_positions(packed, B * T, Tp) if capture.replay is not None else None
+            layout = PackedLayout(packed, B * T)
+        else:
+            local_pos = self._replay_positions(B, T, Tp, dev) if capture.replay is not None else None
+            layout = (Tp, B, T)
         gather = None
         if self.tp > 1:
             group = ps.get_tensor_model_parallel_group()
@@ -138,7 +201,16 @@ class MoEPolicy(torch.nn.Module):
                 parts = [torch.empty_like(x) for _ in range(self.tp)]
                 dist.all_gather(parts, x.contiguous(), group=group)
                 return torch.cat(parts)
-        return RoutingContext(capture, local_pos, B * T, (Tp, B, T), gather)
+        return RoutingContext(capture, local_pos, B * T, layout, gather)
+
+    def _packed_positions(self, pos: torch.Tensor, num_tokens: int, Np: int) -> torch.Tensor:
+        """(Np/tp,) batch-major position of each packed token this rank's router sees (its sequence-parallel
+        shard of the packed row); TP padding gets a scratch slot past num_tokens, as in _replay_positions."""
+        S = Np // self.tp
+        full = torch.cat([pos, num_tokens + torch.arange(Np - pos.numel(), device=pos.device)])
+        mine = full[self.tp_rank * S:(self.tp_rank + 1) * S]
+        scratch = num_tokens + torch.arange(S, device=pos.device)
+        return torch.where(mine < num_tokens, mine, scratch)
 
     def _replay_positions(self, B, T, Tp, dev) -> torch.Tensor:
         """(S*B,) batch-major position b*T + t of each token this rank's router sees; padding gets B*T + i."""

@@ -101,6 +101,22 @@ class LayerRouting:
     live_idx: torch.Tensor | None = None  # (N, k) what the live router would have chosen, when replay overrode it
 
 
+class PackedLayout:
+    """Router rows of a packed forward (sequences back to back in one row, megatron's THD format), as the TP group
+    gathers them: row i < len(pos) is the token at batch-major position pos[i] of the caller's (B, T) batch; rows
+    past len(pos) are TP padding. Batch-major views put each row at its position; positions no packed token holds
+    (the caller's right padding) read -1 as expert ids (route live, as a replay source reads it) and 0 as
+    weights and scores."""
+
+    def __init__(self, pos: torch.Tensor, num_tokens: int):
+        self.pos, self.num_tokens = pos, num_tokens
+
+    def batch_major(self, x: torch.Tensor) -> torch.Tensor:
+        fill = -1 if not x.is_floating_point() else 0
+        out = x.new_full((self.num_tokens, *x.shape[1:]), fill)
+        return out.index_copy_(0, self.pos.to(x.device), x[:self.pos.numel()])
+
+
 @dataclass
 class _Raw:
     """One layer's routing as the router produced it: megatron's sequence-major order, unsorted top-k."""
@@ -108,7 +124,8 @@ class _Raw:
     idx: torch.Tensor  # (Tp*B, k) int64
     weights: torch.Tensor  # (Tp*B, k) float32
     live: torch.Tensor | None  # (Tp*B, k) int64 or None
-    layout: tuple[int, int, int] | None  # (Tp, B, T): rows are (s, b) for s < Tp; None: already (B*T) batch-major
+    layout: tuple[int, int, int] | PackedLayout | None  # (Tp, B, T): rows are (s, b) for s < Tp; PackedLayout:
+    # packed rows; None: already (B*T) batch-major
     scores: torch.Tensor | None = None  # (Tp*B, k) float32 router scores (of idx, or of the score_at experts)
 
 
@@ -138,10 +155,11 @@ class RoutingCapture:
         return None if self.score_at is None else self.score_at.indices(layer)
 
     def put(self, layer: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-            live_idx: torch.Tensor | None = None, layout: tuple[int, int, int] | None = None,
+            live_idx: torch.Tensor | None = None, layout: tuple[int, int, int] | PackedLayout | None = None,
             scores: torch.Tensor | None = None) -> None:
         """Record one layer: (N, k) indices and weights, batch-major (layout None) or the router's (Tp*B, k)
-        sequence-major rows with layout (Tp, B, T) (positions t >= T are padding and are dropped); optionally the
+        sequence-major rows with layout (Tp, B, T) (positions t >= T are padding and are dropped) or a packed
+        forward's rows with its PackedLayout; optionally the
         (N, k) router scores in the same row order."""
         if self.record:
             live = None if live_idx is None else live_idx.detach()
@@ -154,6 +172,8 @@ class RoutingCapture:
         """(Tp*B, ...) sequence-major rows -> (B*T, ...) batch-major, padding positions dropped."""
         if layout is None:
             return x
+        if isinstance(layout, PackedLayout):
+            return layout.batch_major(x)
         Tp, B, T = layout
         return x.view(Tp, B, *x.shape[1:])[:T].transpose(0, 1).reshape(B * T, *x.shape[1:])
 

@@ -71,6 +71,15 @@ def max_over_ranks(n: int) -> int:
     return int(t.item())
 
 
+def max_over_ranks_each(values: list[int]) -> list[int]:
+    """Element-wise max of equal-length int lists over every rank (the list itself outside a multi-rank job)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
+        return [int(v) for v in values]
+    t = torch.tensor([int(v) for v in values], dtype=torch.long, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def init_distributed(backend: str = "auto", timeout_min: int = 10) -> None:
     """Join the torchrun job (RANK/WORLD_SIZE/MASTER_* set) or start a one-process group. Idempotent.
 

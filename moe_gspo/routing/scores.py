@@ -54,7 +54,8 @@ class OldRouterScores:
             shape = (self.batch, self.seq_len, L, k)
             self.idx = torch.zeros(shape, dtype=self.idx_dtype, pin_memory=self._pin)
             self.scores = torch.zeros(shape, dtype=self.dtype, pin_memory=self._pin)
-        self.idx[rows] = idx_NLK.view(n, self.seq_len, L, k).to("cpu", self.idx_dtype)
+        # a packed forward's capture reads -1 at the padding, which no loss token reads: stored as expert 0
+        self.idx[rows] = idx_NLK.clamp_min(0).view(n, self.seq_len, L, k).to("cpu", self.idx_dtype)
         self.scores[rows] = self.round(scores_NLK).view(n, self.seq_len, L, k).cpu()
 
     def source(self, rows: torch.Tensor, seq_len: int, device: torch.device | str) -> ReplaySource:

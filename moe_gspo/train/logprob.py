@@ -20,6 +20,8 @@ is the same on a packed batch of raw tensors with a registered loss by name (ben
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from moe_gspo.kernels import fused_logprob_loss, token_logprobs, token_logprobs_from_logits
@@ -34,52 +36,75 @@ def _tp_group(policy):
     return ps.get_tensor_model_parallel_group()
 
 
+class Targets:
+    """The next-token targets of a right-padded (B, T) batch, without its padding: target i is token
+    input_ids[b, j] for 1 <= j < lengths[b], predicted from position j - 1. `cu` delimits each row's targets."""
+
+    def __init__(self, input_ids_BT: torch.Tensor, lengths: list[int] | None = None):
+        B, T = input_ids_BT.shape
+        self.B, self.T = B, T
+        lengths = [T] * B if lengths is None else [int(n) for n in lengths]
+        counts = [max(n - 1, 0) for n in lengths]
+        dev = input_ids_BT.device
+        self.cu = torch.tensor(list(itertools.accumulate([0, *counts])), device=dev)
+        self.bounds = self.cu.tolist()
+        # flat (B*T) position of each target token; its prediction comes from the position before it
+        self.pos = torch.cat([torch.arange(b * T + 1, b * T + 1 + c, device=dev) for b, c in enumerate(counts)])
+        self.ids = input_ids_BT.reshape(-1)[self.pos]
+
+    def hidden(self, hidden_BTH: torch.Tensor, dtype) -> torch.Tensor:
+        """(targets, H): the hidden state that predicts each target."""
+        return hidden_BTH.reshape(self.B * self.T, -1)[self.pos - 1].to(dtype)
+
+    def frame(self, x: torch.Tensor, b0: int = 0, b1: int | None = None) -> torch.Tensor:
+        """Per-target values of rows b0..b1-1 -> (b1 - b0, T) token-aligned, 0 at column 0 and the padding."""
+        b1 = self.B if b1 is None else b1
+        pos = self.pos[self.bounds[b0]:self.bounds[b1]] - b0 * self.T
+        return x.float().new_zeros((b1 - b0) * self.T).index_copy(0, pos, x.float()).view(b1 - b0, self.T)
+
+
 def batch_logprobs(policy, input_ids_BT: torch.Tensor, routing=None, impl: str = "fused",
-                   temperature: float = 1.0, want_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logp (B, T) float32, entropy (B, T) float32 or None), token-aligned, column 0 = 0."""
-    B, T = input_ids_BT.shape
-    targets = input_ids_BT[:, 1:].reshape(-1)  # (B*(T-1),)
+                   temperature: float = 1.0, want_entropy: bool = True, lengths: list[int] | None = None,
+                   pack_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp (B, T) float32, entropy (B, T) float32 or None), token-aligned, column 0 = 0.
+
+    lengths (B ints, the tokens of each row before its right padding): the fused path computes the LM head on
+    those tokens only (0 at the padding); pack_to (an int) also runs the decoder on them packed, in one sequence
+    of at least pack_to tokens (MoEPolicy's lengths and pack_to); None runs the padded rows."""
+    packed = {} if pack_to is None else {"lengths": lengths, "pack_to": pack_to}
     if impl == "eager":  # already token-aligned with column 0 = 0
-        out = token_logprobs_from_logits(policy(input_ids_BT, routing=routing), input_ids_BT, temperature,
-                                         return_entropy=want_entropy)
+        logits = policy(input_ids_BT, routing=routing, **packed)
+        out = token_logprobs_from_logits(logits, input_ids_BT, temperature, return_entropy=want_entropy)
         return out if want_entropy else (out, None)
-    if impl == "fused":
-        hidden = policy(input_ids_BT, routing=routing, return_hidden=True)  # (B, T, H), same on every TP rank
-        group = _tp_group(policy)
-        H = hidden.shape[-1]
-        w = policy.lm_head_weight()
-        logp, ent = token_logprobs(hidden[:, :-1].reshape(-1, H).to(w.dtype), w, targets, temperature=temperature,
-                                   return_entropy=want_entropy, process_group=group)
-        logp = logp.view(B, T - 1)
-        ent = ent.view(B, T - 1) if ent is not None else None
-    else:
+    if impl != "fused":
         raise ValueError(f"train.logprob_impl={impl!r} is not one of ['fused', 'eager']")
-    pad = lambda x: None if x is None else torch.nn.functional.pad(x.float(), (1, 0))  # noqa: E731
-    return pad(logp), pad(ent)
+    hidden = policy(input_ids_BT, routing=routing, return_hidden=True, **packed)
+    tg = Targets(input_ids_BT.to(hidden.device), lengths)
+    w = policy.lm_head_weight()
+    logp, ent = token_logprobs(tg.hidden(hidden, w.dtype), w, tg.ids, temperature=temperature,
+                               return_entropy=want_entropy, process_group=_tp_group(policy))
+    return tg.frame(logp), (None if ent is None else tg.frame(ent))
 
 
-def hidden_loss(policy, hidden_BTH: torch.Tensor, input_ids_BT: torch.Tensor, loss_rows, temperature: float = 1.0
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hidden_loss(policy, hidden_BTH: torch.Tensor, input_ids_BT: torch.Tensor, loss_rows, temperature: float = 1.0,
+                lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss 0-dim float32, logp (B, T) float32, entropy (B, T) float32) from the policy's final hidden states.
 
     loss_rows(logp_bT, b0, b1) -> 0-dim tensor: the part of the loss carried by rows b0..b1-1, from their
     token-aligned log-probs (b1 - b0, T) (column 0 = 0, requires grad); the loss is the sum of the parts over
     consecutive row groups (as many rows as fit the kernel's workspace), so it must use a denominator fixed in
-    advance. logp and entropy come back detached, token-aligned, column 0 = 0; the entropy is a metric only."""
-    B, T = input_ids_BT.shape
-    H = hidden_BTH.shape[-1]
+    advance. logp and entropy come back detached, token-aligned, column 0 = 0; the entropy is a metric only.
+    lengths: as in batch_logprobs (the LM head skips the padding, whose log-probs read 0)."""
     w = policy.lm_head_weight()
-    targets = input_ids_BT[:, 1:].reshape(-1)  # (B*(T-1),)
-    cu = torch.arange(B + 1, device=input_ids_BT.device) * (T - 1)  # every row is one sequence of T - 1 targets
+    tg = Targets(input_ids_BT.to(hidden_BTH.device), lengths)
 
     def part(lp, b0, b1):
-        return loss_rows(torch.nn.functional.pad(lp.view(b1 - b0, T - 1), (1, 0)), b0, b1)
+        return loss_rows(tg.frame(lp, b0, b1), b0, b1)
 
-    loss, logp, ent = fused_logprob_loss(hidden_BTH[:, :-1].reshape(-1, H).to(w.dtype), w, targets, part,
-                                         cu_seqlens=cu, temperature=temperature, process_group=_tp_group(policy),
+    loss, logp, ent = fused_logprob_loss(tg.hidden(hidden_BTH, w.dtype), w, tg.ids, part, cu_seqlens=tg.cu,
+                                         temperature=temperature, process_group=_tp_group(policy),
                                          return_entropy=True)
-    pad = lambda x: torch.nn.functional.pad(x.view(B, T - 1), (1, 0))  # noqa: E731
-    return loss, pad(logp), pad(ent)
+    return loss, tg.frame(logp), tg.frame(ent)
 
 
 def fused_policy_loss(hidden, weight, targets, old_logp, advantages, *, cu_seqlens, loss="gspo", loss_mask=None,

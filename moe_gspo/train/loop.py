@@ -33,7 +33,7 @@ from moe_gspo.tasks import CharTokenizer, Task, task_from_config
 from moe_gspo.train import data
 from moe_gspo.train.checkpoint import Checkpoints
 from moe_gspo.train.metrics import MetricMean, MetricsWriter, Progress, StepTimer, reduce_across_ranks
-from moe_gspo.train.step import (StepContext, cold_start, old_logprob_pass, record_engine_routing,
+from moe_gspo.train.step import (OldPass, StepContext, cold_start, old_logprob_pass, record_engine_routing,
                                  update_minibatch)
 
 
@@ -55,11 +55,11 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
                 record_engine_routing(run.ctx, pb, sids)  # R3: the engine's routing into the replay cache
                 adv = adv.to(pb.input_ids.device)
             with t("logprob"):
-                old, ref, diff = run.old_logprobs(pb, sids)  # pi_old (and pi_ref); R2 records; flip reference
+                old, diff = run.old_logprobs(pb, sids)  # pi_old (and pi_ref); R2 records; flip reference
             with t("train"):
                 train_m = MetricMean()
                 for idx in run.minibatches(step):  # one optimizer step per minibatch
-                    train_m.add(update_minibatch(run.ctx, pb, old, adv, sids, idx, ref))
+                    train_m.add(update_minibatch(run.ctx, pb, old, adv, sids, idx))
             with t("sync"):
                 run.engine.update_weights(run.policy)
                 run.replay.clear()
@@ -204,18 +204,21 @@ class Run:
         pb.response_mask &= valid[:, None]  # skipped samples carry no loss
         return pb.to(self.policy.device), batch.sample_ids
 
-    def old_logprobs(self, pb, sids):
-        """(pi_old log-probs (B, T), pi_ref log-probs (B, T) or None, engine-vs-training log-prob metrics).
+    def old_logprobs(self, pb, sids) -> tuple[OldPass, dict[str, float]]:
+        """(the old-log-prob pass's OldPass, engine-vs-training log-prob metrics); in bypass mode
+        (algorithm.use_engine_logprobs) its pi_old is the engine's.
 
         With algorithm.use_engine_logprobs and nothing else needing the old policy's forward (no R2, no flip
         tracking, no KL, no router shift), the training-engine pass is skipped."""
         ctx = self.ctx
         if (self.cfg.algorithm.use_engine_logprobs and ctx.tracker is None and ctx.replay.mode != "r2"
                 and ctx.reference is None and not ctx.router_shift):
-            return pb.old_logprobs, None, {}
-        old, ref = old_logprob_pass(ctx, pb, sids)
-        diff = rollout_probs_diff(pb.old_logprobs, old, pb.response_mask)
-        return (pb.old_logprobs if self.cfg.algorithm.use_engine_logprobs else old), ref, diff
+            return OldPass(pb.old_logprobs), {}
+        old = old_logprob_pass(ctx, pb, sids)
+        diff = rollout_probs_diff(pb.old_logprobs, old.logp, pb.response_mask)
+        if self.cfg.algorithm.use_engine_logprobs:
+            old = dataclasses.replace(old, logp=pb.old_logprobs)
+        return old, diff
 
     def minibatches(self, step: int) -> list[torch.Tensor]:
         """The local responses shuffled (seeded by step) and cut into train.minibatches equal parts."""

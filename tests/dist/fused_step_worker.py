@@ -19,7 +19,7 @@ import torch
 import moe_gspo.train.step as step_mod
 from moe_gspo.rollout.batch import PaddedRollout
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
-from moe_gspo.train.step import StepContext, old_logprob_pass, update_minibatch
+from moe_gspo.train.step import OldPass, StepContext, old_logprob_pass, update_minibatch
 
 # (algorithm.loss, overrides, old log-prob noise, kernel workspace in bytes or None for the default)
 CASES = {
@@ -72,7 +72,7 @@ def run_update(policy, cfg, impl, noise, seed=0):
                       ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts))
     pb, g = batch(cfg, seed=seed)
     sids = pb.sample_ids
-    old, _ = old_logprob_pass(ctx, pb, sids)
+    old = old_logprob_pass(ctx, pb, sids).logp
     old = torch.where(pb.response_mask, old + noise * torch.randn(old.shape, generator=g), 0.0)
     ref = torch.where(pb.response_mask, old + 0.3 * torch.randn(old.shape, generator=g), 0.0)
     adv = torch.randn(len(sids), generator=g)
@@ -92,7 +92,7 @@ def run_update(policy, cfg, impl, noise, seed=0):
     else:
         ctx.loss_fn = recording(ctx.loss_fn)
     try:
-        metrics = update_minibatch(ctx, pb, old, adv, sids, idx, ref)
+        metrics = update_minibatch(ctx, pb, OldPass(old, ref), adv, sids, idx)
     finally:
         if impl == "fused":
             step_mod.hidden_loss = inner

@@ -44,7 +44,7 @@ def main():
     from moe_gspo.config import ParallelConfig, load_config
     from moe_gspo.routing import RoutingReplayCache
     from moe_gspo.train.optim import Optimizer, wrap_ddp
-    from moe_gspo.train.step import StepContext, old_logprob_pass, update_minibatch
+    from moe_gspo.train.step import OldPass, StepContext, old_logprob_pass, update_minibatch
 
     policy = moe_gspo.load_policy(args.ckpt, parallel=ParallelConfig(tp=args.tp, ep=args.ep))
     mc = policy.model_config
@@ -66,7 +66,7 @@ def main():
     replay = RoutingReplayCache("off", mc.num_hidden_layers, mc.num_experts_per_tok, mc.num_experts)
     ctx = StepContext(policy, None, cfg, replay, None, ps.get_data_parallel_group(), dp)
     ctx.optim = Optimizer(wrap_ddp(policy, distributed=False), policy, lr=0.0)
-    old, _ = old_logprob_pass(ctx, pb, sids)
+    old = old_logprob_pass(ctx, pb, sids).logp
     pb.old_logprobs = torch.where(pb.response_mask, old + noise[rows], 0.0)  # the "engine"
 
     out = {}
@@ -75,7 +75,7 @@ def main():
                       ("bypass", BYPASS + ["train.loss_impl=fused"])):
         ctx.cfg = load_config(None, base + ovs)
         pi_old = pb.old_logprobs if ctx.cfg.algorithm.use_engine_logprobs else old
-        m = update_minibatch(ctx, pb, pi_old, adv, sids, torch.arange(per))
+        m = update_minibatch(ctx, pb, OldPass(pi_old), adv, sids, torch.arange(per))
         keys = sorted(k for k in m if k == "pg_loss" or k.startswith("rollout_corr/"))
         vals = torch.tensor([m[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(vals)  # means over data-parallel rows (and identical values over TP ranks)

@@ -65,29 +65,29 @@ def main():
     replay = RoutingReplayCache("off", mc.num_hidden_layers, mc.num_experts_per_tok, mc.num_experts)
     ctx = StepContext(policy, None, cfg, replay, None, ps.get_data_parallel_group(), dp)
     ctx.optim = Optimizer(wrap_ddp(policy, distributed=False), policy, lr=0.0)
-    old, _ = old_logprob_pass(ctx, pb, sids)
+    old = old_logprob_pass(ctx, pb, sids)
 
     def current_scores():
-        src = ctx.old_router.source(torch.arange(per), T, policy.device)
+        src = old.router.source(torch.arange(per), T, policy.device)
         cap = RoutingCapture(score_at=src)
         with torch.no_grad():
             batch_logprobs(policy, pb.input_ids, cap, cfg.train.logprob_impl, want_entropy=False)
         return cap, src
 
     cap, _ = current_scores()
-    cur_before = ctx.old_router.round(cap.scores_stacked())
+    cur_before = old.router.round(cap.scores_stacked())
     with torch.no_grad():
         for i, r in enumerate(policy.routers):  # the same perturbation on every rank
             r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(7 + i)) * 0.03)
     cap, src = current_scores()
-    gamma = _router_shift_ratio(ctx, cap, src, (per, T))
+    gamma = _router_shift_ratio(old.router, cap, src, (per, T))
     m = update_minibatch(ctx, pb, old, adv, sids, torch.arange(per))
     loss = torch.tensor([m["pg_loss"]], dtype=torch.float64)
     dist.all_reduce(loss)
 
     L, k = mc.num_hidden_layers, mc.num_experts_per_tok
-    out = {"old_idx": gather_by_dp(ctx.old_router.idx.long(), dp, dp_rank),
-           "old_scores": gather_by_dp(ctx.old_router.scores, dp, dp_rank),
+    out = {"old_idx": gather_by_dp(old.router.idx.long(), dp, dp_rank),
+           "old_scores": gather_by_dp(old.router.scores, dp, dp_rank),
            "cur_before": gather_by_dp(cur_before.view(per, T, L, k), dp, dp_rank),
            "gamma": gather_by_dp(gamma, dp, dp_rank),
            "mask": gather_by_dp(pb.response_mask, dp, dp_rank),

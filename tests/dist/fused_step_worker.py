@@ -72,7 +72,8 @@ def run_update(policy, cfg, impl, noise, seed=0):
                       ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts))
     pb, g = batch(cfg, seed=seed)
     sids = pb.sample_ids
-    old = old_logprob_pass(ctx, pb, sids).logp
+    first = old_logprob_pass(ctx, pb, sids)
+    old = first.logp
     old = torch.where(pb.response_mask, old + noise * torch.randn(old.shape, generator=g), 0.0)
     ref = torch.where(pb.response_mask, old + 0.3 * torch.randn(old.shape, generator=g), 0.0)
     adv = torch.randn(len(sids), generator=g)
@@ -92,7 +93,7 @@ def run_update(policy, cfg, impl, noise, seed=0):
     else:
         ctx.loss_fn = recording(ctx.loss_fn)
     try:
-        metrics = update_minibatch(ctx, pb, OldPass(old, ref), adv, sids, idx)
+        metrics = update_minibatch(ctx, pb, OldPass(old, ref, first.router), adv, sids, idx)
     finally:
         if impl == "fused":
             step_mod.hidden_loss = inner

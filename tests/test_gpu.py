@@ -163,29 +163,38 @@ def test_policy_on_cuda_matches_transformers(hf_dir, dtype):
     assert ours["routing_same_frac"] >= theirs["routing_same_frac"] - 0.02
 
 
-def test_te_spec_matches_local_spec(hf_dir):
-    """Transformer Engine's layer spec against the local spec on the same weights (fp32): logits and routing."""
-    from moe_gspo.model.spec import te_available
+@pytest.mark.parametrize("experts", ["grouped", "megatron"])
+def test_te_spec_matches_local_spec(hf_dir, experts):
+    """Transformer Engine's layer spec against the local spec on the same weights (fp32), loaded through the name
+    table (moe_gspo/model/te_names.py): the HF export bit for bit, logits, routing and every gradient.
+    grouped: TEGroupedMLP; megatron: SequentialMLP of TE linears. The CPU version, on megatron's TE spec over
+    stand-in TE classes: tests/test_te_names.py."""
+    from moe_gspo.model.spec import te_missing
 
-    if not te_available():
-        pytest.skip("transformer_engine is not importable here")
+    if te_missing():
+        pytest.skip(f"model.spec=te cannot run here: {te_missing()}")
     import moe_gspo
     from moe_gspo.config import ModelConfig
     from moe_gspo.model.routing_capture import RoutingCapture
 
     x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
-    outs, routes = {}, {}
-    for use_te in (False, True):
-        policy = moe_gspo.load_policy(ModelConfig(init_from=str(hf_dir), spec="te" if use_te else "local",
-                                                  experts="megatron"))
+    y = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    outs, routes, grads, hf = {}, {}, {}, {}
+    for spec in ("local", "te"):
+        policy = moe_gspo.load_policy(ModelConfig(init_from=str(hf_dir), spec=spec, experts=experts))
+        hf[spec] = policy.export_hf()[1]
         cap = RoutingCapture()
-        with torch.no_grad():
-            outs[use_te] = policy(x, routing=cap).float()
-        routes[use_te] = cap.stacked()
-    rel = _rel(outs[True], outs[False])
-    same = (routes[True] == routes[False]).all(-1).float().mean().item()
-    record("te_vs_local_fp32", logit_rel=rel, routing_same_frac=same)
-    assert rel < 1e-3 and same > 0.99
+        outs[spec] = policy(x, routing=cap).float()
+        torch.nn.functional.cross_entropy(outs[spec].reshape(-1, 512), y.reshape(-1)).backward()
+        routes[spec] = cap.stacked()
+        grads[spec] = policy.per_expert({n: p.grad for n, p in policy.gpt.named_parameters()})
+    assert list(hf["te"]) == list(hf["local"]) and all(torch.equal(hf["te"][k], hf["local"][k]) for k in hf["te"])
+    rel = _rel(outs["te"].detach(), outs["local"].detach())
+    same = (routes["te"] == routes["local"]).all(-1).float().mean().item()
+    assert set(grads["te"]) == set(grads["local"])
+    grad_rel = max(_rel(grads["te"][k].float(), grads["local"][k].float()) for k in grads["local"])
+    record(f"te_vs_local_fp32_{experts}", logit_rel=rel, routing_same_frac=same, grad_rel=grad_rel)
+    assert rel < 1e-3 and same == 1.0 and grad_rel < 1e-2
 
 
 def _train(args: list[str], out: Path, cuda: bool, timeout=600) -> list[dict]:

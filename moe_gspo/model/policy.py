@@ -26,7 +26,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
-from moe_gspo.model import hf_io
+from moe_gspo.model import hf_io, te_names
 from moe_gspo.model.experts import per_expert_state
 from moe_gspo.model.layers import Qwen3Router, RMSNorm, RoutingContext
 from moe_gspo.model.routing_capture import PackedLayout, RoutingCapture
@@ -230,15 +230,16 @@ class MoEPolicy(torch.nn.Module):
         return self.gpt.output_layer.weight
 
     def megatron_state(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters under megatron's names (no extra state); experts under SequentialMLP's
-        per-expert names whatever `model.experts` holds them as (grouped experts give views of their stacks)."""
+        """This rank's parameters under the local spec's megatron names whatever `model.spec` builds (te_names: the
+        TE spec's names are mapped; no extra state); experts under SequentialMLP's per-expert names whatever
+        `model.experts` holds them as (grouped experts give views of their stacks)."""
         return self.per_expert({k: v for k, v in self.gpt.state_dict().items() if "_extra_state" not in k})
 
     def per_expert(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Tensors named and shaped like this rank's parameters -> the same with grouped experts' stacked weights
-        split into per-expert views (other entries unchanged)."""
+        """Tensors named and shaped like this rank's parameters -> the same under the local spec's per-expert names:
+        grouped experts' stacked weights split into per-expert views, TE-spec names mapped (te_names.to_local)."""
         e_local = self.model_config.num_experts // ps.get_expert_model_parallel_world_size()
-        return per_expert_state(local, e_local, self.model_config.hidden_size)
+        return te_names.to_local(per_expert_state(local, e_local, self.model_config.hidden_size))
 
     def full_megatron_state(self) -> dict[str, torch.Tensor]:
         """All parameters, unsharded (a collective over TP and EP when they are > 1)."""

@@ -16,6 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
+from moe_gspo.model import te_names
 from moe_gspo.model.experts import GroupedGemmExperts
 from moe_gspo.model.layers import Qwen3Router, RMSNorm, SDPAttention, TorchLoopExperts
 
@@ -93,6 +94,9 @@ def layer_spec(mc: ModelConfig) -> ModuleSpec:
             raise ConfigError(f"model.spec='te' needs Transformer Engine on CUDA: {missing}; use model.spec=local")
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=mc.num_experts, qk_layernorm=True,
                                                            moe_grouped_gemm=mc.experts == "grouped")
+        # the local spec's checkpoint keys, so that a checkpoint moves between the specs (te_names)
+        spec.submodules.sharded_state_dict_keys_map = {**spec.submodules.sharded_state_dict_keys_map,
+                                                       **te_names.CHECKPOINT_KEYS}
     else:
         spec = get_gpt_layer_local_spec(num_experts=mc.num_experts, qk_layernorm=True, normalization="RMSNorm")
         sub = spec.submodules

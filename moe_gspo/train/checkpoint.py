@@ -322,8 +322,12 @@ class Checkpoints:
 
 
 def _load_module(module, state: dict, d: Path) -> None:
+    # `_extra_state` entries (Transformer Engine's FP8 metadata) are never written (sharded_io leaves
+    # ShardedObjects out), and some have no entry in megatron's sharded state dict at all (TEDotProductAttention's):
+    # each module keeps its own, as it does for those loaded as None
+    missing = {k: None for k in module.state_dict(keep_vars=True) if k.endswith("._extra_state") and k not in state}
     try:
-        module.load_state_dict(state, strict=True)
+        module.load_state_dict({**state, **missing}, strict=True)
     except (KeyError, RuntimeError) as e:
         raise CheckpointError(f"{d / SHARDS}: weights do not fit this model ({_first_line(e)})") from None
 

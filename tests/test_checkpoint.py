@@ -336,7 +336,8 @@ def test_a_checkpoint_saved_by_the_looping_adam_resumes_with_the_fused_kernel(tm
 
 def test_checkpoint_of_one_experts_setting_resumes_with_another(tmp_path):
     """model.experts=torch (SequentialMLP's per-expert parameters) saves, model.experts=grouped (GroupedMLP's stacked
-    ones) resumes: weights, fp32 main params and Adam moments equal, and the next steps are identical."""
+    ones) resumes: weights, fp32 main params and Adam moments equal, and the next steps agree to float rounding (the
+    grouped GEMM and the per-expert loop need not round alike)."""
     src, dst = _ctx("model.experts=torch"), _ctx("model.experts=grouped", seed=5)
     _train(src, 2)
     Checkpoints(tmp_path).save(2, src, {"step": 2})
@@ -349,4 +350,5 @@ def test_checkpoint_of_one_experts_setting_resumes_with_another(tmp_path):
     _train(src, 2, seed=9)
     _train(dst, 2, seed=9)
     a, b = src.policy.megatron_state(), dst.policy.megatron_state()
-    assert all(torch.equal(a[n], b[n]) for n in a)
+    for n in a:  # the two experts implementations compute the same steps up to float rounding (9e-8 seen)
+        torch.testing.assert_close(b[n], a[n], atol=1e-6, rtol=1e-5, msg=lambda m: f"{n} after two more steps\n{m}")

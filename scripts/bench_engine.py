@@ -49,15 +49,15 @@ def timed(fn, sync):
     return out, time.perf_counter() - t0
 
 
-def bench_generate(policy, cfg, prompts, args, sync) -> dict:
+def bench_generate(hf, cfg, prompts, args, sync) -> dict:
     import torch
 
-    from moe_gspo.rollout import SamplingParams, build_engine
-    from moe_gspo.tasks import CharTokenizer
+    from moe_gspo.rollout import SamplingParams
+    from moe_gspo.rollout.hf_static import StaticHFEngine
 
-    tok, dtype = CharTokenizer(), getattr(torch, cfg.rollout.engine_dtype)
-    engines = {name: build_engine(name, policy, tokenizer=tok, device=policy.device, dtype=dtype)
-               for name in ("hf", "hf_static")}
+    # the static engine decodes the hf engine's own module: one copy of the weights for both
+    engines = {"hf": hf, "hf_static": StaticHFEngine(hf.model, tokenizer=hf.tokenizer, device=hf.device,
+                                                     dtype=hf.dtype, cuda_graphs=cfg.rollout.cuda_graphs)}
     sp = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                         max_new_tokens=args.max_new_tokens, seed=0, return_routing=True)
     runs = {name: [] for name in engines}
@@ -77,6 +77,7 @@ def bench_generate(policy, cfg, prompts, args, sync) -> dict:
     greedy = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
     few = prompts[:args.agreement_prompts]
     a, b = (engines[n].generate(few, 1, greedy) for n in ("hf", "hf_static"))
+
     same = [torch.equal(x, y) for x, y in zip(a.response_ids, b.response_ids)]
     speed = rows[1]["response_tokens_per_s"] / rows[0]["response_tokens_per_s"]
     return {"rows": rows, "hf_static_vs_hf": speed, "greedy_identical_fraction": sum(same) / len(same),
@@ -84,12 +85,9 @@ def bench_generate(policy, cfg, prompts, args, sync) -> dict:
             "decode_experts": engines["hf_static"]._decode_experts(len(prompts) * args.group)}
 
 
-def bench_sync(policy, cfg, args, sync) -> dict:
+def bench_sync(eng, policy, args, sync) -> dict:
     import torch
 
-    from moe_gspo.rollout.hf_engine import HFEngine
-
-    eng = HFEngine(policy, device=policy.device, dtype=getattr(torch, cfg.rollout.engine_dtype))
     nbytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
     reference, rows = None, []
     for bucket in args.buckets:
@@ -159,15 +157,18 @@ def main():
               "engine_dtype": cfg.rollout.engine_dtype, "prompts": args.prompts, "group": args.group,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__}}
+    from moe_gspo.rollout.hf_engine import HFEngine
+
+    hf = HFEngine(policy, tokenizer=tok, device=policy.device, dtype=getattr(torch, cfg.rollout.engine_dtype))
     if "generate" in what:
-        result["generate"] = g = bench_generate(policy, cfg, prompts, args, sync)
+        result["generate"] = g = bench_generate(hf, cfg, prompts, args, sync)
         for r in g["rows"]:
             print(f"generate {r['engine']:9s} {r['median_s']:.3f} s  {r['response_tokens_per_s']:.0f} response "
                   f"tok/s  {r['tokens_per_s']:.0f} tok/s")
         print(f"hf_static / hf: {g['hf_static_vs_hf']:.2f}x (compiled {g['compiled']}, decode experts "
               f"{g['decode_experts']}); identical greedy responses {g['greedy_identical_fraction']:.2f}")
     if "sync" in what:
-        result["sync"] = s = bench_sync(policy, cfg, args, sync)
+        result["sync"] = s = bench_sync(hf, policy, args, sync)
         for r in s["rows"]:
             print(f"sync bucket {r['bucket_bytes']:>11d} B  {r['median_s']:.4f} s  {r['GB_per_s']:.1f} GB/s  "
                   f"{r['copies']} copies  bit-equal {r['bit_equal']}")

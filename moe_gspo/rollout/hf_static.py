@@ -14,8 +14,9 @@ What differs from HFEngine (hf_engine.py), which grows a dynamic cache and moves
   decoding, by truncating each response at the first token whose text completes one.
 - Routing comes from persistent forward hooks on each router (`mlp.gate`) that copy the top-k ids into one
   preallocated (L, tokens, k) buffer, so a decode step runs without host work and can be captured as a graph.
-- On CUDA with cuda_graphs (rollout.cuda_graphs), the decode step runs under torch.compile(mode="reduce-overhead"),
-  which replays it as CUDA graphs; sampling draws on the device (exponential race: argmax p / E, E ~ Exp(1)).
+- On CUDA in bf16 with cuda_graphs (rollout.cuda_graphs), the decode step runs under
+  torch.compile(mode="reduce-overhead"), which replays it as CUDA graphs; on CUDA sampling draws on the device
+  (exponential race: argmax p / E, E ~ Exp(1)).
   On the CPU nothing is compiled and sampling is HFEngine's, from the same seeded CPU generator.
 - Experts at decode: transformers' batched_mm (each token gathers its k experts' weights) while the B*k
   token-expert pairs of a step read no more weights than the E experts; grouped_mm (one GEMM per expert over its
@@ -85,7 +86,7 @@ class StaticHFEngine(HFEngine):
         if decode_experts not in ("auto", "batched_mm", "grouped_mm", "model"):
             raise ValueError(f"decode_experts={decode_experts!r} is not one of auto, batched_mm, grouped_mm, model")
         self.cuda_graphs, self.decode_experts, self.check_every = cuda_graphs, decode_experts, check_every
-        self._taps = self._cache = self._cache_shape = self._step = None
+        self._taps = self._cache = self._cache_shape = self._step = self._compiled_decode = None
         super().__init__(policy, tokenizer=tokenizer, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                          device=device, dtype=dtype, attn_implementation=attn_implementation,
                          sync_bucket_bytes=sync_bucket_bytes)
@@ -98,8 +99,10 @@ class StaticHFEngine(HFEngine):
 
     @property
     def compiled(self) -> bool:
-        """Whether decode steps run under torch.compile (CUDA graphs): CUDA and cuda_graphs only."""
-        return self.cuda_graphs and self.device.type == "cuda"
+        """Whether decode steps run under torch.compile (CUDA graphs): with cuda_graphs, on CUDA, in bf16. In other
+        dtypes transformers' compiled grouped_mm falls back to a per-expert loop that reads the group sizes on the
+        host, which a graph cannot hold, so those decode steps stay eager."""
+        return self.cuda_graphs and self.device.type == "cuda" and self.dtype == torch.bfloat16
 
     def update_weights(self, policy) -> None:
         before = self.model
@@ -107,14 +110,22 @@ class StaticHFEngine(HFEngine):
         if self.model is not before:  # a new module: new hooks, cache and compiled step
             self.close()
             self._taps = RouterTaps(self.model)
-            self._step = torch.compile(self._decode, mode="reduce-overhead") if self.compiled else self._decode
+            self._step = self._graphed_step if self.compiled else self._decode
+            self._compiled_decode = torch.compile(self._decode, mode="reduce-overhead") if self.compiled else None
+
+    def _graphed_step(self, tok_B1, pos_B1, mask_B11S):
+        """One decode step as CUDA graphs. Each call is a new step for cudagraph trees: the previous step's
+        outputs (logits, used for sampling already) may be overwritten."""
+        torch.compiler.cudagraph_mark_step_begin()
+        return self._compiled_decode(tok_B1, pos_B1, mask_B11S)
 
     def close(self) -> None:
         if self._taps is not None:
             self._taps.remove()
-        self._taps = self._cache = self._cache_shape = self._step = None
+        self._taps = self._cache = self._cache_shape = self._step = self._compiled_decode = None
 
     def _decode(self, tok_B1, pos_B1, mask_B11S):
+        """Logits (B, V) of one decode step; the routers' hooks write the step's routing into the tap buffer."""
         return self.model(input_ids=tok_B1, attention_mask=mask_B11S, position_ids=pos_B1,
                           past_key_values=self._cache, use_cache=True).logits[:, -1]
 

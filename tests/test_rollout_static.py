@@ -123,3 +123,22 @@ def test_on_cuda_eager_fp32_equals_the_hf_engine_and_bf16_graphs_replay(policy, 
     assert sum(same) >= 0.75 * len(same), same
     sampled = graphs.generate(prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=24, seed=0))
     assert all(torch.isfinite(x).all() and (x <= 0).all() for x in sampled.logprobs)
+
+
+def test_rl_steps_on_hf_static_with_bucketed_sync_equal_the_hf_engine(tmp_path):
+    """The trainer builds the engine from rollout.engine: two RL steps (grpo + R3, so routing is used) on
+    hf_static with a bucketed weight sync log the same figures as on hf (the CPU draws the same samples)."""
+    from helpers import records, strip_timing, tiny_cfg
+
+    from moe_gspo.train.loop import train
+
+    runs = {}
+    for name, extra in (("hf", []), ("hf_static", ["rollout.sync_bucket_bytes=4096"])):
+        cfg = tiny_cfg(f"rollout.engine={name}", "algorithm.loss=grpo", "algorithm.routing_replay=r3", *extra)
+        train(cfg, run_dir=tmp_path / name)
+        runs[name] = [strip_timing(r) for r in records(tmp_path / name)]
+    assert len(runs["hf"]) == 2
+    for a, b in zip(runs["hf"], runs["hf_static"]):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), k

@@ -3,6 +3,8 @@
     pip install -e ".[bench]"            # trl (scripts/setup.sh installs it)
     python scripts/bench_rl.py --json runs/bench_rl.json [--sizes default,large] [--algos grpo,gspo]
                                [--steps 4] [--warmup 1] [--repeats 1] [--threads 2] [--set a.b=v ...]
+    python scripts/bench_rl.py --device cuda --json runs/bench_rl_gpu.json [--sizes gpu_single,gpu_2b]
+                               [--max-new-tokens 256] [--engine hf_static] [--trl-generation continuous_batching]
 
 What is compared. One policy is built from configs/compare_tiny_cpu.yaml (per size, see SIZES) and saved as a HF
 Qwen3-MoE checkpoint; moe-gspo trains from it (model.init_from) and TRL loads it with
@@ -25,6 +27,17 @@ the task's own reward function (wrapped as a TRL reward function), and take one 
       constant LR, no weight decay                    lr_scheduler_type "constant", weight_decay 0
     fp32 policy and fp32 rollout engine             bf16 False (TRL's default is True), fp32 model
     no activation recomputation                     gradient_checkpointing False (TRL's default is True)
+
+On CUDA (--device cuda; sizes gpu_single and gpu_2b, from configs/gpu_single.yaml and configs/gpu_2b.yaml) both
+sides compute in bf16 on one GPU:
+
+    moe-gspo                                        TRL
+    model.params_dtype bfloat16, fp32 main params   bf16 True (autocast), the model loaded in bf16
+    rollout.engine hf_static (--engine), bf16       --trl-generation: continuous_batching (transformers'
+                                                      generate_batch: paged KV cache, continuous batching; the
+                                                      fastest generation TRL has without vLLM) or generate
+    grouped experts (torch._grouped_mm)             experts_implementation "grouped_mm", attention "sdpa"
+    rollout.max_new_tokens = --max-new-tokens       max_completion_length = --max-new-tokens (default 256)
 
 With P*G/m micro-batches per generation and M optimizer steps per rollout, TRL's generation is not aligned with an
 optimizer step, so it computes old log-probs in a no-grad pass over the rollout batch, as moe-gspo does.
@@ -68,10 +81,21 @@ BASE_CONFIG = ROOT / "configs" / "compare_tiny_cpu.yaml"
 # moe-gspo settings of every benchmark run: no cold start, checkpoints or progress bar; no extras TRL lacks
 BENCH_OVERRIDES = ["train.cold_start_steps=0", "train.checkpoint_every=0", "logging.progress=false",
                    "logging.tensorboard=false", "algorithm.track_flips=false", "rollout.return_routing=false",
-                   "rollout.engine_dtype=float32", "algorithm.routing_replay=off", "algorithm.kl_beta=0.0"]
-# the embedded default (4 layers, 4-token responses) and about 10x its work (2x layers, 5x tokens per sequence)
-SIZES = {"default": [],
-         "large": ["model.num_hidden_layers=8", "rollout.max_new_tokens=48"]}
+                   "algorithm.routing_replay=off", "algorithm.kl_beta=0.0"]
+# per device: fp32 on the CPU; bf16 weights (fp32 main params) and a bf16 engine on one GPU
+DEVICE_OVERRIDES = {"cpu": ["rollout.engine_dtype=float32"],
+                    "cuda": ["rollout.engine_dtype=bfloat16", "model.params_dtype=bfloat16", "parallel.tp=1",
+                             "parallel.ep=1", "parallel.backend=nccl"]}
+# size -> (config, overrides). CPU: the embedded default (4 layers, 4-token responses) and about 10x its work (2x
+# layers, 5x tokens per sequence). GPU: the two single-GPU configs (636M and 2.03B parameters).
+SIZES = {"default": (BASE_CONFIG, []),
+         "large": (BASE_CONFIG, ["model.num_hidden_layers=8", "rollout.max_new_tokens=48"]),
+         "gpu_single": (ROOT / "configs" / "gpu_single.yaml", []),
+         "gpu_2b": (ROOT / "configs" / "gpu_2b.yaml", [])}
+DEVICE_SIZES = {"cpu": ("default", "large"), "cuda": ("gpu_single", "gpu_2b")}
+TRL_GENERATION = ("continuous_batching", "generate")
+TRL_GENERATION_WHAT = {"continuous_batching": "transformers generate_batch: paged KV cache, continuous batching",
+                       "generate": "transformers model.generate: dynamic KV cache, padded batch"}
 ALGOS = {"grpo": {"algorithm.loss": "grpo", "importance_sampling_level": "token", "clip": (0.2, 0.27)},
          "gspo": {"algorithm.loss": "gspo", "importance_sampling_level": "sequence", "clip": (3e-4, 4e-4)}}
 MISMATCHES = [
@@ -90,19 +114,39 @@ MISMATCHES = [
     "compare_tiny_cpu.yaml: the whole rollout batch); TRL in forwards of per_device_train_batch_size rows, "
     "having no separate setting for that pass.",
 ]
+CUDA_MISMATCHES = [
+    "bf16 training: moe-gspo keeps fp32 main params under bf16 weights (megatron's optimizer); TRL trains the bf16 "
+    "model under autocast with AdamW on the bf16 weights (its continuous-batching generation casts the model to "
+    "bf16 in place, so it is loaded in bf16 from the start).",
+    "rollout engine: moe-gspo samples with its own engine (--engine) on a bf16 copy of the weights, synced after "
+    "each step; TRL generates with the training model itself.",
+]
 
 
-def bench_config(size: str, algo: str, extra: list[str], init_from: str | None, steps: int):
-    """The moe-gspo Config of one benchmark run (compare_tiny_cpu.yaml without its compare section)."""
+def bench_config(size: str, algo: str, extra: list[str], init_from: str | None, steps: int, device: str = "cpu",
+                 max_new_tokens: int | None = None, engine: str | None = None):
+    """The moe-gspo Config of one benchmark run (the size's config without its compare section)."""
     from moe_gspo.config import apply_overrides, config_from_dict, read_yaml
 
-    data = read_yaml(BASE_CONFIG)
+    path, size_ovs = SIZES[size]
+    data = read_yaml(path)
     data.pop("compare", None)
-    ovs = BENCH_OVERRIDES + SIZES[size] + list(extra) + [f"algorithm.loss={ALGOS[algo]['algorithm.loss']}",
-                                                         f"train.steps={steps}"]
+    ovs = BENCH_OVERRIDES + DEVICE_OVERRIDES[device] + size_ovs
+    if max_new_tokens is not None:  # room for the prompt (under 64 characters in these tasks) and the response
+        positions = max(data.get("model", {}).get("max_position_embeddings", 512), max_new_tokens + 64)
+        ovs += [f"rollout.max_new_tokens={max_new_tokens}", f"model.max_position_embeddings={positions}"]
+    if engine is not None:
+        ovs.append(f"rollout.engine={engine}")
+    ovs += list(extra) + [f"algorithm.loss={ALGOS[algo]['algorithm.loss']}", f"train.steps={steps}"]
     if init_from:
         ovs.append(f"model.init_from={init_from}")
     return config_from_dict(apply_overrides(data, ovs))
+
+
+def spec_config(spec: dict, init_from: str | None):
+    """bench_config for a worker's spec."""
+    return bench_config(spec["size"], spec["algo"], spec["set"], init_from, spec["steps"], spec.get("device", "cpu"),
+                        spec.get("max_new_tokens"), spec.get("engine"))
 
 
 def step_prompts(cfg, steps: int):
@@ -130,7 +174,17 @@ def token_logprobs(logits_1TV, ids_1T):
     import torch
 
     lp = torch.log_softmax(logits_1TV.float()[:, :-1], -1)
-    return lp.gather(-1, ids_1T[:, 1:, None]).squeeze(-1)[0].tolist()
+    return lp.gather(-1, ids_1T[:, 1:, None].to(lp.device)).squeeze(-1)[0].tolist()
+
+
+def trl_model_kwargs(device: str) -> dict:
+    """from_pretrained arguments of TRL's model: fp32 on the CPU; on CUDA bf16, transformers' grouped_mm experts
+    (torch._grouped_mm, one GEMM per expert over its tokens) and SDPA attention."""
+    import torch
+
+    if device == "cuda":
+        return {"dtype": torch.bfloat16, "experts_implementation": "grouped_mm", "attn_implementation": "sdpa"}
+    return {"dtype": torch.float32}
 
 
 # ------------------------------------------------------------------------------------------------ the two sides
@@ -143,9 +197,8 @@ def run_moe_gspo(spec: dict) -> dict:
     if not (Path(spec["ckpt"]) / "config.json").is_file():  # the first run of a size writes the shared weights
         import moe_gspo
 
-        fresh = bench_config(spec["size"], spec["algo"], spec["set"], None, spec["steps"])
-        moe_gspo.load_policy(fresh).save_pretrained(spec["ckpt"])
-    cfg = bench_config(spec["size"], spec["algo"], spec["set"], spec["ckpt"], spec["steps"])
+        moe_gspo.load_policy(spec_config(spec, None)).save_pretrained(spec["ckpt"])
+    cfg = spec_config(spec, spec["ckpt"])
     starts, steps_out, probe, prompts, updates = [], [], None, [], [0]
     rollout, pad, log, update = loop.Run.rollout, loop.Run.pad, loop.Run.log, loop.update_minibatch
 
@@ -229,18 +282,24 @@ def char_tokenizer_hf():
     return CharHF()
 
 
-def trl_args(cfg, algo: str, out_dir: str):
+def trl_args(cfg, algo: str, out_dir: str, device: str = "cpu", generation: str = "generate"):
     """TRL's GRPOConfig for the moe-gspo Config `cfg` (the mapping in the module docstring)."""
     from trl import GRPOConfig
 
+    return GRPOConfig(**trl_kwargs(cfg, algo, out_dir, device, generation))
+
+
+def trl_kwargs(cfg, algo: str, out_dir: str, device: str = "cpu", generation: str = "generate") -> dict:
+    """GRPOConfig's arguments for `cfg` on `device`; TRL generates with model.generate or, with generation
+    'continuous_batching', with transformers' continuous batching (generate_batch)."""
     r, t = cfg.rollout, cfg.train
     n = r.prompts_per_step * r.group_size
     minibatch = n // t.minibatches
     if minibatch % t.micro_batch_size:
         raise ValueError(f"minibatch {minibatch} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
     low, high = ALGOS[algo]["clip"]
-    return GRPOConfig(
-        output_dir=out_dir, use_cpu=True, seed=t.seed, report_to="none", save_strategy="no", disable_tqdm=True,
+    return dict(
+        output_dir=out_dir, use_cpu=device == "cpu", seed=t.seed, report_to="none", save_strategy="no", disable_tqdm=True,
         logging_steps=10**6, max_steps=t.steps * t.minibatches, shuffle_dataset=False, dataloader_num_workers=0,
         per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=minibatch // t.micro_batch_size,
         steps_per_generation=n // t.micro_batch_size, num_iterations=1, num_generations=r.group_size,
@@ -249,7 +308,8 @@ def trl_args(cfg, algo: str, out_dir: str):
         epsilon=low, epsilon_high=high, beta=0.0, scale_rewards="group",
         learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_epsilon=t.adam_eps, max_grad_norm=t.grad_clip,
-        bf16=False, gradient_checkpointing=False)
+        bf16=device == "cuda", gradient_checkpointing=False,
+        use_transformers_continuous_batching=generation == "continuous_batching")
 
 
 def run_trl(spec: dict) -> dict:
@@ -259,15 +319,17 @@ def run_trl(spec: dict) -> dict:
     from transformers import Qwen3MoeForCausalLM, TrainerCallback
     from trl import GRPOTrainer
 
-    cfg = bench_config(spec["size"], spec["algo"], spec["set"], None, spec["steps"])
+    cfg = spec_config(spec, None)
+    device = spec.get("device", "cpu")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     task, examples = step_prompts(cfg, spec["steps"])
 
     def task_reward(prompts, completions, example_index, **_):
         return [float(task.reward_fn(c, examples[i])) for c, i in zip(completions, example_index)]
 
     dataset = Dataset.from_dict({"prompt": [ex.prompt for ex in examples], "example_index": list(range(len(examples)))})
-    model = Qwen3MoeForCausalLM.from_pretrained(spec["ckpt"], dtype=torch.float32)
-    ids = probe_ids(cfg)
+    model = Qwen3MoeForCausalLM.from_pretrained(spec["ckpt"], **trl_model_kwargs(device)).to(device)
+    ids = probe_ids(cfg).to(device)
     with torch.no_grad():
         probe = token_logprobs(model(ids).logits, ids)
     M = cfg.train.minibatches
@@ -275,22 +337,27 @@ def run_trl(spec: dict) -> dict:
 
     class Boundaries(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
+            sync()
             starts.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kw):
             if state.global_step % M == 0:
+                sync()
                 starts.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as d:
-        trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=trl_args(cfg, spec["algo"], d),
+        args = trl_args(cfg, spec["algo"], d, device, spec.get("trl_generation", "generate"))
+        trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=args,
                               train_dataset=dataset, processing_class=char_tokenizer_hf(), callbacks=[Boundaries()])
         current = lambda: steps_out[trainer.state.global_step // M]  # noqa: E731 - the RL step being run
         gen_and_score, logps = trainer._generate_and_score_completions, trainer._get_per_token_logps_and_entropies
 
         def timed_gen_and_score(inputs):
             steps_out.append({"old_logprob": 0.0})
+            sync()
             t0 = time.perf_counter()
             out = gen_and_score(inputs)
+            sync()
             s = current()
             s["rollout_total"] = time.perf_counter() - t0
             s["tokens"] = int(out["prompt_mask"].sum() + out["completion_mask"].sum())
@@ -302,10 +369,13 @@ def run_trl(spec: dict) -> dict:
             return out
 
         def timed_logps(*a, **kw):
+            if torch.is_grad_enabled():  # a training forward: not timed apart
+                return logps(*a, **kw)
+            sync()  # the old-log-prob pass
             t0 = time.perf_counter()
             out = logps(*a, **kw)
-            if not torch.is_grad_enabled():  # the old-log-prob pass (training forwards run with grad)
-                current()["old_logprob"] += time.perf_counter() - t0
+            sync()
+            current()["old_logprob"] += time.perf_counter() - t0
             return out
 
         trainer._generate_and_score_completions, trainer._get_per_token_logps_and_entropies = (timed_gen_and_score,
@@ -315,7 +385,11 @@ def run_trl(spec: dict) -> dict:
             "loss_type", "importance_sampling_level", "epsilon", "epsilon_high", "beta", "num_generations",
             "generation_batch_size", "steps_per_generation", "gradient_accumulation_steps",
             "per_device_train_batch_size", "num_iterations", "max_completion_length", "learning_rate",
-            "max_grad_norm", "bf16", "gradient_checkpointing", "scale_rewards", "temperature", "top_p", "top_k")}
+            "max_grad_norm", "bf16", "gradient_checkpointing", "scale_rewards", "temperature", "top_p", "top_k",
+            "use_transformers_continuous_batching")}
+        settings["experts_implementation"] = model.config._experts_implementation
+        settings["attn_implementation"] = model.config._attn_implementation
+        settings["model_dtype"] = str(next(model.parameters()).dtype)
     for k, s in enumerate(steps_out):
         s["step"] = starts[k + 1] - starts[k]
         s["generation"] = s.pop("rollout_total") - s["old_logprob"]
@@ -361,11 +435,14 @@ def summarize(runs: list[dict], warmup: int) -> dict:
     return row
 
 
-def shape_of(size: str, extra: list[str]) -> dict:
+def shape_of(size: str, args) -> dict:
     """The architecture and batch layout of `size` (for the JSON)."""
-    cfg = bench_config(size, "grpo", extra, None, 1)
+    cfg = bench_config(size, "grpo", args.set, None, 1, args.device, args.max_new_tokens, args.engine)
     m, r, t = cfg.model, cfg.rollout, cfg.train
-    return {"layers": m.num_hidden_layers, "hidden": m.hidden_size, "experts": m.num_experts,
+    total, active = m.parameter_counts()
+    return {"parameters": total, "active_parameters": active, "params_dtype": m.params_dtype,
+            "engine": r.engine, "engine_dtype": r.engine_dtype,
+            "layers": m.num_hidden_layers, "hidden": m.hidden_size, "experts": m.num_experts,
             "top_k": m.num_experts_per_tok, "vocab": m.vocab_size, "prompts": r.prompts_per_step,
             "group": r.group_size, "max_new_tokens": r.max_new_tokens, "minibatches": t.minibatches,
             "micro_batch": t.micro_batch_size}
@@ -390,7 +467,17 @@ def markdown(rows: list[dict]) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--sizes", default="default,large", help=f"comma-separated, of {sorted(SIZES)}")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cpu: fp32, the CPU sizes; cuda: bf16 on one GPU, the GPU sizes")
+    ap.add_argument("--sizes", default=None,
+                    help=f"comma-separated, of {sorted(SIZES)} (default: {DEVICE_SIZES})")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="response length of both sides (default: the size's config on the CPU, 256 on CUDA)")
+    ap.add_argument("--engine", default=None, help="moe-gspo's rollout.engine (default: hf on the CPU, hf_static "
+                                                   "on CUDA)")
+    ap.add_argument("--trl-generation", default=None, choices=TRL_GENERATION,
+                    help="TRL's generation: model.generate, or transformers' continuous batching "
+                         "(default: generate on the CPU, continuous_batching on CUDA)")
     ap.add_argument("--algos", default="grpo,gspo", help=f"comma-separated, of {sorted(ALGOS)}")
     ap.add_argument("--steps", type=int, default=4, help="RL steps per run, warmup included")
     ap.add_argument("--warmup", type=int, default=1, help="first steps of each run left out of the medians")
@@ -409,7 +496,20 @@ def main():
         return
     if args.steps <= args.warmup:
         ap.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
-    sizes, algos = args.sizes.split(","), args.algos.split(",")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("bench_rl.py: error: --device cuda: no CUDA device is available on this machine", file=sys.stderr)
+            sys.exit(2)
+    cuda = args.device == "cuda"
+    if args.max_new_tokens is None and cuda:
+        args.max_new_tokens = 256
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        ap.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    args.engine = args.engine or ("hf_static" if cuda else "hf")
+    args.trl_generation = args.trl_generation or ("continuous_batching" if cuda else "generate")
+    sizes, algos = (args.sizes or ",".join(DEVICE_SIZES[args.device])).split(","), args.algos.split(",")
     for name, chosen, valid in (("--sizes", sizes, SIZES), ("--algos", algos, ALGOS)):
         if bad := [x for x in chosen if x not in valid]:
             ap.error(f"{name}: unknown {bad}; valid: {sorted(valid)}")
@@ -417,7 +517,7 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         for size in sizes:
             ckpt = str(Path(d) / size)
-            shapes[size] = shape_of(size, args.set)
+            shapes[size] = shape_of(size, args)
             for algo in algos:
                 runs = {"moe-gspo": [], "trl": []}
                 for rep in range(args.repeats):
@@ -425,7 +525,9 @@ def main():
                     order = ("moe-gspo", "trl") if rep % 2 == 0 else ("trl", "moe-gspo")
                     for tool in order:
                         spec = {"tool": tool, "size": size, "algo": algo, "set": args.set, "ckpt": ckpt,
-                                "steps": args.steps, "threads": args.threads}
+                                "steps": args.steps, "threads": args.threads, "device": args.device,
+                                "max_new_tokens": args.max_new_tokens, "engine": args.engine,
+                                "trl_generation": args.trl_generation}
                         runs[tool].append(run_worker(spec, args.threads))
                         print(f"{size} {algo} {tool} run {rep + 1}: {runs[tool][-1]['wall_s']:.1f} s",
                               file=sys.stderr, flush=True)
@@ -449,20 +551,32 @@ def report(args, rows, probes, shapes, settings, sizes, final: bool) -> None:
     from importlib.metadata import version
 
     table = markdown(rows)
+    mismatches = MISMATCHES + (CUDA_MISMATCHES if args.device == "cuda" else [])
+    generation = {"trl": f"{args.trl_generation} ({TRL_GENERATION_WHAT[args.trl_generation]})",
+                  "moe-gspo": f"rollout.engine={args.engine}"}
     if final:
-        print(f"{args.threads} threads, {args.steps - args.warmup} timed steps x {args.repeats} runs per side; "
-              f"max |probe log-prob diff| moe-gspo vs TRL {max(probes.values()):.1e}")
+        print(f"device {args.device}, {args.threads} threads, {args.steps - args.warmup} timed steps x {args.repeats} "
+              f"runs per side; max |probe log-prob diff| moe-gspo vs TRL {max(probes.values()):.1e}")
+        print(f"generation: moe-gspo {generation['moe-gspo']}; TRL {generation['trl']}")
         print(table)
-        for m in MISMATCHES:
+        for m in mismatches:
             print(f"- {m}")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        gpu = None
+        if args.device == "cuda":
+            import torch
+
+            gpu = torch.cuda.get_device_name()
         result = {"commit": commit.stdout.strip() or None, "cpu": platform.processor() or platform.machine(),
-                  "cores": os.cpu_count(), "threads": args.threads,
+                  "cores": os.cpu_count(), "threads": args.threads, "device": args.device, "gpu": gpu,
+                  "generation": generation, "max_new_tokens": args.max_new_tokens,
                   "versions": {p: version(p) for p in ("torch", "megatron-core", "transformers", "trl")},
                   "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "set": args.set,
-                  "sizes": shapes, "size_overrides": {s: SIZES[s] for s in sizes}, "bench_overrides": BENCH_OVERRIDES,
-                  "max_abs_probe_logprob_diff": probes, "settings": settings, "mismatches": MISMATCHES,
+                  "sizes": shapes, "size_overrides": {s: [str(SIZES[s][0].relative_to(ROOT)), *SIZES[s][1]]
+                                                      for s in sizes},
+                  "bench_overrides": BENCH_OVERRIDES + DEVICE_OVERRIDES[args.device],
+                  "max_abs_probe_logprob_diff": probes, "settings": settings, "mismatches": mismatches,
                   "rows": rows, "table": table, "complete": final}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -57,3 +57,42 @@ def test_bench_rl_runs_both_sides_with_matched_settings(tmp_path):
     assert (trl["gradient_accumulation_steps"], trl["steps_per_generation"], trl["num_iterations"]) == (2, 4, 1)
     assert (trl["max_completion_length"], trl["bf16"], trl["gradient_checkpointing"]) == (3, False, False)
     assert "| default | gspo | trl |" in res["table"]
+
+
+def _bench_rl_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_rl", ROOT / "scripts" / "bench_rl.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without CUDA")
+@pytest.mark.parametrize("script", ["bench_rl.py", "bench_engine.py"])
+def test_cuda_mode_without_cuda_is_one_line(script):
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--device", "cuda"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [f"{script}: error: --device cuda: no CUDA device is available on this "
+                                             f"machine"], p.stderr
+    assert "Traceback" not in p.stdout + p.stderr
+
+
+def test_cuda_mode_settings_of_both_sides(tmp_path):
+    """What --device cuda runs, without running it: bf16 on both sides, TRL's grouped_mm experts and continuous
+    batching, the same response length, the fast engine for moe-gspo and room for 256-token responses."""
+    b = _bench_rl_module()
+    cfg = b.bench_config("gpu_single", "gspo", [], None, 3, "cuda", 256, "hf_static")
+    assert (cfg.model.params_dtype, cfg.rollout.engine_dtype, cfg.rollout.engine) == ("bfloat16", "bfloat16",
+                                                                                       "hf_static")
+    assert cfg.rollout.max_new_tokens == 256 and cfg.model.max_position_embeddings >= 256 + 64
+    assert (cfg.parallel.backend, cfg.train.steps, cfg.train.cold_start_steps) == ("nccl", 3, 0)
+    big = b.bench_config("gpu_2b", "grpo", [], None, 3, "cuda", 256, "hf_static")
+    assert big.model.num_experts == 64 and big.model.max_position_embeddings == 2048
+    kw = b.trl_kwargs(cfg, "gspo", str(tmp_path), "cuda", "continuous_batching")
+    assert (kw["use_cpu"], kw["bf16"], kw["use_transformers_continuous_batching"]) == (False, True, True)
+    assert kw["max_completion_length"] == 256 and kw["num_generations"] == cfg.rollout.group_size
+    assert b.trl_model_kwargs("cuda")["experts_implementation"] == "grouped_mm"
+    cpu = b.trl_kwargs(b.bench_config("default", "gspo", [], None, 3), "gspo", str(tmp_path))
+    assert (cpu["use_cpu"], cpu["bf16"], cpu["use_transformers_continuous_batching"]) == (True, False, False)

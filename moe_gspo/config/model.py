@@ -95,6 +95,19 @@ class ModelConfig:
                                   "model.compile=false")
 
 
+    def parameter_counts(self) -> tuple[int, int]:
+        """(total, active per token) parameter counts of this architecture, embeddings and LM head included;
+        active counts num_experts_per_tok of the num_experts experts in every layer."""
+        H, d, nq, ng = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
+        attention = H * (nq + 2 * ng) * d + nq * d * H + 2 * d  # q, k, v, o, q/k norms
+        shared = attention + 2 * H + self.num_experts * H  # + the two layer norms and the router
+        expert = 3 * H * self.moe_intermediate_size  # gate, up, down
+        outside = self.vocab_size * H * (1 if self.tie_word_embeddings else 2) + H  # embedding, head, final norm
+        L = self.num_hidden_layers
+        return (outside + L * (shared + self.num_experts * expert),
+                outside + L * (shared + self.num_experts_per_tok * expert))
+
+
 @dataclass
 class ParallelConfig:
     """How the policy is split over ranks (world = tp * ep * dp for the dense part's data parallelism)."""

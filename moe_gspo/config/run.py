@@ -17,7 +17,8 @@ class RolloutConfig:
     SECTION: ClassVar[str] = "rollout"
 
     engine: str = "hf"
-    """Rollout engine: 'hf' (transformers generate, CPU) or 'sglang' (GPU)."""
+    """Rollout engine: 'hf' (transformers with a hand-written decode loop, CPU default), 'hf_static' (the same
+    model with a preallocated KV cache, on-device decoding and, on CUDA, CUDA graphs) or 'sglang' (GPU)."""
     task: str = "addition"
     """Built-in task name or 'jsonl'/'parquet' for a dataset file."""
     dataset_path: str | None = None
@@ -37,6 +38,12 @@ class RolloutConfig:
     engine_dtype: str = "float32"
     """Dtype the rollout engine computes in: 'float32', or 'bfloat16' to mimic a bf16 inference engine's numeric
     mismatch with the fp32 trainer (what R3 and `use_engine_logprobs` exist for)."""
+    sync_bucket_bytes: int = 0
+    """Weight sync into the hf engines: 0 copies the exported tensors one at a time; N > 0 packs them into flat
+    buckets of at most N bytes (in the engine's dtype), each moved and unpacked with one multi-tensor copy."""
+    cuda_graphs: bool = True
+    """hf_static on CUDA: run each decode step under torch.compile(mode='reduce-overhead'), i.e. as CUDA graphs.
+    Ignored on the CPU and by the other engines."""
     task_args: str = ""
     """Difficulty knobs of a built-in task as 'key=value,key=value' (e.g. 'max_digits=1,num_operands=3')."""
     bad_reward: str = "error"
@@ -46,6 +53,8 @@ class RolloutConfig:
         positive(self, "prompts_per_step", "group_size", "max_new_tokens")
         choice(self, "bad_reward", ("error", "skip"))
         choice(self, "engine_dtype", ("float32", "bfloat16"))
+        if self.sync_bucket_bytes < 0:
+            raise ConfigError(f"rollout.sync_bucket_bytes={self.sync_bucket_bytes} must be >= 0 (0: tensor by tensor)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.temperature <= 0:

@@ -1,6 +1,6 @@
 """Rollout engines behind one interface, and the batch of sampled responses they return.
 
-    engine = build_engine("hf", policy, tokenizer=CharTokenizer())      # or "sglang" on a GPU
+    engine = build_engine("hf", policy, tokenizer=CharTokenizer())      # or "hf_static", or "sglang" on a GPU
     batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(temperature=1.0, seed=0))
     pb = batch.to_padded()                                              # (B, T) training tensors
     rollout_probs_diff(pb.old_logprobs, recomputed_logp, pb.response_mask)
@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 # the engines register themselves by name on import (sglang itself is imported only when its engine is built)
-from moe_gspo.rollout import hf_engine, sglang_engine  # noqa: F401
+from moe_gspo.rollout import hf_engine, hf_static, sglang_engine  # noqa: F401
 from moe_gspo.rollout.base import (ENGINES, RolloutEngine, SamplingParams, build_engine, engine_from_config,
                                    register_engine)
 from moe_gspo.rollout.batch import PaddedRollout, RolloutBatch, rollout_probs_diff

@@ -14,8 +14,9 @@ position just fed.
 
 Weights: `update_weights(policy)` takes `policy.export_hf() -> (config_dict, state_dict)` (config.json contents
 and the checkpoint-format state dict `save_pretrained` would write: one tensor per expert) and loads it into the
-in-memory model, fusing per-expert tensors into transformers' [E, 2I, H] / [E, H, I] layout. A transformers model
-is used as given (weights shared, not copied).
+in-memory model, fusing per-expert tensors into transformers' [E, 2I, H] / [E, H, I] layout, one tensor at a time or,
+with sync_bucket_bytes > 0, in flat buckets (weight_sync.py). A transformers model is used as given (weights shared,
+not copied).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
+from moe_gspo.rollout.weight_sync import copy_in_buckets
 
 _EXPERT_KEY = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -75,17 +77,22 @@ def _destinations(model, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[t
 
 
 @torch.no_grad()
-def copy_into_model(model, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy a checkpoint-format state dict (per-expert gate/up/down) into `model`'s parameters in place, one tensor
-    at a time, reading the values in the state's key order: no stacked copy of the experts and no second model
-    (with a StreamedHFState, not even a full gathered copy). Checks every key first (KeyError), so a mismatched
-    export leaves the model untouched."""
-    for dest, key in _destinations(model, state_dict):
+def copy_into_model(model, state_dict: Mapping[str, torch.Tensor], bucket_bytes: int = 0) -> int:
+    """Copy a checkpoint-format state dict (per-expert gate/up/down) into `model`'s parameters in place, reading the
+    values in the state's key order: no stacked copy of the experts and no second model (with a StreamedHFState,
+    not even a full gathered copy). bucket_bytes 0 copies one tensor at a time; N > 0 packs the tensors into flat
+    buckets of at most N bytes (moe_gspo.rollout.weight_sync), with bit-identical results. Checks every key first
+    (KeyError), so a mismatched export leaves the model untouched. Returns the number of copies or buckets."""
+    dests = _destinations(model, state_dict)
+    if bucket_bytes > 0:
+        return copy_in_buckets(dests, state_dict, bucket_bytes)
+    for dest, key in dests:
         dest.copy_(state_dict[key])
+    return len(dests)
 
 
 def model_from_export(config_dict: dict, state_dict: Mapping[str, torch.Tensor], dtype=torch.float32,
-                      attn_implementation: str = "sdpa", model=None):
+                      attn_implementation: str = "sdpa", model=None, bucket_bytes: int = 0):
     """A transformers causal LM with the exported weights (reusing `model` when its config is the same)."""
     if model is None or getattr(model, "_moe_gspo_export_config", None) != config_dict:
         model_type = config_dict.get("model_type", "qwen3_moe")
@@ -93,7 +100,7 @@ def model_from_export(config_dict: dict, state_dict: Mapping[str, torch.Tensor],
         config._attn_implementation = attn_implementation
         model = AutoModelForCausalLM.from_config(config).to(dtype)
         model._moe_gspo_export_config = dict(config_dict)
-    copy_into_model(model, state_dict)
+    model._moe_gspo_sync_copies = copy_into_model(model, state_dict, bucket_bytes)
     return model.eval()
 
 
@@ -162,12 +169,14 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, policy=None, tokenizer=None, eos_token_id: int | None = None, pad_token_id: int = 0,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 attn_implementation: str = "sdpa"):
+                 attn_implementation: str = "sdpa", sync_bucket_bytes: int = 0):
         self.tokenizer = tokenizer
+        self.sync_bucket_bytes = sync_bucket_bytes
         self.device, self.dtype, self.attn_implementation = torch.device(device), dtype, attn_implementation
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_id", None)
         self.model = None
+        self.last_sync_copies = 0
         self._next_sample_id = 0
         self._next_group_id = 0
         if policy is not None:
@@ -177,7 +186,7 @@ class HFEngine(RolloutEngine):
     def from_config(cls, policy, rollout_cfg, tokenizer=None) -> HFEngine:
         """On the policy's device, computing in rollout.engine_dtype."""
         return cls(policy, tokenizer=tokenizer, device=getattr(policy, "device", "cpu"),
-                   dtype=getattr(torch, rollout_cfg.engine_dtype))
+                   dtype=getattr(torch, rollout_cfg.engine_dtype), sync_bucket_bytes=rollout_cfg.sync_bucket_bytes)
 
     def update_weights(self, policy) -> None:
         if isinstance(policy, PreTrainedModel):
@@ -188,7 +197,8 @@ class HFEngine(RolloutEngine):
             # in place
             config_dict, state_dict = policy.stream_hf() if hasattr(policy, "stream_hf") else policy.export_hf()
             self.model = model_from_export(config_dict, state_dict, self.dtype, self.attn_implementation,
-                                           model=self.model).to(self.device)
+                                           model=self.model, bucket_bytes=self.sync_bucket_bytes).to(self.device)
+            self.last_sync_copies = self.model._moe_gspo_sync_copies  # tensors copied, or buckets
         else:
             raise TypeError(f"update_weights needs a policy with export_hf() or a transformers PreTrainedModel, "
                             f"got {type(policy).__name__}")

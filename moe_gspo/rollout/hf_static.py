@@ -1,0 +1,258 @@
+"""The 'hf_static' rollout engine: the HF engine's model and weights, decoded with a preallocated KV cache.
+
+    engine = StaticHFEngine(policy, tokenizer=CharTokenizer(), device="cuda", dtype=torch.bfloat16)
+    batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(seed=0))   # same RolloutBatch as 'hf'
+
+What differs from HFEngine (hf_engine.py), which grows a dynamic cache and moves every step's tokens to the CPU:
+- The KV cache is a transformers StaticCache of S slots (the longest prompt + max_new_tokens, rounded up to a
+  multiple of SLOT_ROUND so that later batches reuse it): prompt k sits in slots P_max - P_k .. P_max - 1, response
+  token t in slot P_max + t. Attention masks are built here as (B, 1, q, S) tensors: a slot is visible when it
+  holds a token of the row and is not in the future. A left-pad query sees only itself, so no row is fully masked.
+- A decode step's Python work does not depend on the batch: sampling, stop tokens, lengths and routing are tensor
+  ops on the engine's device, and whether every row has finished is read back every `check_every` steps (the extra
+  steps of finished rows feed the pad token and are dropped, as in HFEngine). Stop strings are found once, after
+  decoding, by truncating each response at the first token whose text completes one.
+- Routing comes from persistent forward hooks on each router (`mlp.gate`) that copy the top-k ids into one
+  preallocated (L, tokens, k) buffer, so a decode step runs without host work and can be captured as a graph.
+- On CUDA in bf16 with cuda_graphs (rollout.cuda_graphs), the decode step runs under
+  torch.compile(mode="reduce-overhead"), which replays it as CUDA graphs; on CUDA sampling draws on the device
+  (exponential race: argmax p / E, E ~ Exp(1)).
+  On the CPU nothing is compiled and sampling is HFEngine's, from the same seeded CPU generator.
+- Experts at decode: transformers' batched_mm (each token gathers its k experts' weights) while the B*k
+  token-expert pairs of a step read no more weights than the E experts; grouped_mm (one GEMM per expert over its
+  tokens) above that. Prefill keeps the model's own implementation.
+The results are HFEngine's: the same tokens under greedy decoding, log-probs equal to float rounding, and the same
+routed experts (tests/test_rollout_static.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_gspo.rollout.base import SamplingParams, _validate_prompts, register_engine
+from moe_gspo.rollout.batch import RolloutBatch
+from moe_gspo.rollout.hf_engine import HFEngine, _sample, moe_routers
+
+SLOT_ROUND = 64
+
+
+def sample_on_device(logits_BV: torch.Tensor, sp: SamplingParams,
+                     gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (B,), log-probs (B,)) like hf_engine._sample, drawn where the logits are: the token with the largest
+    p / E, E ~ Exp(1) i.i.d., is distributed as p (top-p truncated), with no host synchronization."""
+    logits_BV = logits_BV.float()
+    if sp.temperature == 0:
+        tok = logits_BV.argmax(-1)
+        return tok, torch.log_softmax(logits_BV, -1).gather(-1, tok[:, None]).squeeze(-1)
+    logp_BV = torch.log_softmax(logits_BV / sp.temperature, dim=-1)
+    probs = logp_BV.exp()
+    if sp.top_p < 1.0:
+        p_sorted, order = probs.sort(dim=-1, descending=True)
+        drop = p_sorted.cumsum(-1) - p_sorted >= sp.top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, p_sorted.masked_fill(drop, 0.0))
+    race = probs / torch.empty_like(probs).exponential_(generator=gen)
+    tok = race.argmax(-1)
+    return tok, logp_BV.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class RouterTaps:
+    """Persistent hooks on a model's routers: while `target` is an (L, tokens, k) int64 tensor, each router's forward
+    copies its top-k ids into its layer's row (unsorted, as the router returns them)."""
+
+    def __init__(self, model):
+        self.target: torch.Tensor | None = None
+        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(moe_routers(model))]
+        self.layers = len(self.handles)
+
+    def _hook(self, layer: int):
+        def fn(_mod, _inp, out):
+            if self.target is not None:
+                self.target[layer].copy_(out[2].reshape(self.target.shape[1:]))
+        return fn
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@register_engine("hf_static")
+class StaticHFEngine(HFEngine):
+    """HFEngine's model with a static KV cache, on-device decoding and (CUDA) compiled decode steps."""
+
+    def __init__(self, policy=None, tokenizer=None, eos_token_id: int | None = None, pad_token_id: int = 0,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 attn_implementation: str = "sdpa", sync_bucket_bytes: int = 0, cuda_graphs: bool = True,
+                 decode_experts: str = "auto", check_every: int = 8):
+        if decode_experts not in ("auto", "batched_mm", "grouped_mm", "model"):
+            raise ValueError(f"decode_experts={decode_experts!r} is not one of auto, batched_mm, grouped_mm, model")
+        self.cuda_graphs, self.decode_experts, self.check_every = cuda_graphs, decode_experts, check_every
+        self._taps = self._cache = self._cache_shape = self._step = self._compiled_decode = None
+        super().__init__(policy, tokenizer=tokenizer, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                         device=device, dtype=dtype, attn_implementation=attn_implementation,
+                         sync_bucket_bytes=sync_bucket_bytes)
+
+    @classmethod
+    def from_config(cls, policy, rollout_cfg, tokenizer=None) -> StaticHFEngine:
+        return cls(policy, tokenizer=tokenizer, device=getattr(policy, "device", "cpu"),
+                   dtype=getattr(torch, rollout_cfg.engine_dtype), sync_bucket_bytes=rollout_cfg.sync_bucket_bytes,
+                   cuda_graphs=rollout_cfg.cuda_graphs)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run under torch.compile (CUDA graphs): with cuda_graphs, on CUDA, in bf16. In other
+        dtypes transformers' compiled grouped_mm falls back to a per-expert loop that reads the group sizes on the
+        host, which a graph cannot hold, so those decode steps stay eager."""
+        return self.cuda_graphs and self.device.type == "cuda" and self.dtype == torch.bfloat16
+
+    def update_weights(self, policy) -> None:
+        before = self.model
+        super().update_weights(policy)
+        if self.model is not before:  # a new module: new hooks, cache and compiled step
+            self.close()
+            self._taps = RouterTaps(self.model)
+            self._step = self._graphed_step if self.compiled else self._decode
+            self._compiled_decode = torch.compile(self._decode, mode="reduce-overhead") if self.compiled else None
+
+    def _graphed_step(self, tok_B1, pos_B1, mask_B11S):
+        """One decode step as CUDA graphs. Each call is a new step for cudagraph trees: the previous step's
+        outputs (logits, used for sampling already) may be overwritten."""
+        torch.compiler.cudagraph_mark_step_begin()
+        return self._compiled_decode(tok_B1, pos_B1, mask_B11S)
+
+    def close(self) -> None:
+        if self._taps is not None:
+            self._taps.remove()
+        self._taps = self._cache = self._cache_shape = self._step = self._compiled_decode = None
+
+    def _decode(self, tok_B1, pos_B1, mask_B11S):
+        """Logits (B, V) of one decode step; the routers' hooks write the step's routing into the tap buffer."""
+        return self.model(input_ids=tok_B1, attention_mask=mask_B11S, position_ids=pos_B1,
+                          past_key_values=self._cache, use_cache=True).logits[:, -1]
+
+    def _static_cache(self, B: int, S: int):
+        from transformers import StaticCache
+
+        if self._cache_shape != (B, S):
+            self._cache, self._cache_shape = StaticCache(config=self.model.config, max_cache_len=S), (B, S)
+            self._tap_LBk = torch.zeros(self._taps.layers, B, self.model.config.num_experts_per_tok,
+                                        dtype=torch.long, device=self.device)
+            if self.compiled:
+                torch._dynamo.mark_static_address(self._tap_LBk)
+        else:
+            self._cache.reset()
+        return self._cache
+
+    def _mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """A bool visibility mask (B, 1, q, S) in the form the model's attention takes: bool for SDPA, else additive."""
+        if self.model.config._attn_implementation == "sdpa":
+            return visible
+        return torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill(
+            ~visible, torch.finfo(self.dtype).min)
+
+    def _decode_experts(self, B: int) -> str:
+        cfg = self.model.config
+        if self.decode_experts != "auto":
+            return cfg._experts_implementation if self.decode_experts == "model" else self.decode_experts
+        return "batched_mm" if B * cfg.num_experts_per_tok <= cfg.num_experts else "grouped_mm"
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,
+                 sampling: SamplingParams | None = None) -> RolloutBatch:
+        sp = sampling or SamplingParams()
+        if self.model is None:
+            raise RuntimeError("StaticHFEngine has no weights: call update_weights(policy) first")
+        _validate_prompts(prompts, n_per_prompt, self.model.config.vocab_size)
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine to have a tokenizer (StaticHFEngine(tokenizer=...))")
+        dev, R = self.device, sp.max_new_tokens
+        on_cpu = dev.type == "cpu"
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(sp.seed) if sp.seed is not None else gen.seed()
+        sample = _sample if on_cpu else sample_on_device  # the CPU draws HFEngine's stream
+        stop_ids = set(sp.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
+
+        rows = [list(p) for p in prompts for _ in range(n_per_prompt)]
+        B, P = len(rows), max(len(p) for p in rows)
+        S = -(-(P + R) // SLOT_ROUND) * SLOT_ROUND
+        plen_B = torch.tensor([len(p) for p in rows], device=dev)
+        ids_BP = torch.tensor([[self.pad_token_id] * (P - len(p)) + p for p in rows], device=dev)  # left padding
+        slots_S = torch.arange(S, device=dev)
+        first_B = P - plen_B  # the slot of each row's first prompt token
+        valid_BS = slots_S[None] >= first_B[:, None]  # the row's prompt, then every response slot
+        q_P = slots_S[:P]
+        prefill_BPS = (valid_BS[:, None] & (slots_S[None, None] <= q_P[None, :, None])) | (
+            slots_S[None, None] == q_P[None, :, None])
+        pos_BP = (q_P[None] - first_B[:, None]).clamp(min=0)
+        cache = self._static_cache(B, S)
+        L, k = self._taps.layers, self.model.config.num_experts_per_tok
+        route_prefill = torch.zeros(L, B * P, k, dtype=torch.long, device=dev) if sp.return_routing else None
+        route_RLBk = torch.zeros(R, L, B, k, dtype=torch.long, device=dev) if sp.return_routing else None
+
+        tokens_BR = torch.full((B, R), self.pad_token_id, dtype=torch.long, device=dev)
+        logps_BR = torch.zeros(B, R, dtype=torch.float32, device=dev)
+        finished_B = torch.zeros(B, dtype=torch.bool, device=dev)
+        lengths_B = torch.zeros(B, dtype=torch.long, device=dev)
+        live_BS = valid_BS & (slots_S[None] < P)  # the decode mask; slot P + t opens when token t is fed
+        cfg = self.model.config
+        model_experts = cfg._experts_implementation
+        try:
+            self._taps.target = route_prefill
+            logits_BV = self.model(input_ids=ids_BP, attention_mask=self._mask(prefill_BPS[:, None]),
+                                   position_ids=pos_BP, past_key_values=cache, use_cache=True,
+                                   logits_to_keep=1).logits[:, -1]
+            if sp.return_routing:
+                route_RLBk[0] = route_prefill.view(L, B, P, k)[:, :, -1]
+            self._taps.target = self._tap_LBk if sp.return_routing else None
+            cfg._experts_implementation = self._decode_experts(B)
+            for step in range(R):
+                tok, lp = sample(logits_BV, sp, gen)
+                tok = torch.where(finished_B, self.pad_token_id, tok.to(dev))
+                tokens_BR[:, step] = tok
+                logps_BR[:, step] = torch.where(finished_B, 0.0, lp.float().to(dev))
+                lengths_B += (~finished_B).long()
+                finished_B |= torch.isin(tok, stop_t)
+                if step == R - 1 or ((step + 1) % self.check_every == 0 and bool(finished_B.all())):
+                    break
+                live_BS[:, P + step] = True
+                logits_BV = self._step(tok[:, None], (plen_B + step)[:, None], self._mask(live_BS[:, None, None]))
+                if sp.return_routing:
+                    route_RLBk[step + 1] = self._tap_LBk
+        finally:
+            self._taps.target = None
+            cfg._experts_implementation = model_experts
+
+        tok_BR, lp_BR, lengths = tokens_BR.cpu(), logps_BR.cpu(), lengths_B.cpu().tolist()
+        finish = ["stop" if f else "length" for f in finished_B.cpu().tolist()]
+        if sp.stop:
+            for b in range(B):
+                lengths[b], finish[b] = self._stop_string_end(tok_BR[b, :lengths[b]].tolist(), sp.stop,
+                                                              lengths[b], finish[b])
+        routed = prompt_routed = None
+        if sp.return_routing:
+            per_tok = route_RLBk.permute(2, 0, 1, 3).sort(-1).values.cpu()  # (B, R, L, k)
+            prefill = route_prefill.view(L, B, P, k).permute(1, 2, 0, 3).sort(-1).values.cpu()  # (B, P, L, k)
+            routed = [per_tok[b, :lengths[b]].to(torch.uint8) for b in range(B)]
+            prompt_routed = [prefill[b, P - len(p):P - 1].to(torch.uint8) for b, p in enumerate(rows)]
+
+        N, G = B, len(prompts)
+        batch = RolloutBatch(
+            prompt_ids=[torch.tensor(p, dtype=torch.long) for p in rows],
+            response_ids=[tok_BR[b, :lengths[b]].clone() for b in range(B)],
+            logprobs=[lp_BR[b, :lengths[b]].clone() for b in range(B)],
+            finish_reasons=finish,
+            sample_ids=torch.arange(self._next_sample_id, self._next_sample_id + N),
+            group_ids=torch.arange(self._next_group_id, self._next_group_id + G).repeat_interleave(n_per_prompt),
+            routed_experts=routed, prompt_routed_experts=prompt_routed)
+        self._next_sample_id += N
+        self._next_group_id += G
+        return batch
+
+    def _stop_string_end(self, toks: list[int], stops: list[str], n: int, finish: str) -> tuple[int, str]:
+        """(length, finish reason) of a response cut at the first token whose text completes a stop string."""
+        if not any(s in self.tokenizer.decode(toks) for s in stops):
+            return n, finish
+        for t in range(len(toks)):
+            if any(s in self.tokenizer.decode(toks[:t + 1]) for s in stops):
+                return t + 1, "stop"
+        return n, finish

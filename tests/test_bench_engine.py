@@ -1,0 +1,29 @@
+"""Smoke test of scripts/bench_engine.py on the CPU (configs/tiny_cpu.yaml): both engines generate and agree under
+greedy decoding, and a bucketed sync reports bit-equal weights. The GPU figures come from scripts/gpu_check.sh."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import ROOT
+
+
+def test_bench_engine_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "bench_engine.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_engine.py"), "--config", "configs/tiny_cpu.yaml",
+                        "--prompts", "2", "--group", "2", "--max-new-tokens", "4", "--repeats", "1",
+                        "--buckets", "0,4096", "--json", str(out)],
+                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    gen = res["generate"]
+    assert [r["engine"] for r in gen["rows"]] == ["hf", "hf_static"]
+    assert all(r["response_tokens_per_s"] > 0 and r["runs"][0]["response_tokens"] > 0 for r in gen["rows"])
+    assert gen["greedy_identical_fraction"] == 1.0 and gen["compiled"] is False
+    rows = res["sync"]["rows"]
+    assert [r["bucket_bytes"] for r in rows] == [0, 4096] and all(r["bit_equal"] for r in rows)
+    assert rows[1]["copies"] < rows[0]["copies"]  # small tensors share buckets

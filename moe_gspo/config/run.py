@@ -35,8 +35,8 @@ class RolloutConfig:
     return_routing: bool = True
     """Ask the engine for the experts each response token was routed to (needed for R3 and mismatch metrics)."""
     engine_dtype: str = "float32"
-    """Dtype the rollout engine computes in: 'float32', or 'bfloat16' to mimic a bf16 inference engine's numeric
-    mismatch with the fp32 trainer (what R3 and `use_engine_logprobs` exist for)."""
+    """Dtype the rollout engine computes in: 'float32', or 'bfloat16' or 'float16' to mimic a half-precision
+    inference engine's numeric mismatch with the fp32 trainer (what R3 and `use_engine_logprobs` exist for)."""
     task_args: str = ""
     """Difficulty knobs of a built-in task as 'key=value,key=value' (e.g. 'max_digits=1,num_operands=3')."""
     bad_reward: str = "error"
@@ -45,7 +45,7 @@ class RolloutConfig:
     def __post_init__(self):
         positive(self, "prompts_per_step", "group_size", "max_new_tokens")
         choice(self, "bad_reward", ("error", "skip"))
-        choice(self, "engine_dtype", ("float32", "bfloat16"))
+        choice(self, "engine_dtype", ("float32", "bfloat16", "float16"))
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.temperature <= 0:

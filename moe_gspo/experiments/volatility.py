@@ -194,7 +194,10 @@ def read_study_config(path, overrides=None) -> tuple[dict, StudyConfig, Grid]:
     pts = {Point(d, base.lr, base.minibatches) for d in study.depths}
     pts |= {Point(base.depth, lr, base.minibatches) for lr in study.lrs}
     pts |= {Point(base.depth, base.lr, m) for m in study.minibatches}
-    pts |= _granularity_points(study, base, base_cfg.model)
+    try:
+        pts |= _granularity_points(study, base, base_cfg.model)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     points = tuple(sorted(pts, key=Point.sort_key))
     seeds = tuple(base_cfg.train.seed + i for i in range(study.seeds))
     for p in points:  # every point must build and lay out its batch before anything runs

@@ -73,6 +73,13 @@ def test_report_with_seeds_intervals_verdicts_and_collapses(tmp_path):
     assert math.isclose(rows["gspo"][8], (0.2 * 29 / 30) / (0.002 * 29 / 30))  # clip fraction ratio = 100
     assert rows["grpo"][-1] == pytest.approx(3 * 12.5)  # wall time of all seeds, from wall_time.json
     assert "step 15" in text  # where the 5-step average fell below half its peak (0.2 < 0.25), in the runs table
+    # the terminal summary puts each variant's flip rate and engine mismatch (percent, 95% t) beside its reward
+    from moe_gspo.report.compare_data import summary_lines
+    head, *lines = summary_lines(tmp_path)
+    assert "flip rate % [95% t]" in head and "engine mismatch % [95% t]" in head
+    by_name = {ln.split()[0]: ln for ln in lines}
+    assert "5.00 [5.00, 5.00]" in by_name["grpo"] and "4.00 [4.00, 4.00]" in by_name["gspo"]
+    assert all("1.00 [1.00, 1.00]" in ln for ln in lines)  # moe/rollout_train_mismatch 0.01 in every run
 
 
 def _write_config(run_dir, **algorithm):

@@ -288,3 +288,26 @@ def test_hf_engine_matches_megatron_policy(prompts):
     known = pb.routing[..., 0, 0] >= 0
     mismatch = (pb.routing[known] != policy_routing[known]).any(-1).float().mean()
     assert mismatch == 0, f"{mismatch:.4f} of token-layers routed differently"
+
+
+def test_half_precision_engines_differ_from_the_trainer_by_their_rounding(prompts):
+    """rollout.engine_dtype float16 and bfloat16 build engines that compute in that dtype; the same sampled tokens
+    scored by each differ from the fp32 policy's log-probs, bf16 (8 mantissa bits) more than fp16 (11)."""
+    from moe_gspo.config import ConfigError, RolloutConfig
+    from moe_gspo.rollout import engine_from_config
+
+    policy = _megatron_policy()
+    ref = HFEngine(policy, tokenizer=TOK)
+    batch = ref.generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=10, seed=0))
+    pb = batch.to_padded()
+    gaps = {}
+    for dtype in ("float16", "bfloat16"):
+        eng = engine_from_config(RolloutConfig(engine="hf", engine_dtype=dtype), policy, tokenizer=TOK)
+        assert eng.dtype == getattr(torch, dtype) and next(eng.model.parameters()).dtype == eng.dtype
+        with torch.no_grad():
+            logits = eng.model(input_ids=pb.input_ids).logits.float()
+        d = rollout_probs_diff(pb.old_logprobs, token_logprobs_from_logits(logits, pb.input_ids), pb.response_mask)
+        gaps[dtype] = d["rollout_logprobs_diff_mean"]
+    assert 0 < gaps["float16"] < gaps["bfloat16"], gaps
+    with pytest.raises(ConfigError, match="rollout.engine_dtype"):
+        RolloutConfig(engine_dtype="float64")

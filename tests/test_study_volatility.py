@@ -50,6 +50,27 @@ def test_default_grid_is_three_sweeps_through_the_base_point():
     assert grid.seeds == tuple(range(study.seeds))
 
 
+def test_granularity_sweep_holds_the_active_width_and_shares_the_plain_layout():
+    """Every (experts, top-k) pair with top-k <= experts at each granularity depth, expert width = active // top-k;
+    the config's own layout (8 experts, top-2, width 128) is the plain point of its depth, run once; every model
+    (depth, layout) gets its own cold start per seed."""
+    from moe_gspo.experiments.volatility import plan_groups, read_study_config
+
+    _, _, grid = read_study_config(CONFIG, ["study.depths=[4]", "study.lrs=[3e-4]", "study.minibatches=[4]",
+                                            "study.experts=[4,8,32]", "study.top_ks=[2,8]", "study.active_width=256",
+                                            "study.granularity_depths=[4,16]", "study.seeds=2"])
+    layouts = {(p.depth, p.moe) for p in grid.points}
+    assert layouts == {(d, m) for d in (4, 16) for m in (None, (4, 2, 128), (8, 8, 32), (32, 2, 128), (32, 8, 32))}
+    assert {p.name for p in grid.points if p.depth == 16} == {
+        "L16_lr0.0003_mb4", "L16_lr0.0003_mb4_E4k2", "L16_lr0.0003_mb4_E8k8", "L16_lr0.0003_mb4_E32k2",
+        "L16_lr0.0003_mb4_E32k8"}
+    p = next(p for p in grid.points if p.name == "L4_lr0.0003_mb4_E32k8")
+    assert {"model.num_experts=32", "model.num_experts_per_tok=8", "model.moe_intermediate_size=32"} <= set(
+        p.overrides(3))
+    groups = plan_groups(grid)
+    assert len(groups) == 2 * len(layouts) and all(len(g.points) == 1 for g in groups)
+
+
 def test_cli_study_writes_report_and_table_of_run_means(tmp_path, capsys):
     """Two groups (a cold start each) in two processes, then the same study in this process: equal metrics."""
     out = tmp_path / "study"
@@ -128,7 +149,40 @@ def test_report_statistics_on_known_metrics(tmp_path):
     assert "48" in (tmp_path / "report.html").read_text()  # the paper's reference depth is named in the caption
 
 
+def test_report_granularity_figure_and_per_update_rate(tmp_path):
+    """Points of a granularity sweep with 2 minibatches: the after-one-update rate is twice the step mean, the
+    engine mismatch column is the runs' mean, and the granularity figures are drawn."""
+    from moe_gspo.report.volatility_study import write_study_report
+
+    lay = {"L2_lr0.001_mb2": (8, 2, 64), "L2_lr0.001_mb2_E32k4": (32, 4, 32)}
+    points = [{"name": n, "depth": 2, "lr": 1e-3, "minibatches": 2, "experts": e, "top_k": k, "expert_width": w}
+              for n, (e, k, w) in lay.items()]
+    for i, name in enumerate(lay):
+        d = tmp_path / name / "seed_0"
+        _fake_run(d, [0.01 * (i + 1), 0.03 * (i + 1)], layers=2)
+        with (d / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"step": 3, "moe/rollout_train_mismatch": 0.004 * (i + 1)}) + "\n")
+    (tmp_path / "study.json").write_text(json.dumps({
+        "points": points, "base": {"depth": 2, "lr": 1e-3, "minibatches": 2, "experts": 8, "top_k": 2,
+                                   "expert_width": 64},
+        "granularity": {"depths": [2], "experts": [8, 32], "top_ks": [2, 4]}, "seeds": [0], "steps": 2,
+        "wall_seconds": {}, "total_seconds": 1.0}))
+    page = write_study_report(tmp_path).read_text()
+    rows = {r["point"]: r for r in _table(tmp_path)}
+    for i, name in enumerate(lay):
+        r = rows[name]
+        assert float(r["per_update"]) == pytest.approx(2 * float(r["flip_rate"]))
+        assert float(r["flip_rate"]) == pytest.approx(0.02 * (i + 1))
+        assert float(r["mismatch"]) == pytest.approx(0.004 * (i + 1))
+        assert (int(r["experts"]), int(r["top_k"]), int(r["expert_width"])) == lay[name]
+    for png in ("study_granularity.png", "study_granularity_layers.png"):
+        assert (tmp_path / png).stat().st_size > 1000 and png in page
+
+
 @pytest.mark.parametrize("override, culprit", [
+    ("study.experts=[8]", "study.experts=[8] and study.top_ks=[] must both be given"),
+    ("study.experts=[8] study.top_ks=[3]", "study.active_width=256 is not a multiple of top-k 3"),
+    ("study.top_ks=[0]", "study.top_ks=[0] must be a list of integers >= 1"),
     ("study.depths=[0,2]", "study.depths=[0, 2] must be a non-empty list of integers >= 1"),
     ("study.depths=4", "study.depths=4 must be a list"),
     ("study.lrs=[fast]", "study.lrs: 'fast' is not a number"),
@@ -137,7 +191,7 @@ def test_report_statistics_on_known_metrics(tmp_path):
     ("study.minibatches=[3]", "point L4_lr0.0003_mb3: rollout batch of 8 prompts x 8 responses"),
 ])
 def test_bad_study_field_is_one_line_error(tmp_path, capsys, override, culprit):
-    rc = main(["study", "volatility", "--config", CONFIG, "--out", str(tmp_path / "s"), override])
+    rc = main(["study", "volatility", "--config", CONFIG, "--out", str(tmp_path / "s"), *override.split()])
     err = capsys.readouterr().err
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("moe-gspo study: error: ") and culprit in err, err

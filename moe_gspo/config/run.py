@@ -36,8 +36,8 @@ class RolloutConfig:
     return_routing: bool = True
     """Ask the engine for the experts each response token was routed to (needed for R3 and mismatch metrics)."""
     engine_dtype: str = "float32"
-    """Dtype the rollout engine computes in: 'float32', or 'bfloat16' to mimic a bf16 inference engine's numeric
-    mismatch with the fp32 trainer (what R3 and `use_engine_logprobs` exist for)."""
+    """Dtype the rollout engine computes in: 'float32', or 'bfloat16' or 'float16' to mimic a half-precision
+    inference engine's numeric mismatch with the fp32 trainer (what R3 and `use_engine_logprobs` exist for)."""
     sync_bucket_bytes: int = 0
     """Weight sync into the hf engines: 0 copies the exported tensors one at a time; N > 0 packs them into flat
     buckets of at most N bytes (in the engine's dtype), each moved and unpacked with one multi-tensor copy."""
@@ -52,7 +52,7 @@ class RolloutConfig:
     def __post_init__(self):
         positive(self, "prompts_per_step", "group_size", "max_new_tokens")
         choice(self, "bad_reward", ("error", "skip"))
-        choice(self, "engine_dtype", ("float32", "bfloat16"))
+        choice(self, "engine_dtype", ("float32", "bfloat16", "float16"))
         if self.sync_bucket_bytes < 0:
             raise ConfigError(f"rollout.sync_bucket_bytes={self.sync_bucket_bytes} must be >= 0 (0: tensor by tensor)")
         if not 0 < self.top_p <= 1:

@@ -1,4 +1,5 @@
-"""`moe-gspo study volatility`: the expert flip rate as a function of depth, learning rate and off-policy degree.
+"""`moe-gspo study volatility`: the expert flip rate as a function of depth, learning rate, off-policy degree and
+expert granularity.
 
     moe-gspo study volatility --config configs/study_volatility_cpu.yaml --out DIR [--jobs K] [--overwrite]
                               [a.b=v ...]
@@ -11,16 +12,23 @@ The config is an ordinary run config (the base point of the grid) plus a `study:
       lrs: [1.0e-4, 3.0e-4, 1.0e-3]   # train.lr, at base_depth and the base minibatches
       minibatches: [1, 2, 4, 8]       # train.minibatches (optimizer steps per rollout batch), at base_depth, base lr
       base_depth: 4                   # depth of the lr and minibatch sweeps (default: model.num_hidden_layers)
+      experts: [8, 32, 128]           # granularity sweep: model.num_experts x model.num_experts_per_tok (top-k <=
+      top_ks: [2, 4, 8]               #   experts), moe_intermediate_size = active_width // top-k
+      active_width: 256               # top-k x expert width held fixed (default: the run config's product)
+      granularity_depths: [4, 16]     # depths of the granularity sweep (default: [base_depth])
       seeds: 2                        # every point runs with train.seed + 0 .. seeds-1
       steps: 4                        # RL steps per run (default: train.steps)
       jobs: 2                         # groups at a time, one process each (--jobs wins; default 1)
 
-The base lr and minibatches are train.lr and train.minibatches. The grid is the union of the three one-factor
-sweeps through the base point (a point shared by two sweeps runs once). Every point runs the same task, the same
-prompts and sampling seeds, with algorithm.track_flips on. Seed s has one cold start per depth (train.seed = s sets
-the initial weights and the demonstrations), shared by the points of that depth, which differ only in RL settings;
-so the points of one depth and seed start RL from identical weights. A seed's cold start at one depth and the runs
-from it form a group; `jobs` groups run at a time, each in a spawned process with cores // jobs threads. Each run
+The base lr and minibatches are train.lr and train.minibatches. The grid is the union of the one-factor sweeps
+through the base point and, when `experts` and `top_ks` are given, the granularity sweep: every (experts, top-k)
+pair with top-k <= experts at each of granularity_depths, at the base lr and minibatches, with the active expert
+width per token (top-k x moe_intermediate_size) held at active_width. A point shared by two sweeps runs once.
+Every point runs the same task, the same prompts and sampling seeds, with algorithm.track_flips on. Seed s has one
+cold start per model (depth and expert layout; train.seed = s sets the initial weights and the demonstrations),
+shared by the points of that model, which differ only in RL settings; so those points start RL from identical
+weights. A seed's cold start of one model and the runs from it form a group; `jobs` groups run at a time, each in
+a spawned process with cores // jobs threads. Each run
 writes DIR/<point>/seed_<s>/ (metrics.jsonl with moe/flip_rate and moe/flip_rate/layer_<i> per step, config.yaml,
 wall_time.json); then DIR/study.json (grid, seeds, seconds, machine load) and the report
 (moe_gspo/report/volatility_study.py): DIR/report.html, DIR/study_table.csv and the figures beside them.
@@ -40,6 +48,9 @@ from pathlib import Path
 from moe_gspo.config import ConfigError, apply_overrides, config_from_dict, read_yaml
 from moe_gspo.experiments.compare import cold_start_key, cold_start_state, run_config, train_one
 from moe_gspo.train import data
+
+
+MOE_KEYS = ("experts", "top_k", "expert_width")  # a point's expert layout in study.json
 
 
 @dataclass(frozen=True)
@@ -65,14 +76,34 @@ class StudyConfig:
     when another process takes the core a thread waits on, so one process per core is the faster use of a
     machine."""
 
+    experts: tuple[int, ...] = ()
+    """model.num_experts of the granularity sweep (with top_ks; empty: no granularity sweep)."""
+    top_ks: tuple[int, ...] = ()
+    """model.num_experts_per_tok of the granularity sweep; pairs with top-k > experts are skipped."""
+    active_width: int | None = None
+    """top-k x moe_intermediate_size, held fixed across the granularity sweep (each point's expert width is
+    active_width // top-k, which must divide evenly); None takes the run config's product."""
+    granularity_depths: tuple[int, ...] = ()
+    """Depths of the granularity sweep; empty takes (base_depth,)."""
+
     def __post_init__(self):
+        for name in ("experts", "top_ks", "granularity_depths"):
+            vals = getattr(self, name)
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in vals):
+                raise ConfigError(f"study.{name}={list(vals)!r} must be a list of integers >= 1")
+        if bool(self.experts) != bool(self.top_ks):
+            raise ConfigError(f"study.experts={list(self.experts)!r} and study.top_ks={list(self.top_ks)!r} must "
+                              f"both be given (the granularity sweep) or both be empty")
+        if self.experts and not any(k <= e for e in self.experts for k in self.top_ks):
+            raise ConfigError(f"study.top_ks={list(self.top_ks)!r}: no top-k is <= any of study.experts="
+                              f"{list(self.experts)!r}")
         for name, lo in (("depths", 1), ("minibatches", 1)):
             vals = getattr(self, name)
             if not vals or not all(isinstance(v, int) and not isinstance(v, bool) and v >= lo for v in vals):
                 raise ConfigError(f"study.{name}={list(vals)!r} must be a non-empty list of integers >= {lo}")
         if not self.lrs or not all(isinstance(v, float) and v > 0 for v in self.lrs):
             raise ConfigError(f"study.lrs={list(self.lrs)!r} must be a non-empty list of numbers > 0")
-        for name in ("base_depth", "steps"):
+        for name in ("base_depth", "steps", "active_width"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"study.{name}={v!r} must be an integer >= 1")
@@ -94,7 +125,7 @@ def study_config_from_dict(section) -> StudyConfig:
     if unknown:
         raise ConfigError(f"unknown keys under 'study': {unknown}; valid: {valid}")
     kw = dict(section)
-    for name in ("depths", "lrs", "minibatches"):
+    for name in ("depths", "lrs", "minibatches", "experts", "top_ks", "granularity_depths"):
         if name in kw:
             v = kw[name]
             if not isinstance(v, list):
@@ -115,19 +146,27 @@ def _number(x, where: str) -> float:
 
 @dataclass(frozen=True)
 class Point:
-    """One grid point: a model depth, a learning rate and minibatches per rollout batch."""
+    """One grid point: a model depth, a learning rate, minibatches per rollout batch and, for the granularity sweep,
+    an expert layout (num_experts, num_experts_per_tok, moe_intermediate_size); None keeps the run config's."""
 
     depth: int
     lr: float
     minibatches: int
+    moe: tuple[int, int, int] | None = None
 
     @property
     def name(self) -> str:
-        return f"L{self.depth}_lr{self.lr:g}_mb{self.minibatches}"
+        base = f"L{self.depth}_lr{self.lr:g}_mb{self.minibatches}"
+        return base if self.moe is None else f"{base}_E{self.moe[0]}k{self.moe[1]}"
 
     def overrides(self, steps: int) -> list[str]:
-        return [f"model.num_hidden_layers={self.depth}", f"train.lr={self.lr!r}",
+        moe = [] if self.moe is None else [f"model.num_experts={self.moe[0]}", f"model.num_experts_per_tok="
+                                           f"{self.moe[1]}", f"model.moe_intermediate_size={self.moe[2]}"]
+        return [f"model.num_hidden_layers={self.depth}", *moe, f"train.lr={self.lr!r}",
                 f"train.minibatches={self.minibatches}", f"train.steps={steps}", "algorithm.track_flips=true"]
+
+    def sort_key(self) -> tuple:
+        return (self.depth, self.lr, self.minibatches, self.moe or (0, 0, 0))
 
 
 @dataclass(frozen=True)
@@ -155,7 +194,11 @@ def read_study_config(path, overrides=None) -> tuple[dict, StudyConfig, Grid]:
     pts = {Point(d, base.lr, base.minibatches) for d in study.depths}
     pts |= {Point(base.depth, lr, base.minibatches) for lr in study.lrs}
     pts |= {Point(base.depth, base.lr, m) for m in study.minibatches}
-    points = tuple(sorted(pts, key=lambda p: (p.depth, p.lr, p.minibatches)))
+    try:
+        pts |= _granularity_points(study, base, base_cfg.model)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    points = tuple(sorted(pts, key=Point.sort_key))
     seeds = tuple(base_cfg.train.seed + i for i in range(study.seeds))
     for p in points:  # every point must build and lay out its batch before anything runs
         try:
@@ -167,14 +210,35 @@ def read_study_config(path, overrides=None) -> tuple[dict, StudyConfig, Grid]:
     return raw, study, Grid(points, base, seeds, steps)
 
 
+def _granularity_points(study: StudyConfig, base: Point, model) -> set[Point]:
+    """Every (experts, top-k) pair with top-k <= experts at each granularity depth, the active width held fixed; the
+    run config's own layout is the plain point of that depth (moe None), so it runs once."""
+    if not study.experts:
+        return set()
+    own = (model.num_experts, model.num_experts_per_tok, model.moe_intermediate_size)
+    active = study.active_width or own[1] * own[2]
+    pts = set()
+    for k in study.top_ks:
+        if active % k:
+            raise ConfigError(f"study.active_width={active} is not a multiple of top-k {k} (study.top_ks): the "
+                              f"expert width would not be an integer")
+        for e in study.experts:
+            if k <= e:
+                moe = (e, k, active // k)
+                pts |= {Point(d, base.lr, base.minibatches, None if moe == own else moe)
+                        for d in study.granularity_depths or (base.depth,)}
+    return pts
+
+
 @dataclass(frozen=True)
 class Group:
-    """The runs of one seed at one depth: one cold start, then every point of that depth from its weights (the
-    points of a depth differ only in RL settings, which the cold start never reads)."""
+    """The runs of one seed on one model (depth and expert layout): one cold start, then every point of that model
+    from its weights (they differ only in RL settings, which the cold start never reads)."""
 
     seed: int
     depth: int
     points: tuple[Point, ...]
+    moe: tuple[int, int, int] | None = None
 
     def cost(self, steps: int, cold_start_steps: int) -> float:
         """Relative compute: layers x (supervised steps + about 6 forward-equivalents per RL step and minibatch)."""
@@ -182,9 +246,10 @@ class Group:
 
 
 def plan_groups(grid: Grid) -> list[Group]:
-    """Seed-major, depth ascending."""
-    return [Group(seed, d, tuple(p for p in grid.points if p.depth == d))
-            for seed in grid.seeds for d in sorted({p.depth for p in grid.points})]
+    """Seed-major, then by depth and expert layout."""
+    models = sorted({(p.depth, p.moe) for p in grid.points}, key=lambda m: (m[0], m[1] or (0, 0, 0)))
+    return [Group(seed, d, tuple(p for p in grid.points if (p.depth, p.moe) == (d, moe)), moe)
+            for seed in grid.seeds for d, moe in models]
 
 
 def run_group(raw: dict, group: Group, steps: int, out: Path) -> dict:
@@ -194,10 +259,11 @@ def run_group(raw: dict, group: Group, steps: int, out: Path) -> dict:
     cpu0 = time.process_time()
     cfg = run_config(raw, group.points[0].overrides(steps), group.seed)
     key = cold_start_key(cfg)
-    _say(f"cold start: seed {group.seed}, {group.depth} layers, {cfg.train.cold_start_steps} supervised steps")
+    model = f"L{group.depth}" + ("" if group.moe is None else f"_E{group.moe[0]}k{group.moe[1]}")
+    _say(f"cold start: seed {group.seed}, {model}, {cfg.train.cold_start_steps} supervised steps")
     t = time.perf_counter()
     state = cold_start_state(cfg)
-    res = {"walls": {}, "cold": {f"L{group.depth}/seed_{group.seed}": time.perf_counter() - t}, "loads": []}
+    res = {"walls": {}, "cold": {f"{model}/seed_{group.seed}": time.perf_counter() - t}, "loads": []}
     for p in group.points:
         cfg = run_config(raw, p.overrides(steps), group.seed)
         if cold_start_key(cfg) != key:
@@ -242,8 +308,14 @@ def run_volatility_study(config_path, out_dir, overrides=None, overwrite: bool =
         return out / "report.html"
     walls = {k: v for r in results for k, v in r["walls"].items()}
     loads = [x for r in results for x in r["loads"]]
-    meta = {"points": [dataclasses.asdict(p) | {"name": p.name} for p in grid.points],
-            "base": dataclasses.asdict(grid.base), "seeds": list(grid.seeds), "steps": grid.steps,
+    own = config_from_dict(copy.deepcopy(raw)).model
+    own = (own.num_experts, own.num_experts_per_tok, own.moe_intermediate_size)
+    meta = {"points": [{"name": p.name, "depth": p.depth, "lr": p.lr, "minibatches": p.minibatches,
+                        **dict(zip(MOE_KEYS, p.moe or own))} for p in grid.points],
+            "granularity": {"depths": list(study.granularity_depths or (grid.base.depth,)),
+                            "experts": list(study.experts), "top_ks": list(study.top_ks)} if study.experts else None,
+            "base": dataclasses.asdict(grid.base) | dict(zip(MOE_KEYS, own)), "seeds": list(grid.seeds),
+            "steps": grid.steps,
             "study": dataclasses.asdict(study),
             "wall_seconds": {f"{p.name}/seed_{s}": walls[f"{p.name}/seed_{s}"] for s in grid.seeds
                              for p in grid.points},
@@ -254,6 +326,11 @@ def run_volatility_study(config_path, out_dir, overrides=None, overwrite: bool =
                              "mean_over_runs": sum(loads) / len(loads) if loads else None}}
     (out / "study.json").write_text(json.dumps(meta, indent=1))
     return write_study_report(out)
+
+
+# A finished group leaves tensors behind in its process (about one model's parameters, gradients and Adam state:
+# 104 MB per group at 4 layers and 128 experts, measured), so a worker is replaced after this many groups.
+GROUPS_PER_WORKER = 4
 
 
 def _run_in_processes(raw: dict, groups: list[Group], steps: int, out: Path, jobs: int, threads: int) -> list[dict]:
@@ -268,7 +345,7 @@ def _run_in_processes(raw: dict, groups: list[Group], steps: int, out: Path, job
     _say(f"{len(groups)} groups (a cold start and its runs), {jobs} at a time, {threads} thread(s) each")
     results = []
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
-                               initargs=(threads,))
+                               initargs=(threads,), max_tasks_per_child=GROUPS_PER_WORKER)
     try:
         futures = [pool.submit(run_group, raw, g, steps, out) for g in order]
         for i, fut in enumerate(as_completed(futures), 1):

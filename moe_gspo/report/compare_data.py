@@ -356,19 +356,30 @@ def _fmt(iv: Interval | None, signed: bool = False) -> str:
     return f"{iv.mean:{f}}" + ("" if iv.lo is None else f" [{iv.lo:{f}}, {iv.hi:{f}}]")
 
 
+def _pct(iv: Interval | None) -> str:
+    if iv is None:
+        return "\u2014"
+    return f"{100 * iv.mean:.2f}" + ("" if iv.lo is None else f" [{100 * iv.lo:.2f}, {100 * iv.hi:.2f}]")
+
+
 def summary_lines(out_dir: str | Path) -> list[str]:
     """The answer of the comparison in DIR as aligned text for the terminal: per variant (compare.json's), its final
-    reward with the 95% t-interval over seeds, the paired difference against the baseline with its interval and
-    verdict, and how many runs collapsed (the report's summary and difference tables, in the same numbers)."""
+    reward with the 95% t-interval over seeds, beside it the expert flip rate (steps with gradient) and the
+    engine-vs-trainer routing mismatch in percent with their intervals, the paired difference against the baseline
+    with its interval and verdict, and how many runs collapsed (the report's tables, in the same numbers)."""
     out = Path(out_dir)
     meta, settings = read_meta(out)
     variants = load_variants(out, list(meta["variants"]), meta.get("seeds"))
     base, stats = variant_stats(variants, settings)
-    header = ["variant", "seeds", "final reward [95% t]", f"minus {base}, paired [95% t]", "verdict", "collapsed"]
+    header = ["variant", "seeds", "final reward [95% t]", "flip rate % [95% t]", "engine mismatch % [95% t]",
+              f"minus {base}, paired [95% t]", "verdict", "collapsed"]
     rows = [header]
     for v in variants:
         st = stats[v.name]
-        rows.append([v.name, str(len(v.runs)), _fmt(st.final), "baseline" if v.name == base else _fmt(st.diff, True),
+        flip = _pct(_iv([run_mean(r, FLIP, True) for r in v.runs]))
+        mismatch = _pct(_iv([run_mean(r, MISMATCH) for r in v.runs]))
+        rows.append([v.name, str(len(v.runs)), _fmt(st.final), flip, mismatch,
+                     "baseline" if v.name == base else _fmt(st.diff, True),
                      st.verdict or ("" if v.name == base else "no paired seeds"),
                      f"{sum(bool(e) for e in st.collapses)}/{len(st.collapses)}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

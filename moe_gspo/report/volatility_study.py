@@ -1,11 +1,15 @@
-"""The report of `moe-gspo study volatility`: flip rate vs depth, learning rate and minibatches, per-layer profiles.
+"""The report of `moe-gspo study volatility`: flip rate vs depth, learning rate, minibatches and expert granularity,
+per-layer profiles.
 
     write_study_report("runs/volatility")   # reads DIR/study.json and DIR/<point>/seed_<s>/metrics.jsonl
 
 Writes DIR/report.html, DIR/study_table.csv (one row per point; `flip_rate` is the mean over steps and seeds of
 moe/flip_rate) and beside them study_depth.png (flip rate vs depth: the seeds' means, their mean and min-max, and
 the GSPO paper's ~10% at 48 layers), study_layers.png (per-layer profiles of the depth sweep) and study_sweeps.png
-(flip rate vs learning rate and vs minibatches per rollout batch).
+(flip rate vs learning rate and vs minibatches per rollout batch); with a granularity sweep also
+study_granularity.png (flip rate vs experts, one line per top-k, one panel per depth) and
+study_granularity_layers.png (per-layer profiles of those points). Every point's engine-vs-trainer routing mismatch
+and token-probability gap are in the table where its runs logged them (a bf16 or fp16 rollout engine).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from moe_gspo.report import html
 from moe_gspo.report.plots import Run, colors, load_runs, plt
 
 FLIP, LAYER = "moe/flip_rate", "moe/flip_rate/layer_"
+MISMATCH, PDIFF = "moe/rollout_train_mismatch", "rollout_probs_diff_mean"
 # docs/method.md: in the 48-layer Qwen3-30B-A3B (128 experts, top-8) about 10% of activated experts change after one update
 PAPER_DEPTH, PAPER_FLIP = 48, 0.10
 
@@ -41,6 +46,15 @@ class PointStats:
     tokens: float  # mean response tokens observed per step (moe/flip_tokens): the sample behind a step's rate
     steps: int  # logged steps with a flip rate, summed over seeds
     wall: float  # seconds of all its runs (train(), cold start excluded)
+    experts: int | None = None  # model.num_experts (None: not recorded in study.json)
+    top_k: int | None = None
+    expert_width: int | None = None
+    mismatch: float = float("nan")  # mean over steps and seeds of moe/rollout_train_mismatch
+    probs_diff: float = float("nan")  # mean over steps and seeds of rollout_probs_diff_mean
+
+    @property
+    def moe(self) -> tuple:
+        return (self.experts, self.top_k, self.expert_width)
 
     @property
     def flip_rate(self) -> float:
@@ -57,7 +71,8 @@ def point_stats(out: Path, meta: dict) -> list[PointStats]:
             p["name"], p["depth"], p["lr"], p["minibatches"], seed_means, _layer_means(runs, p["depth"]),
             _mean(runs, "reward/mean"), _mean(runs, "groups/with_variance"), _mean(runs, "moe/flip_tokens"),
             sum(len(r.series(FLIP)[1]) for r in runs),
-            sum(meta["wall_seconds"].get(f"{p['name']}/seed_{s}", 0.0) for s in meta["seeds"])))
+            sum(meta["wall_seconds"].get(f"{p['name']}/seed_{s}", 0.0) for s in meta["seeds"]),
+            p.get("experts"), p.get("top_k"), p.get("expert_width"), _mean(runs, MISMATCH), _mean(runs, PDIFF)))
     return stats
 
 
@@ -77,8 +92,24 @@ def _mean(runs: list[Run], key: str) -> float:
     return float(v.mean()) if v.size else float("nan")
 
 
-TABLE = ["point", "layers", "lr", "minibatches", "seeds", "flip_rate", "seed_min", "seed_max", "first_layer",
-         "last_layer", "most_volatile_layer", "reward", "groups_with_variance", "tokens_per_step", "steps", "wall_s"]
+TABLE = ["point", "layers", "lr", "minibatches", "experts", "top_k", "expert_width", "seeds", "flip_rate", "seed_min",
+         "seed_max", "per_update", "first_layer", "last_layer", "last_over_first_third", "most_volatile_layer",
+         "reward", "groups_with_variance", "mismatch", "probs_diff", "tokens_per_step", "steps", "wall_s"]
+
+
+def per_update(s: PointStats) -> float | None:
+    """The drift after one update where the study measures exactly that: with 2 minibatches a step averages a
+    forward before any update (0 by construction) and one after one update, so it is twice the step's rate."""
+    return 2 * s.flip_rate if s.minibatches == 2 else None
+
+
+def thirds_ratio(layer_means: np.ndarray) -> float | None:
+    """Mean flip rate of the last third of the layers over the first third's (None under 3 layers or a 0 first)."""
+    n = layer_means.size // 3
+    if n < 1:
+        return None
+    first, last = np.nanmean(layer_means[:n]), np.nanmean(layer_means[-n:])
+    return float(last / first) if first > 0 else None
 
 
 def table_rows(stats: list[PointStats]) -> list[list]:
@@ -86,12 +117,17 @@ def table_rows(stats: list[PointStats]) -> list[list]:
     for s in stats:
         finite = np.isfinite(s.layer_means)
         hot = int(np.nanargmax(s.layer_means)) if finite.any() and np.nanmax(s.layer_means) > 0 else None
-        rows.append([s.name, s.depth, s.lr, s.minibatches, len(s.seed_means), s.flip_rate,
-                     float(s.seed_means.min()) if s.seed_means.size else None,
-                     float(s.seed_means.max()) if s.seed_means.size else None,
+        rows.append([s.name, s.depth, s.lr, s.minibatches, s.experts, s.top_k, s.expert_width, len(s.seed_means),
+                     s.flip_rate, float(s.seed_means.min()) if s.seed_means.size else None,
+                     float(s.seed_means.max()) if s.seed_means.size else None, per_update(s),
                      float(s.layer_means[0]) if finite[0] else None, float(s.layer_means[-1]) if finite[-1] else None,
-                     hot, s.reward, s.with_variance, s.tokens, s.steps, s.wall])
+                     thirds_ratio(s.layer_means), hot, s.reward, s.with_variance, _or_none(s.mismatch),
+                     _or_none(s.probs_diff), s.tokens, s.steps, s.wall])
     return rows
+
+
+def _or_none(x: float) -> float | None:
+    return None if np.isnan(x) else x
 
 
 def write_study_report(out_dir: str | Path) -> Path:
@@ -109,11 +145,13 @@ def write_study_report(out_dir: str | Path) -> Path:
         w.writerows([["" if c is None else c for c in r] for r in rows])
 
     base = meta["base"]
-    depth_sweep = sorted([s for s in stats if (s.lr, s.minibatches) == (base["lr"], base["minibatches"])],
+    own = tuple(base.get(k) for k in ("experts", "top_k", "expert_width"))
+    plain = [s for s in stats if s.moe == own]  # the run config's expert layout
+    depth_sweep = sorted([s for s in plain if (s.lr, s.minibatches) == (base["lr"], base["minibatches"])],
                          key=lambda s: s.depth)
-    lr_sweep = sorted([s for s in stats if (s.depth, s.minibatches) == (base["depth"], base["minibatches"])],
+    lr_sweep = sorted([s for s in plain if (s.depth, s.minibatches) == (base["depth"], base["minibatches"])],
                       key=lambda s: s.lr)
-    mb_sweep = sorted([s for s in stats if (s.depth, s.lr) == (base["depth"], base["lr"])],
+    mb_sweep = sorted([s for s in plain if (s.depth, s.lr) == (base["depth"], base["lr"])],
                       key=lambda s: s.minibatches)
     cfg = _run_config(out, stats[0].name, meta["seeds"][0])
     parts = [_intro(meta, cfg)]
@@ -133,13 +171,28 @@ def write_study_report(out_dir: str | Path) -> Path:
         f"per rollout batch (optimizer steps per step) at lr {base['lr']:g}. Dots: seeds; line: their mean; band: "
         f"min-max."))
 
+    gran = meta.get("granularity")
+    if gran:
+        gpts = [s for s in stats if s.depth in gran["depths"] and (s.lr, s.minibatches) == (base["lr"],
+                base["minibatches"]) and s.experts in gran["experts"] and s.top_k in gran["top_ks"]]
+        parts.append("<h2>Flip rate vs expert granularity</h2>" + html.figure(
+            _granularity_figure(out / "study_granularity.png", gpts, gran["depths"]).name,
+            "Flip rate vs experts per layer, one line per top-k, one panel per depth; the active expert width per "
+            "token (top-k x expert width) is the same at every point. With 2 minibatches per rollout batch the "
+            "plotted rate is the drift after one update (twice the step mean), else the step mean. Dots: seeds' "
+            "means; line: their mean; bars: min-max.") + html.figure(
+            _layers_figure(out / "study_granularity_layers.png", sorted(gpts, key=lambda s: (s.depth, s.moe)),
+                           lambda s: f"L{s.depth} E{s.experts} top-{s.top_k}").name,
+            "Flip rate of each MoE layer for the granularity points, mean over steps and seeds."))
+
     pct = lambda v: None if v is None else 100 * v  # noqa: E731 - the HTML table shows percent
-    shown = [[r[0], r[1], f"{r[2]:g}", r[3], r[4], pct(r[5]), pct(r[6]), pct(r[7]), pct(r[8]), pct(r[9]), r[10],
-              *r[11:]] for r in rows]
+    shown = [[r[0], r[1], f"{r[2]:g}", *r[3:8], *map(pct, r[8:14]), *r[14:18], pct(r[18]), *r[19:]] for r in rows]
     parts.append("<h2>All points</h2>" + html.table(
-        ["point", "layers", "lr", "minibatches", "seeds", "flip rate %", "seed min %", "seed max %",
-         "first layer %", "last layer %", "most volatile layer", "reward", "groups with variance",
-         "tokens per step", "steps (all seeds)", "wall s (all seeds)"], shown)
+        ["point", "layers", "lr", "minibatches", "experts", "top-k", "expert width", "seeds", "flip rate %",
+         "seed min %", "seed max %", "after one update %", "first layer %", "last layer %",
+         "last third / first third", "most volatile layer", "reward", "groups with variance",
+         "engine-trainer routing mismatch %", "mean |p_engine - p_train|", "tokens per step", "steps (all seeds)",
+         "wall s (all seeds)"], shown)
         + "<p class='note'>flip rate: mean over steps and seeds of moe/flip_rate; the same numbers as fractions are "
           "in study_table.csv. Wall seconds exclude the cold starts.</p>")
     report = out / "report.html"
@@ -213,11 +266,45 @@ def _depth_figure(path: Path, pts: list[PointStats]) -> Path:
     return _save(fig, path)
 
 
-def _layers_figure(path: Path, pts: list[PointStats]) -> Path:
+def _granularity_figure(path: Path, pts: list[PointStats], depths: list[int]) -> Path:
+    """Flip rate vs experts, a line per top-k, a panel per depth: the after-one-update rate (per_update) where every
+    point has it, else the step mean. The paper's ~10% is named in the title rather than drawn, so that the axis
+    keeps the resolution of our rates."""
+    scale = 2.0 if pts and all(per_update(s) is not None for s in pts) else 1.0
+    fig, axes = plt.subplots(1, len(depths), figsize=(4.6 * len(depths) + 1.5, 4.0), sharey=True, squeeze=False)
+    ks = sorted({s.top_k for s in pts})
+    for ax, d in zip(axes[0], depths):
+        for k, c in zip(ks, colors(len(ks))):
+            line = sorted([s for s in pts if s.depth == d and s.top_k == k], key=lambda s: s.experts)
+            if not line:
+                continue
+            x = np.array([s.experts for s in line], dtype=float)
+            for xi, s in zip(x, line):
+                ax.scatter(np.full(s.seed_means.size, xi), 100 * scale * s.seed_means, color=c, alpha=0.35, s=14,
+                           lw=0)
+            y = np.array([100 * scale * s.flip_rate for s in line])
+            lo = [yi - 100 * scale * s.seed_means.min() if s.seed_means.size else 0 for yi, s in zip(y, line)]
+            hi = [100 * scale * s.seed_means.max() - yi if s.seed_means.size else 0 for yi, s in zip(y, line)]
+            ax.errorbar(x, y, yerr=[lo, hi], color=c, lw=1.6, marker="o", ms=4, capsize=3, label=f"top-{k}")
+        ax.set_xscale("log", base=2)
+        xs = sorted({s.experts for s in pts})
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set(title=f"{d} layers", xlabel="experts per layer")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    what = "after one update" if scale == 2.0 else "per step (mean over minibatches)"
+    axes[0][0].set_ylabel(f"flip rate {what} (%)")
+    fig.suptitle(f"Expert flip rate vs granularity (GSPO paper: ~{100 * PAPER_FLIP:.0f}% after one update at 128 "
+                 f"experts, top-8, {PAPER_DEPTH} layers)", fontsize=10)
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, path)
+
+
+def _layers_figure(path: Path, pts: list[PointStats], label=lambda s: f"{s.depth} layers") -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for s, c in zip(pts, colors(len(pts))):
         ax.plot(np.arange(s.depth), 100 * s.layer_means, color=c, lw=1.5, marker="o" if s.depth <= 16 else None,
-                ms=3, label=f"{s.depth} layers")
+                ms=3, label=label(s))
     ax.set(title="Flip rate per MoE layer", xlabel="layer", ylabel="flip rate (% of top-k slots)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)

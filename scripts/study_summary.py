@@ -1,0 +1,144 @@
+"""Seed-level statistics of `moe-gspo study volatility` directories, as in docs/findings.md (granularity, precision).
+
+    python scripts/study_summary.py granularity runs/granularity [--json per_seed.json]
+    python scripts/study_summary.py precision --bf16 runs/granularity --fp16 runs/precision_fp16 \
+        --bf16-r3 runs/precision_bf16_r3 [--steps 6]
+
+granularity: per expert layout and depth, the flip rate after one update (twice the step mean: the study runs 2
+minibatches per rollout batch) with its 95% t-interval over seeds, each run's last-third / first-third layer ratio,
+the engine mismatch, and the 16- over 4-layer ratio paired by seed (geometric mean).
+precision: per condition, run-level means over steps 1..--steps of the routing mismatch and the token-probability
+gap, pooled over the layouts with a routing choice (top-k < experts) and, apart, the layouts without one (top-k =
+experts); then paired ratios between conditions, a run being one (point, seed) present in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from moe_gspo.report.stats import t_interval
+
+FLIP, MISMATCH, PDIFF = "moe/flip_rate", "moe/rollout_train_mismatch", "rollout_probs_diff_mean"
+POINT = re.compile(r"L(\d+)_lr[^_]+_mb(\d+)(?:_E(\d+)k(\d+))?$")
+
+
+def records(run: Path, steps: int | None = None) -> list[dict]:
+    f = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in f.read_text().splitlines()] if f.is_file() else []
+    return [r for r in rows if steps is None or r.get("step", 0) <= steps]
+
+
+def mean(rows: list[dict], key: str) -> float | None:
+    v = [r[key] for r in rows if key in r]
+    return float(np.mean(v)) if v else None
+
+
+def cell(vals, scale: float = 100.0, fmt: str = ".2f") -> str:
+    vals = [v for v in vals if v is not None and not math.isnan(v)]
+    if not vals:
+        return "-"
+    t = t_interval(vals)
+    s = f"{scale * t.mean:{fmt}}"
+    return s if t.lo is None else f"{s} [{scale * t.lo:{fmt}}, {scale * t.hi:{fmt}}]"
+
+
+def ratio_cell(pairs) -> str:
+    logs = [math.log(a / b) for a, b in pairs if a and b]
+    if len(logs) < 2:
+        return "-"
+    t = t_interval(logs)
+    return f"{math.exp(t.mean):.2f} [{math.exp(t.lo):.2f}, {math.exp(t.hi):.2f}] (n={t.n})"
+
+
+def points(study: Path) -> dict[str, tuple[int, int, int]]:
+    """{point name: (depth, experts, top-k)}, the layout read from study.json (the run config's for plain points)."""
+    meta = json.loads((study / "study.json").read_text())
+    return {p["name"]: (p["depth"], p.get("experts"), p.get("top_k")) for p in meta["points"]}
+
+
+def granularity(study: Path, out_json: Path | None) -> None:
+    seeds = json.loads((study / "study.json").read_text())["seeds"]
+    per = {}
+    for name, (depth, e, k) in points(study).items():
+        rows = [records(study / name / f"seed_{s}") for s in seeds]
+        vals = []
+        for rs in rows:
+            layers = [mean(rs, f"{FLIP}/layer_{i}") or 0.0 for i in range(depth)]
+            n = depth // 3
+            first = np.mean(layers[:n]) if n else 0.0
+            vals.append({"per_update": 2 * (mean(rs, FLIP) or 0.0), "mismatch": mean(rs, MISMATCH),
+                         "third_ratio": float(np.mean(layers[-n:]) / first) if first > 0 else None,
+                         "reward": mean(rs, "reward/mean")})
+        per[(e, k, depth)] = vals
+    print("| experts | top-k | layers | after one update % | last / first third | engine mismatch % | reward |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for (e, k, d), vals in sorted(per.items()):
+        col = lambda key: [v[key] for v in vals]  # noqa: E731
+        print(f"| {e} | {k} | {d} | {cell(col('per_update'))} | {cell(col('third_ratio'), 1.0)} | "
+              f"{cell(col('mismatch'))} | {np.mean([x for x in col('reward') if x is not None]):.2f} |")
+    depths = sorted({d for _, _, d in per})
+    if len(depths) == 2:
+        lo, hi = depths
+        print(f"\n{hi} over {lo} layers, after-one-update rate, paired by seed (geometric mean [95% t]):")
+        for e, k in sorted({(e, k) for e, k, _ in per}):
+            a, b = per.get((e, k, lo)), per.get((e, k, hi))
+            if a and b:
+                pairs = [(y["per_update"], x["per_update"]) for x, y in zip(a, b)]
+                print(f"  experts {e}, top-{k}: {ratio_cell(pairs)}")
+    if out_json:
+        out_json.write_text(json.dumps({f"E{e}k{k}_L{d}": v for (e, k, d), v in sorted(per.items())}, indent=1))
+
+
+def precision(conds: dict[str, Path], steps: int) -> None:
+    seeds = {c: json.loads((d / "study.json").read_text())["seeds"] for c, d in conds.items()}
+    pts = points(next(iter(conds.values())))
+    pts = {n: v for n, v in pts.items() if all((d / n).is_dir() for d in conds.values())}  # points every study ran
+    groups = {"routing choice (top-k < experts)": [n for n, (_, e, k) in pts.items() if k < e],
+              "no routing choice (top-k = experts)": [n for n, (_, e, k) in pts.items() if k == e]}
+    for title, names in groups.items():
+        if not names:
+            continue
+        common = sorted(set.intersection(*(set(s) for s in seeds.values())))
+        runs = {c: {(n, s): records(d / n / f"seed_{s}", steps) for n in names for s in common}
+                for c, d in conds.items()}
+        print(f"== {title}: {len(names)} points x seeds {common}, steps 1-{steps}")
+        for c in conds:
+            m = [mean(r, MISMATCH) for r in runs[c].values()]
+            p = [mean(r, PDIFF) for r in runs[c].values()]
+            print(f"  {c:8s} routing mismatch % {cell(m, 100, '.3f')}   mean |p gap| {cell(p, 1, '.5f')}")
+        first = next(iter(conds))
+        for c in list(conds)[1:]:
+            for key in (MISMATCH, PDIFF):
+                pairs = [(mean(runs[c][r], key), mean(runs[first][r], key)) for r in runs[first]]
+                pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+                scale, fmt = (100, ".3f") if key == MISMATCH else (1, ".5f")
+                print(f"  {c} - {first}, {key}: {cell([a - b for a, b in pairs], scale, fmt)} (n={len(pairs)}); "
+                      f"ratio {ratio_cell(pairs)} (runs where both are > 0)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    g = sub.add_parser("granularity")
+    g.add_argument("study", type=Path)
+    g.add_argument("--json", type=Path)
+    p = sub.add_parser("precision")
+    for name in ("bf16", "fp16", "bf16-r3", "fp16-r3", "fp32"):
+        p.add_argument(f"--{name}", type=Path, help="a study directory with that engine (first given: the reference)")
+    p.add_argument("--steps", type=int, default=6)
+    a = ap.parse_args()
+    if a.what == "granularity":
+        granularity(a.study, a.json)
+    else:
+        conds = {n: d for n in ("bf16", "fp16", "bf16_r3", "fp16_r3", "fp32") if (d := getattr(a, n))}
+        precision(conds, a.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -99,9 +99,10 @@ TRL_GENERATION_WHAT = {"continuous_batching": "transformers generate_batch: page
 ALGOS = {"grpo": {"algorithm.loss": "grpo", "importance_sampling_level": "token", "clip": (0.2, 0.27)},
          "gspo": {"algorithm.loss": "gspo", "importance_sampling_level": "sequence", "clip": (3e-4, 4e-4)}}
 MISMATCHES = [
-    "rollout sampling: moe-gspo's engine samples with its own loop over a transformers model in fp32 (KV cache, "
-    "per-step multinomial); TRL calls model.generate on the training model. Same temperature/top_p, different "
-    "random streams, so the sampled responses (and their lengths) differ; tokens/s counts each side's own tokens.",
+    "rollout sampling: moe-gspo's engine samples with its own loop over a transformers model (KV cache, its own "
+    "sampler); TRL generates with the training model (model.generate or generate_batch: 'generation' says which). "
+    "Same temperature/top_p, different random streams, so the sampled responses (and their lengths) differ; "
+    "tokens/s counts each side's own tokens.",
     "advantages: moe-gspo divides by the population std + 1e-6, TRL by the Bessel-corrected std + 1e-4 "
     "(the same cost, slightly different values).",
     "optimizer: moe-gspo steps megatron's Adam on fp32 main params (DDP buffers); TRL steps torch AdamW through "

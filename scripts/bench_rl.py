@@ -300,8 +300,9 @@ def trl_kwargs(cfg, algo: str, out_dir: str, device: str = "cpu", generation: st
         raise ValueError(f"minibatch {minibatch} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
     low, high = ALGOS[algo]["clip"]
     return dict(
-        output_dir=out_dir, use_cpu=device == "cpu", seed=t.seed, report_to="none", save_strategy="no", disable_tqdm=True,
-        logging_steps=10**6, max_steps=t.steps * t.minibatches, shuffle_dataset=False, dataloader_num_workers=0,
+        output_dir=out_dir, use_cpu=device == "cpu", seed=t.seed, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_steps=10**6, max_steps=t.steps * t.minibatches, shuffle_dataset=False,
+        dataloader_num_workers=0,
         per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=minibatch // t.micro_batch_size,
         steps_per_generation=n // t.micro_batch_size, num_iterations=1, num_generations=r.group_size,
         max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=0,

@@ -125,6 +125,8 @@ def test_on_cuda_eager_fp32_equals_the_hf_engine_and_bf16_graphs_replay(policy, 
     assert all(torch.isfinite(x).all() and (x <= 0).all() for x in sampled.logprobs)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the trainer puts the engines on the GPU, where hf_static "
+                                                     "samples on the device from another stream than hf's")
 def test_rl_steps_on_hf_static_with_bucketed_sync_equal_the_hf_engine(tmp_path):
     """The trainer builds the engine from rollout.engine: two RL steps (grpo + R3, so routing is used) on
     hf_static with a bucketed weight sync log the same figures as on hf (the CPU draws the same samples)."""

@@ -70,7 +70,12 @@ def test_sampling_stop_rules_and_cache_reuse_equal_the_hf_engine(policy, prompts
         want = hf.generate(prompts[:n], 3, sp)
         assert_same_rollout(st.generate(prompts[:n], 3, sp), want)
     assert "stop" in want.finish_reasons and "length" in want.finish_reasons
-    assert st._cache_shape is not None  # the last call's cache is kept for the next one
+    # 4 x 3 rows again: longest prompt 9 + 56 new tokens takes 128 slots, then 7 + 56 would take 64 and reuses them
+    sp = SamplingParams(temperature=1.0, max_new_tokens=56, seed=4)
+    for order in ([0, 1, 2, 3], [1, 3, 4, 0]):
+        batch = [prompts[i] for i in order]
+        assert_same_rollout(st.generate(batch, 3, sp), hf.generate(batch, 3, sp))
+        assert st._cache_shape == (12, 128)
 
 
 def test_built_from_the_config_through_the_registry(policy):

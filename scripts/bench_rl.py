@@ -4,7 +4,8 @@
     python scripts/bench_rl.py --json runs/bench_rl.json [--sizes default,large] [--algos grpo,gspo]
                                [--steps 4] [--warmup 1] [--repeats 1] [--threads 2] [--set a.b=v ...]
     python scripts/bench_rl.py --device cuda --json runs/bench_rl_gpu.json [--sizes gpu_single,gpu_2b]
-                               [--max-new-tokens 256] [--engine hf_static] [--trl-generation continuous_batching]
+                               [--max-new-tokens 256] [--engine hf_static]
+                               [--trl-generation continuous_batching,generate]
 
 What is compared. One policy is built from configs/compare_tiny_cpu.yaml (per size, see SIZES) and saved as a HF
 Qwen3-MoE checkpoint; moe-gspo trains from it (model.init_from) and TRL loads it with
@@ -33,9 +34,10 @@ sides compute in bf16 on one GPU:
 
     moe-gspo                                        TRL
     model.params_dtype bfloat16, fp32 main params   bf16 True (autocast), the model loaded in bf16
-    rollout.engine hf_static (--engine), bf16       --trl-generation: continuous_batching (transformers'
-                                                      generate_batch: paged KV cache, continuous batching; the
-                                                      fastest generation TRL has without vLLM) or generate
+    rollout.engine hf_static (--engine), bf16       each of --trl-generation (default both), one TRL side each:
+                                                      continuous_batching (transformers' generate_batch: paged
+                                                      KV cache, continuous batching) and generate
+                                                      (model.generate); speedups are against the faster
     grouped experts (torch._grouped_mm)             experts_implementation "grouped_mm", attention "sdpa"
     rollout.max_new_tokens = --max-new-tokens       max_completion_length = --max-new-tokens (default 256)
 
@@ -99,9 +101,10 @@ TRL_GENERATION_WHAT = {"continuous_batching": "transformers generate_batch: page
 ALGOS = {"grpo": {"algorithm.loss": "grpo", "importance_sampling_level": "token", "clip": (0.2, 0.27)},
          "gspo": {"algorithm.loss": "gspo", "importance_sampling_level": "sequence", "clip": (3e-4, 4e-4)}}
 MISMATCHES = [
-    "rollout sampling: moe-gspo's engine samples with its own loop over a transformers model in fp32 (KV cache, "
-    "per-step multinomial); TRL calls model.generate on the training model. Same temperature/top_p, different "
-    "random streams, so the sampled responses (and their lengths) differ; tokens/s counts each side's own tokens.",
+    "rollout sampling: moe-gspo's engine samples with its own loop over a transformers model (KV cache, its own "
+    "sampler); TRL generates with the training model (model.generate or generate_batch: 'generation' says which). "
+    "Same temperature/top_p, different random streams, so the sampled responses (and their lengths) differ; "
+    "tokens/s counts each side's own tokens.",
     "advantages: moe-gspo divides by the population std + 1e-6, TRL by the Bessel-corrected std + 1e-4 "
     "(the same cost, slightly different values).",
     "optimizer: moe-gspo steps megatron's Adam on fp32 main params (DDP buffers); TRL steps torch AdamW through "
@@ -299,8 +302,9 @@ def trl_kwargs(cfg, algo: str, out_dir: str, device: str = "cpu", generation: st
         raise ValueError(f"minibatch {minibatch} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
     low, high = ALGOS[algo]["clip"]
     return dict(
-        output_dir=out_dir, use_cpu=device == "cpu", seed=t.seed, report_to="none", save_strategy="no", disable_tqdm=True,
-        logging_steps=10**6, max_steps=t.steps * t.minibatches, shuffle_dataset=False, dataloader_num_workers=0,
+        output_dir=out_dir, use_cpu=device == "cpu", seed=t.seed, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_steps=10**6, max_steps=t.steps * t.minibatches, shuffle_dataset=False,
+        dataloader_num_workers=0,
         per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=minibatch // t.micro_batch_size,
         steps_per_generation=n // t.micro_batch_size, num_iterations=1, num_generations=r.group_size,
         max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=0,
@@ -454,7 +458,7 @@ def fmt(x, spec=".3f"):
 
 def markdown(rows: list[dict]) -> str:
     head = ("| size | loss | tool | tokens/step | step s | step tok/s | generation s (tok/s) | old log-probs s (tok/s) "
-            "| training s (tok/s) | other s | step speedup vs TRL |")
+            "| training s (tok/s) | other s | step speedup vs fastest TRL |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         phase = lambda p: f"{fmt(r[p + '_s'])} ({fmt(r[p + '_tokens_per_s'], '.0f')})"  # noqa: E731
@@ -475,9 +479,9 @@ def main():
                     help="response length of both sides (default: the size's config on the CPU, 256 on CUDA)")
     ap.add_argument("--engine", default=None, help="moe-gspo's rollout.engine (default: hf on the CPU, hf_static "
                                                    "on CUDA)")
-    ap.add_argument("--trl-generation", default=None, choices=TRL_GENERATION,
-                    help="TRL's generation: model.generate, or transformers' continuous batching "
-                         "(default: generate on the CPU, continuous_batching on CUDA)")
+    ap.add_argument("--trl-generation", default=None,
+                    help=f"TRL's generation, comma-separated, of {list(TRL_GENERATION)}: each runs as its own TRL "
+                         f"side, and speedups are against the fastest (default: generate on the CPU, both on CUDA)")
     ap.add_argument("--algos", default="grpo,gspo", help=f"comma-separated, of {sorted(ALGOS)}")
     ap.add_argument("--steps", type=int, default=4, help="RL steps per run, warmup included")
     ap.add_argument("--warmup", type=int, default=1, help="first steps of each run left out of the medians")
@@ -508,9 +512,13 @@ def main():
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         ap.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     args.engine = args.engine or ("hf_static" if cuda else "hf")
-    args.trl_generation = args.trl_generation or ("continuous_batching" if cuda else "generate")
+    modes = (args.trl_generation or (",".join(TRL_GENERATION) if cuda else "generate")).split(",")
     sizes, algos = (args.sizes or ",".join(DEVICE_SIZES[args.device])).split(","), args.algos.split(",")
-    for name, chosen, valid in (("--sizes", sizes, SIZES), ("--algos", algos, ALGOS)):
+    # one TRL side per generation mode; a single mode keeps the name "trl"
+    trl_tools = {"trl": modes[0]} if len(modes) == 1 else {f"trl:{m}": m for m in modes}
+    args.trl_generation = trl_tools
+    for name, chosen, valid in (("--sizes", sizes, SIZES), ("--algos", algos, ALGOS),
+                                ("--trl-generation", modes, TRL_GENERATION)):
         if bad := [x for x in chosen if x not in valid]:
             ap.error(f"{name}: unknown {bad}; valid: {sorted(valid)}")
     rows, probes, shapes, settings = [], {}, {}, {}
@@ -519,29 +527,32 @@ def main():
             ckpt = str(Path(d) / size)
             shapes[size] = shape_of(size, args)
             for algo in algos:
-                runs = {"moe-gspo": [], "trl": []}
+                runs = {"moe-gspo": [], **{t: [] for t in trl_tools}}
                 for rep in range(args.repeats):
                     # moe-gspo goes first in the first repeat: its first run of a size writes the checkpoint
-                    order = ("moe-gspo", "trl") if rep % 2 == 0 else ("trl", "moe-gspo")
+                    order = ["moe-gspo", *trl_tools] if rep % 2 == 0 else [*trl_tools, "moe-gspo"]
                     for tool in order:
                         spec = {"tool": tool, "size": size, "algo": algo, "set": args.set, "ckpt": ckpt,
                                 "steps": args.steps, "threads": args.threads, "device": args.device,
                                 "max_new_tokens": args.max_new_tokens, "engine": args.engine,
-                                "trl_generation": args.trl_generation}
+                                "trl_generation": trl_tools.get(tool)}
                         runs[tool].append(run_worker(spec, args.threads))
                         print(f"{size} {algo} {tool} run {rep + 1}: {runs[tool][-1]['wall_s']:.1f} s",
                               file=sys.stderr, flush=True)
-                ours, theirs = runs["moe-gspo"][0], runs["trl"][0]
-                if ours["prompts"] != theirs["prompts"]:
-                    raise RuntimeError(f"{size}/{algo}: the two sides sampled different prompts")
-                probes[f"{size}/{algo}"] = max(abs(a - b) for a, b in zip(ours["probe"], theirs["probe"]))
-                settings[f"{size}/{algo}"] = {"trl": theirs["trl_settings"],
+                ours = runs["moe-gspo"][0]
+                for t in trl_tools:
+                    if ours["prompts"] != runs[t][0]["prompts"]:
+                        raise RuntimeError(f"{size}/{algo}: moe-gspo and {t} sampled different prompts")
+                probes[f"{size}/{algo}"] = max(abs(a - b) for t in trl_tools
+                                               for a, b in zip(ours["probe"], runs[t][0]["probe"]))
+                settings[f"{size}/{algo}"] = {**{t: runs[t][0]["trl_settings"] for t in trl_tools},
                                               "optimizer_steps_per_rollout": {
                                                   t: runs[t][0]["optimizer_steps_per_rollout"] for t in runs}}
                 summ = {t: summarize(runs[t], args.warmup) for t in runs}
-                for tool in ("moe-gspo", "trl"):
-                    rows.append({"size": size, "algo": algo, "tool": tool, **summ[tool],
-                                 "speedup_vs_trl": summ["trl"]["step_s"] / summ[tool]["step_s"]})
+                fastest = min(trl_tools, key=lambda t: summ[t]["step_s"])  # speedups are against it
+                for tool in runs:
+                    rows.append({"size": size, "algo": algo, "tool": tool, **summ[tool], "fastest_trl": fastest,
+                                 "speedup_vs_trl": summ[fastest]["step_s"] / summ[tool]["step_s"]})
                 report(args, rows, probes, shapes, settings, sizes, final=False)
     report(args, rows, probes, shapes, settings, sizes, final=True)
 
@@ -552,12 +563,15 @@ def report(args, rows, probes, shapes, settings, sizes, final: bool) -> None:
 
     table = markdown(rows)
     mismatches = MISMATCHES + (CUDA_MISMATCHES if args.device == "cuda" else [])
-    generation = {"trl": f"{args.trl_generation} ({TRL_GENERATION_WHAT[args.trl_generation]})",
-                  "moe-gspo": f"rollout.engine={args.engine}"}
+    generation = {"moe-gspo": f"rollout.engine={args.engine}",
+                  **{t: f"{m} ({TRL_GENERATION_WHAT[m]})" for t, m in args.trl_generation.items()}}
     if final:
         print(f"device {args.device}, {args.threads} threads, {args.steps - args.warmup} timed steps x {args.repeats} "
               f"runs per side; max |probe log-prob diff| moe-gspo vs TRL {max(probes.values()):.1e}")
-        print(f"generation: moe-gspo {generation['moe-gspo']}; TRL {generation['trl']}")
+        print("generation: " + "; ".join(f"{t} {g}" for t, g in generation.items()))
+        for r in rows:
+            if r["tool"] == "moe-gspo" and len(args.trl_generation) > 1:
+                print(f"{r['size']}/{r['algo']}: TRL's fastest generation is {r['fastest_trl']}")
         print(table)
         for m in mismatches:
             print(f"- {m}")

@@ -5,7 +5,7 @@
 
 What differs from HFEngine (hf_engine.py), which grows a dynamic cache and moves every step's tokens to the CPU:
 - The KV cache is a transformers StaticCache of S slots (the longest prompt + max_new_tokens, rounded up to a
-  multiple of SLOT_ROUND so that later batches reuse it): prompt k sits in slots P_max - P_k .. P_max - 1, response
+  multiple of SLOT_ROUND; a later batch of as many rows reuses a cache with enough slots): prompt k sits in slots P_max - P_k .. P_max - 1, response
   token t in slot P_max + t. Attention masks are built here as (B, 1, q, S) tensors: a slot is visible when it
   holds a token of the row and is not in the future. A left-pad query sees only itself, so no row is fully masked.
 - A decode step's Python work does not depend on the batch: sampling, stop tokens, lengths and routing are tensor
@@ -129,18 +129,22 @@ class StaticHFEngine(HFEngine):
         return self.model(input_ids=tok_B1, attention_mask=mask_B11S, position_ids=pos_B1,
                           past_key_values=self._cache, use_cache=True).logits[:, -1]
 
-    def _static_cache(self, B: int, S: int):
+    def _static_cache(self, B: int, slots: int):
+        """(cache, S): the cache of B rows, reset, with S >= slots. A cache of B rows and at least that many slots is
+        kept (S never shrinks for a batch size), so batches whose longest prompt varies reuse it and one compiled
+        decode step; unused slots are masked."""
         from transformers import StaticCache
 
-        if self._cache_shape != (B, S):
-            self._cache, self._cache_shape = StaticCache(config=self.model.config, max_cache_len=S), (B, S)
-            self._tap_LBk = torch.zeros(self._taps.layers, B, self.model.config.num_experts_per_tok,
-                                        dtype=torch.long, device=self.device)
-            if self.compiled:
-                torch._dynamo.mark_static_address(self._tap_LBk)
-        else:
+        S = -(-slots // SLOT_ROUND) * SLOT_ROUND
+        if self._cache_shape is not None and self._cache_shape[0] == B and self._cache_shape[1] >= S:
             self._cache.reset()
-        return self._cache
+            return self._cache, self._cache_shape[1]
+        self._cache, self._cache_shape = StaticCache(config=self.model.config, max_cache_len=S), (B, S)
+        self._tap_LBk = torch.zeros(self._taps.layers, B, self.model.config.num_experts_per_tok, dtype=torch.long,
+                                    device=self.device)
+        if self.compiled:
+            torch._dynamo.mark_static_address(self._tap_LBk)
+        return self._cache, S
 
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
         """A bool visibility mask (B, 1, q, S) in the form the model's attention takes: bool for SDPA, else additive."""
@@ -174,7 +178,7 @@ class StaticHFEngine(HFEngine):
 
         rows = [list(p) for p in prompts for _ in range(n_per_prompt)]
         B, P = len(rows), max(len(p) for p in rows)
-        S = -(-(P + R) // SLOT_ROUND) * SLOT_ROUND
+        cache, S = self._static_cache(B, P + R)
         plen_B = torch.tensor([len(p) for p in rows], device=dev)
         ids_BP = torch.tensor([[self.pad_token_id] * (P - len(p)) + p for p in rows], device=dev)  # left padding
         slots_S = torch.arange(S, device=dev)
@@ -184,7 +188,6 @@ class StaticHFEngine(HFEngine):
         prefill_BPS = (valid_BS[:, None] & (slots_S[None, None] <= q_P[None, :, None])) | (
             slots_S[None, None] == q_P[None, :, None])
         pos_BP = (q_P[None] - first_B[:, None]).clamp(min=0)
-        cache = self._static_cache(B, S)
         L, k = self._taps.layers, self.model.config.num_experts_per_tok
         route_prefill = torch.zeros(L, B * P, k, dtype=torch.long, device=dev) if sp.return_routing else None
         route_RLBk = torch.zeros(R, L, B, k, dtype=torch.long, device=dev) if sp.return_routing else None

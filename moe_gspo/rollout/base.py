@@ -11,6 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import torch
+
 from moe_gspo.rollout.batch import RolloutBatch
 
 
@@ -63,6 +65,14 @@ class RolloutEngine(ABC):
 
     def close(self) -> None:
         """Release engine resources (GPU memory, worker processes)."""
+
+    def _take_ids(self, num_prompts: int, n_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sample_ids (N,), group_ids (N,)) of the next batch of num_prompts x n_per_prompt responses: sample ids
+        count up across this engine's calls, and the responses of one prompt share a group id."""
+        s0, g0 = getattr(self, "_next_sample_id", 0), getattr(self, "_next_group_id", 0)
+        n = num_prompts * n_per_prompt
+        self._next_sample_id, self._next_group_id = s0 + n, g0 + num_prompts
+        return torch.arange(s0, s0 + n), torch.arange(g0, g0 + num_prompts).repeat_interleave(n_per_prompt)
 
     @classmethod
     def from_config(cls, policy, rollout_cfg, tokenizer=None) -> RolloutEngine:

@@ -177,8 +177,6 @@ class HFEngine(RolloutEngine):
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_id", None)
         self.model = None
         self.last_sync_copies = 0
-        self._next_sample_id = 0
-        self._next_group_id = 0
         if policy is not None:
             self.update_weights(policy)
 
@@ -268,18 +266,18 @@ class HFEngine(RolloutEngine):
             routed = [per_tok[b, :lengths[b]].to(torch.uint8) for b in range(B)]
             prompt_routed = [prefill[b, P_max - len(p):P_max - 1].to(torch.uint8) for b, p in enumerate(rows)]
 
-        N, G = B, len(prompts)
-        batch = RolloutBatch(
+        return self._batch(rows, tok_BR, lp_BR, lengths, finish, routed, prompt_routed, len(prompts), n_per_prompt)
+
+    def _batch(self, rows, tok_BR, lp_BR, lengths, finish, routed, prompt_routed, num_prompts, n_per_prompt):
+        """The RolloutBatch of padded (B, R) tokens and log-probs cut at each row's length, with the next ids."""
+        B = len(rows)
+        sample_ids, group_ids = self._take_ids(num_prompts, n_per_prompt)
+        return RolloutBatch(
             prompt_ids=[torch.tensor(p, dtype=torch.long) for p in rows],
             response_ids=[tok_BR[b, :lengths[b]].clone() for b in range(B)],
             logprobs=[lp_BR[b, :lengths[b]].clone() for b in range(B)],
-            finish_reasons=finish,
-            sample_ids=torch.arange(self._next_sample_id, self._next_sample_id + N),
-            group_ids=torch.arange(self._next_group_id, self._next_group_id + G).repeat_interleave(n_per_prompt),
+            finish_reasons=finish, sample_ids=sample_ids, group_ids=group_ids,
             routed_experts=routed, prompt_routed_experts=prompt_routed)
-        self._next_sample_id += N
-        self._next_group_id += G
-        return batch
 
     def _hits_stop(self, tokens, b, n, stops) -> bool:
         text = self.tokenizer.decode([int(tokens[s][b]) for s in range(int(n))])

@@ -238,18 +238,7 @@ class StaticHFEngine(HFEngine):
             routed = [per_tok[b, :lengths[b]].to(torch.uint8) for b in range(B)]
             prompt_routed = [prefill[b, P - len(p):P - 1].to(torch.uint8) for b, p in enumerate(rows)]
 
-        N, G = B, len(prompts)
-        batch = RolloutBatch(
-            prompt_ids=[torch.tensor(p, dtype=torch.long) for p in rows],
-            response_ids=[tok_BR[b, :lengths[b]].clone() for b in range(B)],
-            logprobs=[lp_BR[b, :lengths[b]].clone() for b in range(B)],
-            finish_reasons=finish,
-            sample_ids=torch.arange(self._next_sample_id, self._next_sample_id + N),
-            group_ids=torch.arange(self._next_group_id, self._next_group_id + G).repeat_interleave(n_per_prompt),
-            routed_experts=routed, prompt_routed_experts=prompt_routed)
-        self._next_sample_id += N
-        self._next_group_id += G
-        return batch
+        return self._batch(rows, tok_BR, lp_BR, lengths, finish, routed, prompt_routed, len(prompts), n_per_prompt)
 
     def _stop_string_end(self, toks: list[int], stops: list[str], n: int, finish: str) -> tuple[int, str]:
         """(length, finish reason) of a response cut at the first token whose text completes a stop string."""

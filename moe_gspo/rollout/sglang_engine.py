@@ -93,8 +93,6 @@ class SGLangEngine(RolloutEngine):
         self.engine = sglang.Engine(model_path=str(self.path), skip_tokenizer_init=True,
                                     enable_return_routed_experts=True, dtype=dtype,
                                     mem_fraction_static=mem_fraction_static, random_seed=seed, **engine_kwargs)
-        self._next_sample_id = 0
-        self._next_group_id = 0
 
     @classmethod
     def from_config(cls, policy, rollout_cfg, tokenizer=None) -> SGLangEngine:
@@ -145,14 +143,9 @@ class SGLangEngine(RolloutEngine):
                                        f"(prompt {P} + response {R} - 1), response {i}")
                 prompt_routed.append(r[:P - 1].to(torch.uint8))
                 routed.append(r[P - 1:P - 1 + R].to(torch.uint8))
-        N, G = len(rows), len(prompts)
-        batch = RolloutBatch([torch.tensor(p, dtype=torch.long) for p in rows], resp, logps, finish,
-                             torch.arange(self._next_sample_id, self._next_sample_id + N),
-                             torch.arange(self._next_group_id, self._next_group_id + G).repeat_interleave(n_per_prompt),
-                             routed if sp.return_routing else None, prompt_routed if sp.return_routing else None)
-        self._next_sample_id += N
-        self._next_group_id += G
-        return batch
+        return RolloutBatch([torch.tensor(p, dtype=torch.long) for p in rows], resp, logps, finish,
+                            *self._take_ids(len(prompts), n_per_prompt),
+                            routed if sp.return_routing else None, prompt_routed if sp.return_routing else None)
 
     def close(self) -> None:
         if getattr(self, "engine", None) is not None:

@@ -46,8 +46,8 @@ class Targets:
         lengths = [T] * B if lengths is None else [int(n) for n in lengths]
         counts = [max(n - 1, 0) for n in lengths]
         dev = input_ids_BT.device
-        self.cu = torch.tensor(list(itertools.accumulate([0, *counts])), device=dev)
-        self.bounds = self.cu.tolist()
+        self.bounds = list(itertools.accumulate([0, *counts]))  # host copy: no device sync to slice by row
+        self.cu = torch.tensor(self.bounds, device=dev)
         # flat (B*T) position of each target token; its prediction comes from the position before it
         self.pos = torch.cat([torch.arange(b * T + 1, b * T + 1 + c, device=dev) for b, c in enumerate(counts)])
         self.ids = input_ids_BT.reshape(-1)[self.pos]

@@ -37,8 +37,6 @@ class MicroBatch:
 class RowMicroBatches:
     """Fixed micro-batches of `size` rows, run padded to the batch's width."""
 
-    packed = False
-
     def __init__(self, size: int):
         self.size = size
 
@@ -50,8 +48,6 @@ class RowMicroBatches:
 class PackedMicroBatches:
     """Consecutive whole rows, at most `budget` tokens per forward, packed (no padding computed); the same number
     of forwards on every rank (a collective when there are several)."""
-
-    packed = True
 
     def __init__(self, budget: int, field: str = "train.max_tokens_per_micro_batch"):
         self.budget, self.field = budget, field

@@ -36,8 +36,9 @@ class SDPAttention(MegatronModule):
     half of a CPU step in copies. Inputs/outputs use megatron's layout: q (sq, b, np, hn), k/v (sk, b, ng, hn)
     -> context (sq, b, np * hn), causal over right-padded or full sequences (the explicit mask megatron passes is
     ignored in favour of is_causal). Packed sequences come in megatron's THD format (packed_seq_params with
-    qkv_format='thd': q (t, np, hn) holding the sequences back to back) and are attended one sequence at a time,
-    causal within each, so no token sees another sequence and no [t, t] mask is built.
+    qkv_format='thd': q (t, np, hn) holding the sequences back to back); attention alone runs them as right-padded
+    rows in one causal call (the rest of the layer stays packed), so no token sees another sequence and no [t, t]
+    mask is built.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
@@ -69,12 +70,19 @@ class SDPAttention(MegatronModule):
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)  # (sq, b, np*hn)
 
     def _packed(self, query, key, value, psp):
-        """THD: q (t, np, hn), k/v (t, ng, hn) -> (t, np * hn), each sequence of psp.cu_seqlens_q on its own."""
+        """THD: q (t, np, hn), k/v (t, ng, hn) -> (t, np * hn). The sequences of psp.cu_seqlens_q are laid out as
+        right-padded rows for one causal SDPA call (padding after a row's tokens is never attended by them), and
+        their outputs gathered back into the packed order; no token attends across sequences."""
         assert psp.qkv_format == "thd", f"SDPAttention: packed format {psp.qkv_format!r} is not 'thd'"
-        bounds = seq_bounds(psp)
-        q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # (heads, t, hn)
-        out = [self._sdpa(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        return torch.cat(out, dim=1).transpose(0, 1).reshape(query.shape[0], self.heads * self.head_dim)
+        rows, keep = packed_rows(psp, query.device)  # (b, Lmax) into t (t = padding), (t,) into b * Lmax
+
+        def as_rows(x):  # (t, h, hn) -> (b, h, Lmax, hn)
+            padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+            return padded[rows].permute(0, 2, 1, 3)
+
+        ctx = self._sdpa(as_rows(query), as_rows(key), as_rows(value))  # (b, np, Lmax, hn)
+        b, _, L, _ = ctx.shape
+        return ctx.permute(0, 2, 1, 3).reshape(b * L, self.heads * self.head_dim)[keep]
 
 
 def seq_bounds(psp) -> list[int]:
@@ -82,6 +90,23 @@ def seq_bounds(psp) -> list[int]:
     layer waits on the device for it."""
     bounds = getattr(psp, "bounds", None)
     return bounds if bounds is not None else psp.cu_seqlens_q.tolist()
+
+
+def packed_rows(psp, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows (b, Lmax): packed position of each sequence's j-th token, t past its end; keep (t,): where each packed
+    token sits in the flattened rows) of a THD PackedSeqParams, built on its first use in a forward and kept on it
+    for the other layers."""
+    cached = getattr(psp, "row_layout", None)
+    if cached is None:
+        bounds = seq_bounds(psp)
+        lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        t, width = bounds[-1], max(lens)
+        j = torch.arange(width)
+        start, n = torch.tensor(bounds[:-1])[:, None], torch.tensor(lens)[:, None]
+        rows = torch.where(j < n, start + j, t)  # (b, Lmax)
+        keep = (rows.reshape(-1) < t).nonzero().squeeze(1)  # row-major: the packed order
+        cached = psp.row_layout = (rows.to(device), keep.to(device))
+    return cached
 
 
 class RoutingContext:

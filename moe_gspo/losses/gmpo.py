@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from moe_gspo.losses.aggregation import agg_seq_loss
-from moe_gspo.losses.policy import _frac, _stats
-from moe_gspo.losses.registry import ppo_kl, register_policy_loss
+from moe_gspo.losses.policy import _frac, surrogate_metrics
+from moe_gspo.losses.registry import register_policy_loss
 
 GMPO_CLIP = (0.4, 0.4)  # arXiv:2507.20673: log-ratios clipped to [-0.4, 0.4], i.e. ratios to [e^-0.4, e^0.4]
 GMPO_AGG_MODES = ("seq-mean-token-mean", "token-mean")
@@ -66,15 +66,8 @@ def gmpo_loss(
     seq_log_ratio = torch.where(mask, tok, 0).sum(-1) / lengths_B.clamp(min=1).to(tok.dtype)  # (B,)
     seq_ratio = torch.exp(seq_log_ratio)
     pg_loss = agg_seq_loss(-advantages * seq_ratio, lengths_B, loss_agg_mode, loss_denominator)
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": _frac(clipped, mask),
-        "pg_clipfrac_lower": torch.zeros((), device=mask.device),
-        "ppo_kl": ppo_kl(logp, old_logp, mask),
-        "seq_clipfrac": _frac(clipped.any(-1), nonempty_B),
-        **_stats(seq_ratio, nonempty_B, "ratio"),
-    }
-    return pg_loss, metrics
+    return pg_loss, surrogate_metrics(pg_loss, logp, old_logp, mask, seq_ratio, nonempty_B, _frac(clipped, mask),
+                                      seq_clipfrac=_frac(clipped.any(-1), nonempty_B))
 
 
 gmpo = register_policy_loss("gmpo", default_clip=GMPO_CLIP, clip_space="log", agg_modes=GMPO_AGG_MODES)(gmpo_loss)

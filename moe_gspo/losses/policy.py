@@ -50,6 +50,15 @@ def _stats(values: Tensor, valid: Tensor, prefix: str) -> dict[str, Tensor]:
     }
 
 
+def surrogate_metrics(pg_loss: Tensor, logp: Tensor, old_logp: Tensor, mask: Tensor, ratio: Tensor, ratio_valid: Tensor,
+                      clipfrac: Tensor, clipfrac_lower: Tensor | None = None, **extra: Tensor) -> dict[str, Tensor]:
+    """The metrics every policy loss reports (see the module docstring), then the loss's own `extra` ones; the
+    ratio statistics are over `ratio_valid` (tokens for token ratios, non-empty rows for sequence ratios)."""
+    lower = torch.zeros((), device=mask.device) if clipfrac_lower is None else clipfrac_lower
+    return {"pg_loss": pg_loss.detach(), "pg_clipfrac": clipfrac, "pg_clipfrac_lower": lower,
+            "ppo_kl": ppo_kl(logp, old_logp, mask), **extra, **_stats(ratio, ratio_valid, "ratio")}
+
+
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """GSPO's length-normalized log-ratio: 1/|y_i| sum_t mask (logp - old_logp) -> [B] (0 for an empty row)."""
     diff = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
@@ -90,14 +99,8 @@ def grpo_loss(
         dual = (adv < 0) & (pg_losses > pg3)
         pg_losses = torch.where(dual, pg3.expand_as(pg_losses), pg_losses)
     pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, loss_denominator)
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": _frac(clipped, mask),
-        "pg_clipfrac_lower": _frac(dual, mask),
-        "ppo_kl": ppo_kl(logp, old_logp, mask),
-        **_stats(ratio, mask, "ratio"),
-    }
-    return pg_loss, metrics
+    return pg_loss, surrogate_metrics(pg_loss, logp, old_logp, mask, ratio, mask, _frac(clipped, mask),
+                                      _frac(dual, mask))
 
 
 @register_policy_loss("gspo", default_clip=(3e-4, 4e-4))
@@ -131,15 +134,9 @@ def gspo_loss(
     seq_losses = torch.maximum(pg1, pg2)  # (B,)
     clipped_B = (pg2 > pg1) & nonempty_B
     pg_loss = agg_seq_loss(seq_losses, lengths_B, loss_agg_mode, loss_denominator)
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": _frac(clipped_B[:, None].expand_as(mask), mask),
-        "pg_clipfrac_lower": torch.zeros((), device=mask.device),
-        "ppo_kl": ppo_kl(logp, old_logp, mask),
-        "seq_clipfrac": _frac(clipped_B, nonempty_B),
-        **_stats(seq_ratio, nonempty_B, "ratio"),
-    }
-    return pg_loss, metrics
+    return pg_loss, surrogate_metrics(pg_loss, logp, old_logp, mask, seq_ratio, nonempty_B,
+                                      _frac(clipped_B[:, None].expand_as(mask), mask),
+                                      seq_clipfrac=_frac(clipped_B, nonempty_B))
 
 
 @register_policy_loss("gspo_token", default_clip=(3e-4, 4e-4))
@@ -170,12 +167,5 @@ def gspo_token_loss(
     pg_losses = torch.maximum(pg1, pg2)
     clipped = (pg2 > pg1) & mask
     pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, loss_denominator)
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": _frac(clipped, mask),
-        "pg_clipfrac_lower": torch.zeros((), device=mask.device),
-        "ppo_kl": ppo_kl(logp, old_logp, mask),
-        "seq_clipfrac": _frac(clipped.any(-1), nonempty_B),
-        **_stats(torch.exp(seq_log_ratio), nonempty_B, "ratio"),
-    }
-    return pg_loss, metrics
+    return pg_loss, surrogate_metrics(pg_loss, logp, old_logp, mask, torch.exp(seq_log_ratio), nonempty_B,
+                                      _frac(clipped, mask), seq_clipfrac=_frac(clipped.any(-1), nonempty_B))

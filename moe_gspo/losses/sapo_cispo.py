@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from moe_gspo.losses.aggregation import agg_loss
-from moe_gspo.losses.policy import _frac, _stats
-from moe_gspo.losses.registry import ppo_kl, register_policy_loss
+from moe_gspo.losses.policy import _frac, surrogate_metrics
+from moe_gspo.losses.registry import register_policy_loss
 
 SAPO_TAU = (1.0, 1.05)  # (tau_pos, tau_neg), arXiv:2511.20347
 SAPO_BAND = (0.2, 0.28)  # the PPO band SAPO's pg_clipfrac diagnostic measures against; SAPO itself does not clip
@@ -60,15 +60,9 @@ def sapo_loss(
     pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, loss_denominator)
     outside = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
     scale = (4.0 * gate * (1.0 - gate)).detach()
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": _frac(outside, mask),
-        "pg_clipfrac_lower": torch.zeros((), device=mask.device),
-        "ppo_kl": ppo_kl(logp, old_logp, mask),
-        "sapo_grad_scale_mean": torch.where(mask, scale, 0).sum() / mask.sum().clamp(min=1),
-        **_stats(ratio, mask, "ratio"),
-    }
-    return pg_loss, metrics
+    return pg_loss, surrogate_metrics(
+        pg_loss, logp, old_logp, mask, ratio, mask, _frac(outside, mask),
+        sapo_grad_scale_mean=torch.where(mask, scale, 0).sum() / mask.sum().clamp(min=1))
 
 
 @register_policy_loss("cispo", default_clip=CISPO_CLIP, default_agg_mode="token-mean", open_low=True)
@@ -90,11 +84,4 @@ def cispo_loss(
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg_losses = -weight * adv * logp
     pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, loss_denominator)
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": _frac(weight != ratio, mask),
-        "pg_clipfrac_lower": torch.zeros((), device=mask.device),
-        "ppo_kl": ppo_kl(logp, old_logp, mask),
-        **_stats(ratio, mask, "ratio"),
-    }
-    return pg_loss, metrics
+    return pg_loss, surrogate_metrics(pg_loss, logp, old_logp, mask, ratio, mask, _frac(weight != ratio, mask))

@@ -41,37 +41,35 @@ def _adv(adv, b, t):
     return float(adv[b, t]) if adv.dim() == 2 else float(adv[b])
 
 
-def _sapo_ref(logp, old, adv, mask, mode, tau_pos=1.0, tau_neg=1.05):
-    """(loss, d loss / d logp) from l = -(4/tau) sigmoid(tau (r - 1)) A, dl/dlogp = -(4/tau) s (1 - s) tau r A."""
+def _token_ref(logp, old, adv, mask, mode, term):
+    """(loss, d loss / d logp) of a loss whose per-token term(a, r, logp) -> (value, d value / d logp) is given in
+    python floats, aggregated by `mode`."""
     B, T = mask.shape
     val = [[0.0] * T for _ in range(B)]
     der = [[0.0] * T for _ in range(B)]
     for b in range(B):
         for t in range(T):
-            if not mask[b, t]:
-                continue
-            a = _adv(adv, b, t)
-            tau = tau_pos if a > 0 else tau_neg
-            r = math.exp(float(logp[b, t].detach()) - float(old[b, t]))
-            s = 1 / (1 + math.exp(-tau * (r - 1)))
-            val[b][t] = -(4 / tau) * s * a
-            der[b][t] = -4 * s * (1 - s) * r * a
+            if mask[b, t]:
+                lp = float(logp[b, t].detach())
+                val[b][t], der[b][t] = term(_adv(adv, b, t), math.exp(lp - float(old[b, t])), lp)
     return _agg(val, mask, mode), _weights(der, mask, mode)
+
+
+def _sapo_ref(logp, old, adv, mask, mode, tau_pos=1.0, tau_neg=1.05):
+    """l = -(4/tau) sigmoid(tau (r - 1)) A, dl/dlogp = -(4/tau) s (1 - s) tau r A."""
+    def term(a, r, lp):
+        tau = tau_pos if a > 0 else tau_neg
+        s = 1 / (1 + math.exp(-tau * (r - 1)))
+        return -(4 / tau) * s * a, -4 * s * (1 - s) * r * a
+    return _token_ref(logp, old, adv, mask, mode, term)
 
 
 def _cispo_ref(logp, old, adv, mask, mode, low=1.0, high=0.28):
-    B, T = mask.shape
-    val = [[0.0] * T for _ in range(B)]
-    der = [[0.0] * T for _ in range(B)]
-    for b in range(B):
-        for t in range(T):
-            if not mask[b, t]:
-                continue
-            a = _adv(adv, b, t)
-            w = min(max(math.exp(float(logp[b, t].detach()) - float(old[b, t])), 1 - low), 1 + high)
-            val[b][t] = -w * a * float(logp[b, t].detach())
-            der[b][t] = -w * a
-    return _agg(val, mask, mode), _weights(der, mask, mode)
+    """l = -w A logp with w = clip(r, 1 - low, 1 + high) held constant: dl/dlogp = -w A."""
+    def term(a, r, lp):
+        w = min(max(r, 1 - low), 1 + high)
+        return -w * a * lp, -w * a
+    return _token_ref(logp, old, adv, mask, mode, term)
 
 
 def _weights(der, mask, mode):

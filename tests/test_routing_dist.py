@@ -9,7 +9,6 @@ backward runs; rank 0 saves the replayed and live routing, the logits and the re
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -32,14 +31,9 @@ def worker() -> None:
 
     sys.path.insert(0, str(Path(__file__).parent / "dist"))
     from parallel_worker import gather_by_dp  # noqa: E402
+    from worker_args import checkpoint_args  # noqa: E402
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = checkpoint_args()
     policy = moe_gspo.load_policy(args.ckpt, parallel=ParallelConfig(tp=args.tp, ep=args.ep))
     mc = policy.model_config
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

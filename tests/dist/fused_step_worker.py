@@ -10,7 +10,6 @@ optimizer is replaced by one that records the gradients and does not step, so bo
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import moe_gspo.train.step as step_mod
 from moe_gspo.rollout.batch import PaddedRollout
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.train.step import OldPass, StepContext, old_logprob_pass, update_minibatch
+from worker_args import override_args  # noqa: E402 (the worker's own folder)
 
 # (algorithm.loss, overrides, old log-prob noise, kernel workspace in bytes or None for the default)
 CASES = {
@@ -142,11 +142,7 @@ def main():
 
     from moe_gspo import load_policy
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = override_args()
     policy = load_policy(case_cfg(args.overrides, "gspo_temperature"))
     lines = []
     for case in CASES:

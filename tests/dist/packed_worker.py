@@ -11,7 +11,6 @@ forward in three) and must stay in step.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from fused_step_worker import RecordingOptim  # noqa: E402
 from moe_gspo.rollout.batch import PaddedRollout  # noqa: E402
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache  # noqa: E402
 from moe_gspo.train.step import StepContext, old_logprob_pass, update_minibatch  # noqa: E402
+from worker_args import override_args  # noqa: E402 (the worker's own folder)
 
 T, PROMPT, BUDGET = 12, 4, 24
 ROWS = {0: [12, 9, 7, 12, 10, 8], 1: [3, 4, 5, 3, 4, 4]}  # tokens per row (prompt + response) of each data-parallel rank
@@ -109,11 +109,7 @@ def main():
     from moe_gspo import load_policy
     from moe_gspo.config import load_config
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = override_args()
     cfg = load_config("configs/train_tiny_cpu.yaml", args.overrides)
     policy = load_policy(cfg)
     dp_rank = ps.get_data_parallel_rank()

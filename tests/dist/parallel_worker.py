@@ -9,7 +9,6 @@ reduction (without the distributed optimizer, whose buffers hold only this rank'
 gradient norms and final weights of three optimizer steps with clipping active.
 """
 
-import argparse
 
 import torch
 import torch.distributed as dist
@@ -18,20 +17,18 @@ import moe_gspo
 from moe_gspo.config import ModelConfig, ParallelConfig
 from moe_gspo.model.routing_capture import RoutingCapture
 from moe_gspo.train.optim import Optimizer, wrap_ddp
+from worker_args import checkpoint_args  # noqa: E402 (the worker's own folder)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--out", required=True)
+def _options(ap):
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=12)
     ap.add_argument("--distopt", action="store_true")
     ap.add_argument("--experts", default="grouped")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+
+
+def main():
+    args = checkpoint_args(_options)
     policy = moe_gspo.load_policy(ModelConfig(init_from=args.ckpt, experts=args.experts),
                                   parallel=ParallelConfig(tp=args.tp, ep=args.ep))
     from megatron.core import parallel_state as ps

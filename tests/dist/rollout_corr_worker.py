@@ -10,13 +10,13 @@ log-probs as pi_old, seq_mean_k1 rejection against the current policy). Global r
 rank-averaged metrics (pg_loss, grad norm, rollout_corr/*).
 """
 
-import argparse
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from worker_args import checkpoint_args  # noqa: E402 (the worker's own folder)
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -30,13 +30,7 @@ BYPASS = ["algorithm.use_engine_logprobs=true", "algorithm.rollout_rs=seq_mean_k
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = checkpoint_args()
 
     import moe_gspo
     from megatron.core import parallel_state as ps

@@ -11,7 +11,6 @@ old experts and scores, the current scores before the perturbation, the ratios, 
 pg_loss (averaged over ranks) and grad norm.
 """
 
-import argparse
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_worker import gather_by_dp  # noqa: E402
+from worker_args import checkpoint_args  # noqa: E402 (the worker's own folder)
 
 B, T = 4, 11
 LENGTHS = [11, 7, 9, 11]  # every data-parallel rank holds a full-length row: EP gathers equal token counts
@@ -28,13 +28,7 @@ PROMPT = 3
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = checkpoint_args()
 
     import moe_gspo
     from megatron.core import parallel_state as ps

@@ -7,7 +7,6 @@ shard) give the same values, entropies and parameter gradients as the eager path
 RL step with parallel.tp=2 into DIR/run.
 """
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -18,14 +17,11 @@ from moe_gspo.config import load_config
 from moe_gspo.model.routing_capture import RoutingCapture
 from moe_gspo.train.logprob import batch_logprobs
 from moe_gspo.train.loop import train
+from worker_args import override_args  # noqa: E402 (the worker's own folder)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = override_args()
     cfg = load_config("configs/train_tiny_cpu.yaml", args.overrides)
     policy = load_policy(cfg)
     ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))

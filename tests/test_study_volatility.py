@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from helpers import ROOT
 
 from moe_gspo.cli import main
@@ -71,7 +72,17 @@ def test_granularity_sweep_holds_the_active_width_and_shares_the_plain_layout():
     assert len(groups) == 2 * len(layouts) and all(len(g.points) == 1 for g in groups)
 
 
-def test_cli_study_writes_report_and_table_of_run_means(tmp_path, capsys):
+@pytest.fixture
+def one_thread():
+    """One torch thread in this process, so that the study's runs get one thread whatever --jobs is (the study
+    gives each process this process's threads // jobs) and --jobs 1 and 2 run the same arithmetic."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_cli_study_writes_report_and_table_of_run_means(tmp_path, capsys, one_thread):
     """Two groups (a cold start each) in two processes, then the same study in this process: equal metrics."""
     out = tmp_path / "study"
     assert main(["study", "volatility", "--config", CONFIG, "--out", str(out), "--jobs", "2", *TINY_STUDY]) == 0
@@ -97,7 +108,7 @@ def test_cli_study_writes_report_and_table_of_run_means(tmp_path, capsys):
     assert max(flips_seen) > 0  # the runs moved the router, so the equalities above compare real numbers
 
     meta = json.loads((out / "study.json").read_text())
-    assert meta["jobs"] == 2 and meta["threads"] == 1  # the test runs with OMP_NUM_THREADS=1
+    assert meta["jobs"] == 2 and meta["threads"] == 1
 
     # the same study with --jobs 1: a run's metrics depend on its config, weights and threads only
     one = tmp_path / "one_job"

@@ -38,6 +38,28 @@ def test_train_writes_the_fields_metrics_and_is_deterministic(tmp_path):
     assert a[0]["moe/flip_rate"] == pytest.approx(sum(layers) / 2, abs=1e-9)
 
 
+def test_a_finished_run_leaves_no_ddp_or_policy_alive(tmp_path, monkeypatch):
+    """Runs one after another in a process (a study worker) must not keep each other's DDP buffers and policy:
+    megatron's gradient hooks and token dispatchers form cycles through C++ autograd nodes that gc cannot free."""
+    import gc
+    import weakref
+
+    from moe_gspo.train import optim
+    from moe_gspo.train.loop import train
+
+    made, real = [], optim.wrap_ddp
+
+    def recording(policy, *args, **kwargs):
+        ddp = real(policy, *args, **kwargs)
+        made.append((weakref.ref(ddp), weakref.ref(policy)))
+        return ddp
+
+    monkeypatch.setattr(optim, "wrap_ddp", recording)
+    train(tiny_cfg("train.steps=1", "train.cold_start_steps=2"), run_dir=tmp_path)
+    gc.collect()
+    assert len(made) == 1
+    assert [(d() is None, p() is None) for d, p in made] == [(True, True)]
+
 def test_batch_that_does_not_divide_is_a_clear_error(tmp_path):
     from moe_gspo.train.loop import train
 

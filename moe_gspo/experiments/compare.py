@@ -126,7 +126,7 @@ def cold_start_state(cfg) -> dict:
     from moe_gspo.parallel.state import current_info
     from moe_gspo.tasks import task_from_config
     from moe_gspo.train.data import build_tokenizer
-    from moe_gspo.train.optim import wrap_ddp
+    from moe_gspo.train.optim import release_ddp, wrap_ddp
     from moe_gspo.train.step import cold_start
 
     policy = load_policy(cfg)
@@ -134,6 +134,7 @@ def cold_start_state(cfg) -> dict:
     if cfg.train.cold_start_steps:
         ddp = wrap_ddp(policy, cfg.train.distributed_optimizer)
         cold_start(policy, ddp, cfg.train, task_from_config(cfg.rollout), build_tokenizer(cfg), info.dp, info.dp_rank)
+        release_ddp(ddp)
     return {k: v.detach().clone().contiguous() for k, v in policy.full_megatron_state().items()}
 
 

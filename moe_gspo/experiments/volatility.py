@@ -328,8 +328,8 @@ def run_volatility_study(config_path, out_dir, overrides=None, overwrite: bool =
     return write_study_report(out)
 
 
-# A finished group leaves tensors behind in its process, megatron DDP's gradient buffers among them (measured: 104 MB
-# per group at 4 layers and 128 experts, eight times its parameters), so a worker is replaced after this many groups.
+# A worker process is replaced after this many groups, so that what a finished group leaves in it (freed memory the
+# allocator keeps, module-level caches) cannot pile up over a long study; release_ddp frees each run's DDP and policy.
 GROUPS_PER_WORKER = 4
 
 

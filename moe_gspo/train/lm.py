@@ -33,7 +33,7 @@ def train_lm(cfg: Config, log=print) -> list[dict]:
     from megatron.core import parallel_state as ps
 
     from moe_gspo.model.load import load_policy
-    from moe_gspo.train.optim import Optimizer, wrap_ddp
+    from moe_gspo.train.optim import Optimizer, release_ddp, wrap_ddp
 
     tc = cfg.train
     policy = load_policy(cfg)
@@ -74,5 +74,6 @@ def train_lm(cfg: Config, log=print) -> list[dict]:
             if step == 1 or step % cfg.logging.every == 0 or step == tc.steps:
                 log(f"step {step:4d}  loss {total:.4f} (log V = {math.log(V):.2f})  grad_norm {float(gn):.3f}  "
                     f"{rec['tokens_per_s']:.0f} tok/s")
+    release_ddp(opt.ddp)
     policy.save_pretrained(out / "hf")  # collective; rank 0 writes
     return history

@@ -252,8 +252,11 @@ class Run:
                 "config": to_dict(self.cfg), "time": time.time()}
 
     def close(self) -> None:
+        from moe_gspo.train.optim import release_ddp
+
         self.progress.close()
         self.writer.close()
+        release_ddp(self.ctx.optim.ddp)
 
 
 def _check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:

@@ -46,6 +46,18 @@ def wrap_ddp(policy, distributed: bool = True) -> DistributedDataParallel:
     return DistributedDataParallel(config=policy.config, ddp_config=cfg, module=policy.gpt)
 
 
+def release_ddp(ddp: DistributedDataParallel) -> None:
+    """Let a finished run's DDP wrapper, its fp32 gradient buffers and the policy be freed once the caller drops the
+    policy. megatron's DDP registers hooks on the parameters' gradient-accumulator autograd nodes that close over the
+    DDP, and keeps those nodes (`grad_accs`); the policy keeps them too, through the last forward's tensors that
+    megatron's token dispatchers hold (their autograd graphs end in the same nodes). Both are cycles through C++
+    autograd nodes, which Python's garbage collector does not see: without this every run's DDP, buffers and policy
+    stayed alive in its process (one run after another in a study worker). Dropping the DDP's references to the
+    nodes and to the policy breaks them. The DDP must not be used afterwards."""
+    ddp.grad_accs.clear()
+    ddp.module = None
+
+
 class Optimizer:
     """megatron optimizer + LR schedule over a DDP-wrapped policy, stepped as one object."""
 

@@ -328,11 +328,6 @@ def run_volatility_study(config_path, out_dir, overrides=None, overwrite: bool =
     return write_study_report(out)
 
 
-# A worker process is replaced after this many groups, so that what a finished group leaves in it (freed memory the
-# allocator keeps, module-level caches) cannot pile up over a long study; release_ddp frees each run's DDP and policy.
-GROUPS_PER_WORKER = 4
-
-
 def _run_in_processes(raw: dict, groups: list[Group], steps: int, out: Path, jobs: int, threads: int) -> list[dict]:
     """The groups, `jobs` at a time in spawned processes with `threads` threads each, the costliest first (so that
     the last to finish is a small one). A run's metrics depend on its config, weights and thread count only, so
@@ -345,7 +340,7 @@ def _run_in_processes(raw: dict, groups: list[Group], steps: int, out: Path, job
     _say(f"{len(groups)} groups (a cold start and its runs), {jobs} at a time, {threads} thread(s) each")
     results = []
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
-                               initargs=(threads,), max_tasks_per_child=GROUPS_PER_WORKER)
+                               initargs=(threads,))
     try:
         futures = [pool.submit(run_group, raw, g, steps, out) for g in order]
         for i, fut in enumerate(as_completed(futures), 1):

@@ -64,10 +64,19 @@ def main():
         torch.set_num_threads(args.threads)
 
     import moe_gspo
-    from moe_gspo.config import load_config
+    from moe_gspo.config import ConfigError, apply_overrides, config_from_dict, read_yaml
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = load_config(args.config)
+    def load_config(path, overrides=()):
+        """The config at path with overrides; a comparison's config gives its policy (its variants are dropped)."""
+        data = read_yaml(path)
+        data.pop("compare", None)
+        return config_from_dict(apply_overrides(data, list(overrides)))
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     policy = moe_gspo.load_policy(cfg)
     hf_cfg, hf_state = policy.export_hf()
     d = tempfile.mkdtemp()

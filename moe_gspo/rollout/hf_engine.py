@@ -147,18 +147,30 @@ def hf_forward_with_routing(model, input_ids_BT: torch.Tensor) -> tuple[torch.Te
 
 
 # ---------------------------------------------------------------------------------------------------------- sampling
-def _sample(logits_BV: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens (B,), log-probs (B,)) from one step's logits."""
-    logits_BV = logits_BV.float()
-    if sp.temperature == 0:
-        tok = logits_BV.argmax(-1)
-        return tok, torch.log_softmax(logits_BV, -1).gather(-1, tok[:, None]).squeeze(-1)
+def greedy(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax tokens (B,), their log-probs (B,)) of float logits: sampling at temperature 0."""
+    tok = logits_BV.argmax(-1)
+    return tok, torch.log_softmax(logits_BV, -1).gather(-1, tok[:, None]).squeeze(-1)
+
+
+def nucleus(logits_BV: torch.Tensor, sp: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs (B, V) at sp.temperature, probabilities (B, V) with the tokens outside the top-p nucleus zeroed,
+    not renormalized: a draw proportional to them is a draw from the truncated distribution)."""
     logp_BV = torch.log_softmax(logits_BV / sp.temperature, dim=-1)
     probs = logp_BV.exp()
     if sp.top_p < 1.0:
         p_sorted, order = probs.sort(dim=-1, descending=True)
         drop = p_sorted.cumsum(-1) - p_sorted >= sp.top_p  # tokens after the nucleus is complete
         probs = torch.zeros_like(probs).scatter(-1, order, p_sorted.masked_fill(drop, 0.0))
+    return logp_BV, probs
+
+
+def _sample(logits_BV: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (B,), log-probs (B,)) from one step's logits."""
+    logits_BV = logits_BV.float()
+    if sp.temperature == 0:
+        return greedy(logits_BV)
+    logp_BV, probs = nucleus(logits_BV, sp)
     tok = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits_BV.device)
     return tok, logp_BV.gather(-1, tok[:, None]).squeeze(-1)
 
@@ -207,17 +219,7 @@ class HFEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,
                  sampling: SamplingParams | None = None) -> RolloutBatch:
         sp = sampling or SamplingParams()
-        if self.model is None:
-            raise RuntimeError("HFEngine has no weights: call update_weights(policy) first")
-        _validate_prompts(prompts, n_per_prompt, self.model.config.vocab_size)
-        if sp.stop and self.tokenizer is None:
-            raise ValueError("stop strings need the engine to have a tokenizer (HFEngine(tokenizer=...))")
-        gen = torch.Generator()
-        gen.manual_seed(sp.seed) if sp.seed is not None else gen.seed()
-        stop_ids = set(sp.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
-        stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long)
-
-        rows = [list(p) for p in prompts for _ in range(n_per_prompt)]
+        rows, gen, stop_tensor = self._start(prompts, n_per_prompt, sp, torch.device("cpu"))
         B, P_max = len(rows), max(len(p) for p in rows)
         plen = torch.tensor([len(p) for p in rows])
         ids = torch.full((B, P_max), self.pad_token_id, dtype=torch.long)
@@ -267,6 +269,21 @@ class HFEngine(RolloutEngine):
             prompt_routed = [prefill[b, P_max - len(p):P_max - 1].to(torch.uint8) for b, p in enumerate(rows)]
 
         return self._batch(rows, tok_BR, lp_BR, lengths, finish, routed, prompt_routed, len(prompts), n_per_prompt)
+
+    def _start(self, prompts, n_per_prompt: int, sp: SamplingParams, device: torch.device):
+        """What every generate call checks and sets up first: (the prompt rows, each repeated n_per_prompt times;
+        the sampling generator on `device`, seeded by sp.seed; the stop token ids (sp's and eos) on `device`)."""
+        name = type(self).__name__
+        if self.model is None:
+            raise RuntimeError(f"{name} has no weights: call update_weights(policy) first")
+        _validate_prompts(prompts, n_per_prompt, self.model.config.vocab_size)
+        if sp.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need the engine to have a tokenizer ({name}(tokenizer=...))")
+        gen = torch.Generator(device=device)
+        gen.manual_seed(sp.seed) if sp.seed is not None else gen.seed()
+        stop_ids = set(sp.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        return [list(p) for p in prompts for _ in range(n_per_prompt)], gen, stop_t
 
     def _batch(self, rows, tok_BR, lp_BR, lengths, finish, routed, prompt_routed, num_prompts, n_per_prompt):
         """The RolloutBatch of padded (B, R) tokens and log-probs cut at each row's length, with the next ids."""

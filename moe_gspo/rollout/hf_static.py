@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_gspo.rollout.base import SamplingParams, _validate_prompts, register_engine
+from moe_gspo.rollout.base import SamplingParams, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
-from moe_gspo.rollout.hf_engine import HFEngine, _sample, moe_routers
+from moe_gspo.rollout.hf_engine import HFEngine, _sample, greedy, moe_routers, nucleus
 
 SLOT_ROUND = 64
 
@@ -42,14 +42,8 @@ def sample_on_device(logits_BV: torch.Tensor, sp: SamplingParams,
     p / E, E ~ Exp(1) i.i.d., is distributed as p (top-p truncated), with no host synchronization."""
     logits_BV = logits_BV.float()
     if sp.temperature == 0:
-        tok = logits_BV.argmax(-1)
-        return tok, torch.log_softmax(logits_BV, -1).gather(-1, tok[:, None]).squeeze(-1)
-    logp_BV = torch.log_softmax(logits_BV / sp.temperature, dim=-1)
-    probs = logp_BV.exp()
-    if sp.top_p < 1.0:
-        p_sorted, order = probs.sort(dim=-1, descending=True)
-        drop = p_sorted.cumsum(-1) - p_sorted >= sp.top_p
-        probs = torch.zeros_like(probs).scatter(-1, order, p_sorted.masked_fill(drop, 0.0))
+        return greedy(logits_BV)
+    logp_BV, probs = nucleus(logits_BV, sp)
     race = probs / torch.empty_like(probs).exponential_(generator=gen)
     tok = race.argmax(-1)
     return tok, logp_BV.gather(-1, tok[:, None]).squeeze(-1)
@@ -163,20 +157,10 @@ class StaticHFEngine(HFEngine):
     def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,
                  sampling: SamplingParams | None = None) -> RolloutBatch:
         sp = sampling or SamplingParams()
-        if self.model is None:
-            raise RuntimeError("StaticHFEngine has no weights: call update_weights(policy) first")
-        _validate_prompts(prompts, n_per_prompt, self.model.config.vocab_size)
-        if sp.stop and self.tokenizer is None:
-            raise ValueError("stop strings need the engine to have a tokenizer (StaticHFEngine(tokenizer=...))")
         dev, R = self.device, sp.max_new_tokens
         on_cpu = dev.type == "cpu"
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(sp.seed) if sp.seed is not None else gen.seed()
+        rows, gen, stop_t = self._start(prompts, n_per_prompt, sp, dev)
         sample = _sample if on_cpu else sample_on_device  # the CPU draws HFEngine's stream
-        stop_ids = set(sp.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
-        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
-
-        rows = [list(p) for p in prompts for _ in range(n_per_prompt)]
         B, P = len(rows), max(len(p) for p in rows)
         cache, S = self._static_cache(B, P + R)
         plen_B = torch.tensor([len(p) for p in rows], device=dev)

@@ -57,6 +57,17 @@ def _overrides(p: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- commands
+def _vllm_row() -> str:
+    """vLLM's version and where the engine's R3 routing comes from (vLLM's capture on CUDA, router hooks on CPU)."""
+    from moe_gspo.rollout.vllm_engine import vllm_info
+
+    info = vllm_info()
+    if "routing" not in info:
+        return info["version"]
+    how = "native capture" if info["routing"] == "native" else "router capture hooks"
+    return f"{info['version']}; R3 routing: {info['routing']} ({how})"
+
+
 def _info(_args) -> int:
     import platform
 
@@ -77,7 +88,7 @@ def _info(_args) -> int:
         ("safetensors", version("safetensors")),
         ("CUDA", f"yes ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "no"),
         ("Transformer Engine", version("transformer_engine")), ("Triton", version("triton")),
-        ("SGLang", version("sglang")), ("math-verify", version("math_verify")),
+        ("SGLang", version("sglang")), ("vLLM", _vllm_row()), ("math-verify", version("math_verify")),
         ("CPU threads", str(torch.get_num_threads())),
         ("layer spec (model.spec)", _spec_line()),
     ]

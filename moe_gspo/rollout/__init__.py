@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
-# the engines register themselves by name on import (sglang itself is imported only when its engine is built)
-from moe_gspo.rollout import hf_engine, hf_static, sglang_engine  # noqa: F401
+# the engines register themselves by name on import (sglang and vllm themselves are imported only when their
+# engine is built)
+from moe_gspo.rollout import hf_engine, hf_static, sglang_engine, vllm_engine  # noqa: F401
 from moe_gspo.rollout.base import (ENGINES, RolloutEngine, SamplingParams, build_engine, engine_from_config,
                                    register_engine)
 from moe_gspo.rollout.batch import PaddedRollout, RolloutBatch, rollout_probs_diff

@@ -80,6 +80,11 @@ class RolloutEngine(ABC):
         Each engine reads the fields it honours (rollout.engine_dtype, ...) and its own device placement."""
         return cls(policy, tokenizer=tokenizer)
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Raise ConfigError (one line naming the field) for what this engine cannot run in a run's Config, before
+        anything is built; engines that run every config need not override it."""
+
 
 def _validate_prompts(prompts, n_per_prompt: int, vocab_size: int | None = None) -> None:
     if n_per_prompt < 1:

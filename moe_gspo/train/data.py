@@ -91,6 +91,7 @@ def check_names(cfg: Config) -> None:
                                ("rollout.engine", cfg.rollout.engine, ENGINES)):
         if name not in valid:
             raise ConfigError(f"{field}={name!r} is not one of {sorted(valid)}")
+    ENGINES[cfg.rollout.engine].check_config(cfg)
     if cfg.rollout.group_size < 2:  # every estimator is group-relative
         raise ConfigError(f"rollout.group_size={cfg.rollout.group_size}: the group-relative advantages of "
                           f"algorithm.advantage={cfg.algorithm.advantage!r} are 0 for a group of one; use >= 2")

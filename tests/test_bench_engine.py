@@ -1,5 +1,6 @@
-"""Smoke test of scripts/bench_engine.py on the CPU (configs/tiny_cpu.yaml): both engines generate and agree under
-greedy decoding, and a bucketed sync reports bit-equal weights. The GPU figures come from scripts/gpu_check.sh."""
+"""Smoke test of scripts/bench_engine.py on the CPU (configs/tiny_cpu.yaml): the engines generate and agree with the
+hf engine under greedy decoding, a bucketed sync reports bit-equal weights, and the vllm engine's update is timed.
+The GPU figures come from scripts/gpu_check.sh."""
 
 from __future__ import annotations
 
@@ -15,15 +16,16 @@ def test_bench_engine_runs_on_the_cpu(tmp_path):
     out = tmp_path / "bench_engine.json"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_engine.py"), "--config", "configs/tiny_cpu.yaml",
                         "--prompts", "2", "--group", "2", "--max-new-tokens", "4", "--repeats", "1",
-                        "--buckets", "0,4096", "--json", str(out)],
+                        "--buckets", "0,4096", "--engines", "hf,hf_static,vllm", "--json", str(out)],
                        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     gen = res["generate"]
-    assert [r["engine"] for r in gen["rows"]] == ["hf", "hf_static"]
+    assert [r["engine"] for r in gen["rows"]] == ["hf", "hf_static", "vllm"]
     assert all(r["response_tokens_per_s"] > 0 and r["runs"][0]["response_tokens"] > 0 for r in gen["rows"])
-    assert gen["greedy_identical_fraction"] == 1.0 and gen["compiled"] is False
+    assert [r["greedy_identical_to_hf"] for r in gen["rows"][1:]] == [1.0, 1.0] and gen["compiled"] is False
+    assert res["sync_vllm"]["tensors"] > 0 and res["sync_vllm"]["median_s"] > 0
     rows = res["sync"]["rows"]
     assert [r["bucket_bytes"] for r in rows] == [0, 4096] and all(r["bit_equal"] for r in rows)
     assert rows[1]["copies"] < rows[0]["copies"]  # small tensors share buckets

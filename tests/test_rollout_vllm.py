@@ -109,6 +109,30 @@ def test_routing_layout_under_n_samples(policy, engine):
     assert g[:4] == [g[0]] * 4 and g[4:] == [g[4]] * 4 and g[0] != g[4]
 
 
+def test_routing_when_requests_join_a_running_batch(policy, engine):
+    """With at most 128 tokens scheduled per step, 12 requests of 40-token prompts are admitted a few at a time while
+    earlier ones decode, so steps mix prefill and decode rows of different requests: the routing still lands on the
+    right request and position. Also a batch larger than vLLM's default step budget with seeds (chunked prefill,
+    whose seeded generator rewind fails on the CPU, is off)."""
+    eng = build_engine("vllm", policy, dtype="float32", max_model_len=128, max_num_batched_tokens=128, max_num_seqs=8)
+    try:
+        g = random.Random(1)
+        prompts = [[1] + [g.randrange(8, 128) for _ in range(39)] for _ in range(6)]
+        batch = eng.generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=10, seed=3))
+        pb = batch.to_padded()
+        logp, routing = _trainer(policy, pb)
+        known = pb.routing[..., 0, 0] >= 0
+        assert known.sum().item() == sum(p.numel() + r.numel() - 1 for p, r in
+                                         zip(batch.prompt_ids, batch.response_ids))
+        assert torch.equal(pb.routing[known], routing[known])
+        assert rollout_probs_diff(pb.old_logprobs, logp, pb.response_mask)["rollout_logprobs_diff_max"] < 1e-5
+    finally:
+        eng.close()
+    big = [[1] + [g.randrange(8, 128) for _ in range(40)] for _ in range(32)]  # 5.2k prompt tokens > 4096 a step
+    batch = engine.generate(big, 4, SamplingParams(max_new_tokens=2, seed=1))
+    assert len(batch) == 128 and all(r.shape[0] == 40 for r in batch.prompt_routed_experts)
+
+
 def test_temperature_logprobs_follow_the_hf_convention(policy, engine):
     """At T = 0.7 the log-probs are log softmax(logits / T) (vLLM's processed_logprobs), and greedy decoding
     reports them at T = 1."""
@@ -185,6 +209,9 @@ def test_engine_start_leaves_threads_and_rngs_alone(policy):
     try:
         assert got[0] == want[0] and got[1] == want[1] and torch.equal(got[2], want[2])
         assert torch.get_num_threads() == 2
+        from moe_gspo.rollout.vllm_engine import CPU_KV_CACHE_GIB
+
+        assert eng.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == CPU_KV_CACHE_GIB * 2**30
         torch.set_num_threads(1)
         assert torch.get_num_threads() == 1  # vLLM's CPU worker replaces set_num_threads with a no-op
         batch = eng.generate(_prompts(2), 2, SamplingParams(max_new_tokens=4, seed=0, return_routing=False))

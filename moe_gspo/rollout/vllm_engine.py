@@ -194,7 +194,10 @@ class VLLMEngine(RolloutEngine):
                       logprobs_mode="processed_logprobs", max_num_seqs=max_num_seqs,
                       # CPU: eager, so that the routers' capture functions run as Python on every forward
                       enforce_eager=not self.on_cuda,
-                      enable_prefix_caching=not (return_routing and not self.on_cuda))
+                      enable_prefix_caching=not (return_routing and not self.on_cuda),
+                      # vLLM 0.32's CPU runner rewinds a seeded request's generator after a partial prefill with
+                      # set_offset, which CPU generators refuse ("CPU Generator does not use offset"): no chunking
+                      enable_chunked_prefill=self.on_cuda)
         if self.on_cuda:
             kwargs |= {"gpu_memory_utilization": gpu_memory_utilization,
                        "enable_return_routed_experts": return_routing}

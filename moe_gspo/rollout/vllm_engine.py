@@ -52,6 +52,7 @@ import os
 import random
 import tempfile
 import time
+import warnings
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -101,7 +102,18 @@ def _import_vllm_quietly() -> None:
 
     level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(level.upper())
-    import vllm  # noqa: F401
+    with _quiet_warnings():
+        import vllm  # noqa: F401
+
+
+@contextmanager
+def _quiet_warnings():
+    """vLLM's modules scan torch.distributed's attributes as they import, touching deprecated ones
+    (FutureWarning: `torch.distributed.reduce_op` is deprecated): not the user's concern."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        yield
 
 
 def cpu_head_sizes() -> list[int]:
@@ -203,7 +215,7 @@ class VLLMEngine(RolloutEngine):
                        "enable_return_routed_experts": return_routing}
         kwargs |= llm_kwargs
         t0 = time.perf_counter()
-        with _in_process_engine_env(self.on_cuda):
+        with _in_process_engine_env(self.on_cuda), _quiet_warnings():
             from vllm import LLM
 
             if self.on_cuda:

@@ -255,7 +255,7 @@ class VLLMEngine(RolloutEngine):
 
     def _load(self, state) -> None:
         t0 = time.perf_counter()
-        model = self._runner.model
+        model = self._runner.get_model()  # unwrapped from any CUDA-graph wrapper
         if self.on_cuda:
             n = 0
 

@@ -1,12 +1,18 @@
 """Seed-level statistics of `moe-gspo study volatility` directories, as in docs/findings.md (granularity, precision).
 
     python scripts/study_summary.py granularity runs/granularity [--json per_seed.json]
+    python scripts/study_summary.py paired runs/study_vllm [--json per_seed.json]
     python scripts/study_summary.py precision --bf16 runs/granularity --fp16 runs/precision_fp16 \
         --bf16-r3 runs/precision_bf16_r3 [--steps 6]
 
 granularity: per expert layout and depth, the flip rate after one update (twice the step mean: the study runs 2
 minibatches per rollout batch) with its 95% t-interval over seeds, each run's last-third / first-third layer ratio,
 the engine mismatch, and the 16- over 4-layer ratio paired by seed (geometric mean).
+paired: a `moe-gspo compare` directory's variants against its baseline (grpo), per variant: the final reward with
+its 95% t-interval, the paired difference with its per-comparison 95% interval, p-value and the interval widened
+for the number of comparisons (Bonferroni), runs above the baseline, collapses (recovered) with Fisher's exact p
+against the baseline's count, and run-level means of the engine-trainer routing mismatch and token-probability
+gap. --json writes the per-seed values.
 precision: per condition, run-level means over steps 1..--steps of the routing mismatch and the token-probability
 gap, pooled over the layouts with a routing choice (top-k < experts) and, apart, the layouts without one (top-k =
 experts); then paired ratios between conditions, a run being one (point, seed) present in both.
@@ -22,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_gspo.report.stats import t_interval
+from moe_gspo.report.stats import fisher_exact, paired_p, t_critical, t_interval
 
 FLIP, MISMATCH, PDIFF = "moe/flip_rate", "moe/rollout_train_mismatch", "rollout_probs_diff_mean"
 POINT = re.compile(r"L(\d+)_lr[^_]+_mb(\d+)(?:_E(\d+)k(\d+))?$")
@@ -122,12 +128,55 @@ def precision(conds: dict[str, Path], steps: int) -> None:
                       f"ratio {ratio_cell(pairs)} (runs where both are > 0)")
 
 
+def paired(out: Path, out_json: Path | None) -> None:
+    from moe_gspo.report.compare_data import load_variants, read_meta, run_mean, variant_stats
+
+    meta, settings = read_meta(out)
+    names = [n for n in meta.get("variants", []) if (out / n).is_dir()]
+    variants = load_variants(out, names)
+    base, stats = variant_stats(variants, settings)
+    m = len(variants) - 1  # comparisons against the baseline
+    b = next(v for v in variants if v.name == base)
+    collapsed = lambda st: sum(bool(e) for e in st.collapses)  # noqa: E731
+    recovered = lambda st: sum(bool(e) and all(c.recovered for c in e) for e in st.collapses)  # noqa: E731
+    print(f"{out}: baseline {base}; {m} comparisons, Bonferroni level 1 - 0.05/{m}; final reward = mean of the last "
+          f"{settings.final_window} steps; seeds {b.seeds}")
+    print("| variant | final reward | minus " + base + ", paired | p | Bonferroni interval | above (seeds) | "
+          "collapsed (recovered) | Fisher p vs " + base + " | engine mismatch % | token-probability gap |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    per_seed = {}
+    for v in variants:
+        st = stats[v.name]
+        mism = [run_mean(r, MISMATCH) for r in v.runs]
+        gap = [run_mean(r, PDIFF) for r in v.runs]
+        per_seed[v.name] = {"seeds": v.seeds, "final": st.finals, "mismatch": mism, "probs_diff": gap,
+                            "collapsed": [bool(e) for e in st.collapses]}
+        row = [v.name, st.final.text(3)]
+        if v.name == base:
+            row += ["", "", "", "", f"{collapsed(st)}/{len(v.runs)} ({recovered(st)})", ""]
+        else:
+            diffs = [x - stats[base].finals[b.seeds.index(s_)] for s_, x in zip(v.seeds, st.finals) if s_ in b.seeds]
+            d, p = st.diff, paired_p(diffs)
+            half = t_critical(len(diffs) - 1, 1 - 0.05 / m) * float(np.std(diffs, ddof=1)) / math.sqrt(len(diffs))
+            row += [f"{d.mean:+.3f} [{d.lo:+.3f}, {d.hi:+.3f}]", "-" if p is None else f"{p:.3f}",
+                    f"[{d.mean - half:+.3f}, {d.mean + half:+.3f}]", str(sum(x > 0 for x in diffs)),
+                    f"{collapsed(st)}/{len(v.runs)} ({recovered(st)})",
+                    f"{fisher_exact(collapsed(st), len(v.runs), collapsed(stats[base]), len(b.runs)):.3f}"]
+        row += [cell(mism), cell(gap, 1.0, ".5f")]
+        print("| " + " | ".join(row) + " |")
+    if out_json:
+        out_json.write_text(json.dumps(per_seed, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
     g = sub.add_parser("granularity")
     g.add_argument("study", type=Path)
     g.add_argument("--json", type=Path)
+    pr = sub.add_parser("paired")
+    pr.add_argument("compare_dir", type=Path)
+    pr.add_argument("--json", type=Path)
     p = sub.add_parser("precision")
     for name in ("bf16", "fp16", "bf16-r3", "fp16-r3", "fp32"):
         p.add_argument(f"--{name}", type=Path, help="a study directory with that engine (first given: the reference)")
@@ -135,6 +184,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.what == "granularity":
         granularity(a.study, a.json)
+    elif a.what == "paired":
+        paired(a.compare_dir, a.json)
     else:
         conds = {n: d for n in ("bf16", "fp16", "bf16_r3", "fp16_r3", "fp32") if (d := getattr(a, n))}
         precision(conds, a.steps)

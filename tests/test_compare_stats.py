@@ -97,3 +97,28 @@ def test_collapse_detector_on_constructed_curves():
     assert [(d.start, d.end) for d in two] == [(10, 22), (32, None)]
     with pytest.raises(ValueError, match="fraction"):
         collapses([0.1], fraction=1.5)
+
+
+def test_fisher_exact_matches_published_values():
+    """Fisher's tea-tasting table [[3, 1], [1, 3]]: two-sided p = 34/70 = 0.4857 (Fisher 1935; Agresti, Categorical
+    Data Analysis, 3rd ed., sec. 3.5.1); [[0, 8], [5, 3]] (0/8 against 5/8): 2 * C(8,5) / C(16,5) = 0.02564."""
+    from moe_gspo.report.stats import fisher_exact
+
+    assert abs(fisher_exact(3, 4, 1, 4) - 34 / 70) < 1e-12
+    assert abs(fisher_exact(0, 8, 5, 8) - 2 * 56 / 4368) < 1e-12
+    assert fisher_exact(3, 8, 3, 8) == 1.0
+    assert fisher_exact(1, 8, 3, 8) == fisher_exact(3, 8, 1, 8)  # symmetric in the two rows
+
+
+def test_paired_p_matches_the_t_interval():
+    """The paired p-value is below 0.05 exactly when the 95% interval of the mean difference excludes 0."""
+    import numpy as np
+
+    from moe_gspo.report.stats import paired_p
+
+    rng = np.random.default_rng(0)
+    for shift in (0.0, 0.2, 0.5, 1.0):
+        d = rng.normal(shift, 1.0, size=8)
+        iv = t_interval(d)
+        assert (paired_p(d) < 0.05) == (not iv.covers(0.0))
+    assert paired_p([1.0]) is None

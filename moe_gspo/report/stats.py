@@ -96,6 +96,29 @@ def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:
     return Interval(m, m - half, m + half, len(x), level)
 
 
+def fisher_exact(hits_a: int, n_a: int, hits_b: int, n_b: int) -> float:
+    """Two-sided p-value of Fisher's exact test on the 2x2 table [[hits_a, n_a - hits_a], [hits_b, n_b - hits_b]]
+    (e.g. collapsed runs out of seeds, two variants): the probability, under the hypergeometric law of the first
+    cell given both margins, of a table no more probable than the one observed."""
+    if not (0 <= hits_a <= n_a and 0 <= hits_b <= n_b) or n_a + n_b == 0:
+        raise ValueError(f"fisher_exact: bad counts {hits_a}/{n_a}, {hits_b}/{n_b}")
+    hits, total = hits_a + hits_b, n_a + n_b
+    denom = math.comb(total, hits)
+    probs = {k: math.comb(n_a, k) * math.comb(n_b, hits - k) / denom
+             for k in range(max(0, hits - n_b), min(hits, n_a) + 1)}
+    observed = probs[hits_a]
+    return min(1.0, sum(p for p in probs.values() if p <= observed * (1 + 1e-9)))
+
+
+def paired_p(diffs: Sequence[float]) -> float | None:
+    """Two-sided p-value of the paired t-test that the mean of `diffs` is 0 (None below 2 values or no spread)."""
+    x = np.asarray(diffs, dtype=float)
+    if len(x) < 2 or float(x.std(ddof=1)) == 0:
+        return None
+    t = float(x.mean()) / (float(x.std(ddof=1)) / math.sqrt(len(x)))
+    return 1.0 - t_two_sided_cdf(t, len(x) - 1)
+
+
 def band(rows: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Per column of rows (seeds, steps): (mean, lo, hi) of the t-interval across seeds; lo, hi None for 1 row."""
     rows = np.asarray(rows, dtype=float)

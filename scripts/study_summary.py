@@ -2,6 +2,7 @@
 
     python scripts/study_summary.py granularity runs/granularity [--json per_seed.json]
     python scripts/study_summary.py paired runs/study_vllm [--json per_seed.json]
+    python scripts/study_summary.py export runs/study_vllm docs/results/vllm/runs
     python scripts/study_summary.py precision --bf16 runs/granularity --fp16 runs/precision_fp16 \
         --bf16-r3 runs/precision_bf16_r3 [--steps 6]
 
@@ -13,6 +14,9 @@ its 95% t-interval, the paired difference with its per-comparison 95% interval, 
 for the number of comparisons (Bonferroni), runs above the baseline, collapses (recovered) with Fisher's exact p
 against the baseline's count, and run-level means of the engine-trainer routing mismatch and token-probability
 gap. --json writes the per-seed values.
+export: a compare directory's raw data for the repository: compare.json and, per run, metrics.jsonl cut to the
+keys the summaries read (reward, accuracy, the routing and engine metrics, clip fraction, lengths), enough for
+`paired` to give the same table from DEST.
 precision: per condition, run-level means over steps 1..--steps of the routing mismatch and the token-probability
 gap, pooled over the layouts with a routing choice (top-k < experts) and, apart, the layouts without one (top-k =
 experts); then paired ratios between conditions, a run being one (point, seed) present in both.
@@ -168,6 +172,23 @@ def paired(out: Path, out_json: Path | None) -> None:
         out_json.write_text(json.dumps(per_seed, indent=1))
 
 
+EXPORT_KEYS = ("step", "reward/mean", "accuracy", "groups/with_variance", "response_length/mean", FLIP, MISMATCH,
+               PDIFF, "rollout_probs_diff_max", "pg_clipfrac", "ppo_kl", "grad_norm")
+
+
+def export(out: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "compare.json").write_text((out / "compare.json").read_text())
+    n = 0
+    for f in sorted(out.glob("*/seed_*/metrics.jsonl")):
+        rows = [json.loads(line) for line in f.read_text().splitlines()]
+        target = dest / f.relative_to(out)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("".join(json.dumps({k: r[k] for k in EXPORT_KEYS if k in r}) + "\n" for r in rows))
+        n += 1
+    print(f"{n} runs -> {dest}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -177,6 +198,9 @@ def main() -> None:
     pr = sub.add_parser("paired")
     pr.add_argument("compare_dir", type=Path)
     pr.add_argument("--json", type=Path)
+    ex = sub.add_parser("export")
+    ex.add_argument("compare_dir", type=Path)
+    ex.add_argument("dest", type=Path)
     p = sub.add_parser("precision")
     for name in ("bf16", "fp16", "bf16-r3", "fp16-r3", "fp32"):
         p.add_argument(f"--{name}", type=Path, help="a study directory with that engine (first given: the reference)")
@@ -186,6 +210,8 @@ def main() -> None:
         granularity(a.study, a.json)
     elif a.what == "paired":
         paired(a.compare_dir, a.json)
+    elif a.what == "export":
+        export(a.compare_dir, a.dest)
     else:
         conds = {n: d for n in ("bf16", "fp16", "bf16_r3", "fp16_r3", "fp32") if (d := getattr(a, n))}
         precision(conds, a.steps)

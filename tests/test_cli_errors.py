@@ -52,7 +52,7 @@ CASES = [
     ("override of the wrong type", TRAIN + ["train.steps=abc"], "command-line override train.steps=abc: train.steps='abc' must be an int"),
     ("unknown loss", TRAIN + ["algorithm.loss=ppo", "--out", "{d}/r"], "algorithm.loss='ppo' is not one of"),
     ("unknown advantage", TRAIN + ["algorithm.advantage=ppo", "--out", "{d}/r"], "algorithm.advantage='ppo' is not one of"),
-    ("unknown engine", TRAIN + ["rollout.engine=vllm", "--out", "{d}/r"], "rollout.engine='vllm' is not one of"),
+    ("unknown engine", TRAIN + ["rollout.engine=tgi", "--out", "{d}/r"], "rollout.engine='tgi' is not one of"),
     ("unknown task", TRAIN + ["rollout.task=nope", "--out", "{d}/r"], "rollout.task: unknown task 'nope'"),
     ("task_args not key=value", TRAIN + ["rollout.task_args=max_digits", "--out", "{d}/r"], "rollout.task_args: 'max_digits' is not key=value"),
     ("task_args unknown knob", TRAIN + ["rollout.task_args=bogus=1", "--out", "{d}/r"], "rollout.task_args='bogus=1' for task 'addition'"),

@@ -201,7 +201,7 @@ def test_padded_layout_and_select(model, prompts):
     both = RolloutBatch.concat([sub, batch.select([1])])
     assert len(both) == 3 and both.routed_experts is not None
     with pytest.raises(KeyError, match="valid"):
-        build_engine("vllm", model)
+        build_engine("tgi", model)
 
 
 def test_engines_are_built_from_the_config_through_the_registry(model, prompts):
@@ -227,7 +227,7 @@ def test_engines_are_built_from_the_config_through_the_registry(model, prompts):
         assert type(eng) is ProbeEngine and eng.seen is cfg
         assert len(eng.generate(prompts[:1], 2, SamplingParams(max_new_tokens=3, seed=0))) == 2
         with pytest.raises(KeyError, match="valid"):
-            engine_from_config(RolloutConfig(engine="vllm"), model)
+            engine_from_config(RolloutConfig(engine="tgi"), model)
     finally:
         del ENGINES["probe"]
 

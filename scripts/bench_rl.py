@@ -94,6 +94,11 @@ SIZES = {"default": (BASE_CONFIG, []),
          "large": (BASE_CONFIG, ["model.num_hidden_layers=8", "rollout.max_new_tokens=48"]),
          # generation-bound: the default model with 160-token responses (untrained weights rarely sample eos)
          "gen": (BASE_CONFIG, ["rollout.max_new_tokens=160", "model.max_position_embeddings=192"]),
+         # the same, 4x wider (hidden 256, experts 256 wide, 4 heads of 64): where an engine's kernels start to count
+         "gen_wide": (BASE_CONFIG, ["rollout.max_new_tokens=160", "model.max_position_embeddings=192",
+                                    "model.hidden_size=256", "model.moe_intermediate_size=256",
+                                    "model.num_attention_heads=4", "model.num_key_value_heads=2",
+                                    "model.head_dim=64"]),
          "gpu_single": (ROOT / "configs" / "gpu_single.yaml", []),
          "gpu_2b": (ROOT / "configs" / "gpu_2b.yaml", [])}
 DEVICE_SIZES = {"cpu": ("default", "large"), "cuda": ("gpu_single", "gpu_2b")}

@@ -142,7 +142,7 @@ def paired(out: Path, out_json: Path | None) -> None:
     m = len(variants) - 1  # comparisons against the baseline
     b = next(v for v in variants if v.name == base)
     collapsed = lambda st: sum(bool(e) for e in st.collapses)  # noqa: E731
-    recovered = lambda st: sum(bool(e) and all(c.recovered for c in e) for e in st.collapses)  # noqa: E731
+    recovered = lambda st: sum(bool(e) and all(c.end is not None for c in e) for e in st.collapses)  # noqa: E731
     print(f"{out}: baseline {base}; {m} comparisons, Bonferroni level 1 - 0.05/{m}; final reward = mean of the last "
           f"{settings.final_window} steps; seeds {b.seeds}")
     print("| variant | final reward | minus " + base + ", paired | p | Bonferroni interval | above (seeds) | "

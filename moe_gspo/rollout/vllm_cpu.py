@@ -135,7 +135,9 @@ def load_weights_cpu(model, state: Mapping[str, torch.Tensor], moe_intermediate_
             layer = m["layer"]
             if layer not in experts:
                 raise KeyError(f"{key}: the engine has no MoE layer {layer!r}")
-            st = staging.get(layer) or staging.setdefault(layer, _ExpertStaging(experts[layer], moe_intermediate_size))
+            if layer not in staging:
+                staging[layer] = _ExpertStaging(experts[layer], moe_intermediate_size)
+            st = staging[layer]
             if st.put(int(m["e"]), m["proj"], w):
                 st.commit()
                 del staging[layer]  # one layer's staging at a time when the state comes layer by layer
@@ -188,8 +190,8 @@ class RouterTaps:
 
     def _capture(self, layer: int):
         def fn(topk_ids: torch.Tensor) -> None:
-            if self._steps:  # forwards outside generate (none while tapped) have no batch record
-                self._steps[-1][3][layer] = topk_ids.detach().cpu().clone()
+            # the model's pre-hook has opened this forward's record; vLLM reuses its buffers, hence the copy
+            self._steps[-1][3][layer] = topk_ids.detach().cpu().clone()
         return fn
 
     def by_request(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -11,8 +11,8 @@ forbid `torch.set_num_threads` process-wide, so the engine is built with thread 
 (VLLM_CPU_OMP_THREADS_BIND=nobind unless set), and the thread count, `torch.set_num_threads`, the RNG states and the
 frozen GC heap it leaves behind while starting are restored. vLLM's in-process client would also, when collected,
 tear down torch.distributed's default process group (the trainer's): the engine replaces that shutdown with one that
-releases only the engine's own resources (`release_llm`). Under torchrun every rank builds its own engine (world size 1 for vLLM) over
-the trainer's process group, as the HF engines do.
+releases only the engine's own resources (`release_llm`). Under torchrun every rank builds its own engine (world
+size 1 for vLLM) over the trainer's process group, as the HF engines do.
 
 Start. vLLM builds the model from a directory holding only config.json (`load_format='dummy'`), and the first
 `update_weights` loads the policy's weights: the path every later update takes, so the first rollout already
@@ -32,8 +32,8 @@ Routed experts (R3), in RolloutBatch's layout (prompt positions 0..P-2, then pos
 - on a GPU, vLLM's own capture (`enable_return_routed_experts`; per completion `routed_experts`, P+R-1 rows);
 - on the CPU, where vLLM refuses that capture (it needs its GPU model runner), the routers' capture hooks
   (moe_gspo.rollout.vllm_cpu.RouterTaps) mapped to requests. With prefix caching a sample whose prompt blocks came
-  from the cache would have no prompt rows, so an engine asked for routing runs without prefix caching, and each of
-  a prompt's n samples prefills its own copy of the prompt (vLLM schedules them so whether or not it caches).
+  from the cache would have no prompt rows, so an engine asked for routing runs without prefix caching: each of a
+  prompt's n samples prefills its own copy of the prompt (as vLLM does for samples scheduled in the same step anyway).
 
 Weights (update_weights): the policy's export is read once, key by key (a TP/EP policy's `stream_hf` gathers one
 parameter at a time, so a sharded trainer never holds a full copy):
@@ -356,6 +356,8 @@ def untruncated_logprobs(model_runner) -> bool:
     inner = sampler.forward
 
     def forward(logits, generators, k, p):
+        if k is None and p is None:  # nothing masked: vLLM's processed log-probs are already the full ones
+            return inner(logits, generators, k, p)
         full = logits.log_softmax(dim=-1, dtype=torch.float32)  # before top-k/top-p mask the logits (in place)
         sampled, processed = inner(logits, generators, k, p)
         return sampled, None if processed is None else full

@@ -59,13 +59,12 @@ def test_bench_rl_runs_both_sides_with_matched_settings(tmp_path):
     assert "| default | gspo | trl |" in res["table"]
 
 
-def _bench_rl_module():
-    import importlib.util
+def _bench_rl_parts(monkeypatch):
+    """scripts/_rl_bench's comparison and trl_side modules (bench_rl.py's config and TRL settings)."""
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("bench_rl", ROOT / "scripts" / "bench_rl.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    return importlib.import_module("_rl_bench.comparison"), importlib.import_module("_rl_bench.trl_side")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without CUDA")
@@ -79,20 +78,20 @@ def test_cuda_mode_without_cuda_is_one_line(script):
     assert "Traceback" not in p.stdout + p.stderr
 
 
-def test_cuda_mode_settings_of_both_sides(tmp_path):
+def test_cuda_mode_settings_of_both_sides(tmp_path, monkeypatch):
     """What --device cuda runs, without running it: bf16 on both sides, TRL's grouped_mm experts and continuous
     batching, the same response length, the fast engine for moe-gspo and room for 256-token responses."""
-    b = _bench_rl_module()
-    cfg = b.bench_config("gpu_single", "gspo", [], None, 3, "cuda", 256, "hf_static")
+    comparison, trl_side = _bench_rl_parts(monkeypatch)
+    cfg = comparison.bench_config("gpu_single", "gspo", [], None, 3, "cuda", 256, "hf_static")
     assert (cfg.model.params_dtype, cfg.rollout.engine_dtype, cfg.rollout.engine) == ("bfloat16", "bfloat16",
                                                                                        "hf_static")
     assert cfg.rollout.max_new_tokens == 256 and cfg.model.max_position_embeddings >= 256 + 64
     assert (cfg.parallel.backend, cfg.train.steps, cfg.train.cold_start_steps) == ("nccl", 3, 0)
-    big = b.bench_config("gpu_2b", "grpo", [], None, 3, "cuda", 256, "hf_static")
+    big = comparison.bench_config("gpu_2b", "grpo", [], None, 3, "cuda", 256, "hf_static")
     assert big.model.num_experts == 64 and big.model.max_position_embeddings == 2048
-    kw = b.trl_kwargs(cfg, "gspo", str(tmp_path), "cuda", "continuous_batching")
+    kw = trl_side.trl_kwargs(cfg, "gspo", str(tmp_path), "cuda", "continuous_batching")
     assert (kw["use_cpu"], kw["bf16"], kw["use_transformers_continuous_batching"]) == (False, True, True)
     assert kw["max_completion_length"] == 256 and kw["num_generations"] == cfg.rollout.group_size
-    assert b.trl_model_kwargs("cuda")["experts_implementation"] == "grouped_mm"
-    cpu = b.trl_kwargs(b.bench_config("default", "gspo", [], None, 3), "gspo", str(tmp_path))
+    assert trl_side.trl_model_kwargs("cuda")["experts_implementation"] == "grouped_mm"
+    cpu = trl_side.trl_kwargs(comparison.bench_config("default", "gspo", [], None, 3), "gspo", str(tmp_path))
     assert (cpu["use_cpu"], cpu["bf16"], cpu["use_transformers_continuous_batching"]) == (True, False, False)

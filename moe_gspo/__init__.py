@@ -7,7 +7,11 @@ Public entry points:
     moe_gspo.routing.flip_rate(old_idx, new_idx)
 """
 
+from moe_gspo.parallel.megatron_notices import quiet_missing_backends
+
 __version__ = "0.1.0"
+
+quiet_missing_backends()  # before any moe_gspo module imports megatron
 
 
 def load_policy(path_or_config, **kwargs):

@@ -23,7 +23,6 @@ import importlib
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 
 from moe_gspo.config import UserError
@@ -260,9 +259,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # megatron warns on import that Apex and Transformer Engine are absent; on CPU that is the expected setup
-    for cat in (UserWarning, DeprecationWarning, FutureWarning):
-        warnings.filterwarnings("ignore", category=cat, module=r"megatron\..*")
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -82,3 +82,39 @@ def records(run_dir):
 
 def strip_timing(rec):
     return {k: v for k, v in rec.items() if not k.startswith(("time/", "perf/"))}
+
+
+@torch.no_grad()
+def hf_forward_with_routing(model, input_ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training-style full forward of a transformers Qwen3-MoE, to check an engine against: logits (B, T, V)
+    float32 and routing (B, T, L, k) int64, ids sorted, from the same router hooks the hf engine samples with."""
+    from moe_gspo.rollout.hf_engine import capture_routing
+
+    with capture_routing(model) as steps:
+        logits = model(input_ids=input_ids_BT.to(model.device)).logits.float().cpu()
+    B, T = input_ids_BT.shape
+    return logits, steps[0].reshape(B, T, *steps[0].shape[1:])
+
+
+def select_responses(batch, indices):
+    """The RolloutBatch of `batch`'s responses at `indices`, in that order."""
+    from moe_gspo.rollout import RolloutBatch
+
+    idx = [int(i) for i in indices]
+    pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+    return RolloutBatch(pick(batch.prompt_ids), pick(batch.response_ids), pick(batch.logprobs),
+                        pick(batch.finish_reasons), batch.sample_ids[idx], batch.group_ids[idx],
+                        pick(batch.routed_experts), pick(batch.prompt_routed_experts))
+
+
+def concat_responses(batches):
+    """One RolloutBatch of every response of `batches`, in order; routing is kept when every batch has it."""
+    from moe_gspo.rollout import RolloutBatch
+
+    cat = lambda name: [x for b in batches for x in getattr(b, name)]  # noqa: E731
+    routed = all(b.routed_experts is not None for b in batches)
+    prompt_routed = all(b.prompt_routed_experts is not None for b in batches)
+    return RolloutBatch(cat("prompt_ids"), cat("response_ids"), cat("logprobs"), cat("finish_reasons"),
+                        torch.cat([b.sample_ids for b in batches]), torch.cat([b.group_ids for b in batches]),
+                        cat("routed_experts") if routed else None,
+                        cat("prompt_routed_experts") if prompt_routed else None)

@@ -13,8 +13,10 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from moe_gspo.kernels import token_logprobs_from_logits
 from moe_gspo.rollout import RolloutBatch, SamplingParams, build_engine, rollout_probs_diff
-from moe_gspo.rollout.hf_engine import HFEngine, copy_into_model, hf_forward_with_routing
+from moe_gspo.rollout.hf_engine import HFEngine, copy_into_model
 from moe_gspo.tasks import CharTokenizer
+
+from helpers import concat_responses, hf_forward_with_routing, select_responses
 
 TOK = CharTokenizer()
 PROMPTS = ["12+34=", "5+6=", "123+456=", "7*8="]
@@ -196,9 +198,9 @@ def test_padded_layout_and_select(model, prompts):
         assert torch.equal(pb.input_ids[i, P:P + R], batch.response_ids[i])
     assert (pb.old_logprobs[~pb.response_mask] == 0).all()
     assert pb.replay_source().indices(2).shape == (8 * 32, 2)
-    sub = batch.select([3, 0])
+    sub = select_responses(batch, [3, 0])
     assert sub.sample_ids.tolist() == [batch.sample_ids[3], batch.sample_ids[0]]
-    both = RolloutBatch.concat([sub, batch.select([1])])
+    both = concat_responses([sub, select_responses(batch, [1])])
     assert len(both) == 3 and both.routed_experts is not None
     with pytest.raises(KeyError, match="valid"):
         build_engine("tgi", model)

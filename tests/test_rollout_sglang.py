@@ -47,7 +47,7 @@ def test_decode_routed_experts_base64():
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAVE_SGLANG and torch.cuda.is_available()), reason="needs sglang and a CUDA GPU")
 def test_sglang_logprobs_and_routing_match_hf_forward(tmp_path):
-    from moe_gspo.rollout.hf_engine import hf_forward_with_routing
+    from helpers import hf_forward_with_routing
 
     model = tiny_hf_model()
     eng = build_engine("sglang", model, tokenizer=TOK, dtype="float32", mem_fraction_static=0.3)

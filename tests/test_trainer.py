@@ -68,10 +68,12 @@ def test_batch_that_does_not_divide_is_a_clear_error(tmp_path):
 
 
 class _NaNTask:
-    """Wraps a task; its reward is NaN for every response of the first prompt."""
+    """Wraps a task; its reward is NaN for every response of the first prompt, and 1 + the task's reward for the
+    others (nonzero, so that a skipped sample counted as 0 would move the mean). `given` lists the finite rewards
+    it returned."""
 
     def __init__(self, task):
-        self.task, self.first = task, None
+        self.task, self.first, self.given = task, None, []
 
     def __getattr__(self, name):
         return getattr(self.task, name)
@@ -79,7 +81,10 @@ class _NaNTask:
     def reward_fn(self, response, ex):
         if self.first is None:
             self.first = ex.prompt
-        return float("nan") if ex.prompt == self.first else self.task.reward_fn(response, ex)
+        if ex.prompt == self.first:
+            return float("nan")
+        self.given.append(1.0 + self.task.reward_fn(response, ex))
+        return self.given[-1]
 
 
 def test_nan_reward_errors_naming_the_sample_or_is_skipped_and_counted(tmp_path):
@@ -90,9 +95,15 @@ def test_nan_reward_errors_naming_the_sample_or_is_skipped_and_counted(tmp_path)
     with pytest.raises(UserError, match=r"non-finite reward for sample 0 \(prompt"):
         train(cfg, run_dir=tmp_path / "e", task=_NaNTask(task_from_config(cfg.rollout)))
     cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0", "rollout.bad_reward=skip")
-    m = train(cfg, run_dir=tmp_path / "s", task=_NaNTask(task_from_config(cfg.rollout)))
+    task = _NaNTask(task_from_config(cfg.rollout))
+    m = train(cfg, run_dir=tmp_path / "s", task=task)
+    n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     assert m["reward/skipped"] == 1.0 * cfg.rollout.group_size  # NaN for the whole first group, on one rank
-    assert m["reward/mean"] == m["reward/mean"]  # finite
+    # the reward statistics are over the kept samples only: exactly the rewards the task returned
+    assert len(task.given) == n - cfg.rollout.group_size
+    given = torch.tensor(task.given, dtype=torch.float64)
+    assert m["reward/mean"] == pytest.approx(float(given.mean()), rel=1e-6)
+    assert m["reward/std"] == pytest.approx(float(given.std(unbiased=False)), rel=1e-6, abs=1e-7)
 
 
 class _EmptyingEngine:

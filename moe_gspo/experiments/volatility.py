@@ -352,13 +352,9 @@ def _run_in_processes(raw: dict, groups: list[Group], steps: int, out: Path, job
 
 
 def _worker_init(threads: int) -> None:
-    import warnings
-
     import torch
 
     torch.set_num_threads(threads)
-    for cat in (UserWarning, DeprecationWarning, FutureWarning):  # as moe_gspo.cli: megatron's import notices
-        warnings.filterwarnings("ignore", category=cat, module=r"megatron\..*")
 
 
 def _load_average() -> list[float] | None:

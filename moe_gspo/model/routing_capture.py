@@ -54,11 +54,6 @@ class ReplaySource:
         self.forwards = 0
         self._uses = [0] * self.num_layers
 
-    def rows(self, start: int, stop: int) -> ReplaySource:
-        """Rows [start, stop) of the batch-major table (a view), e.g. one micro-batch: b*T .. (b+n)*T."""
-        return ReplaySource(self.table[start:stop], None if self.scores is None else self.scores[start:stop],
-                            self.strict)
-
     def indices(self, layer: int) -> torch.Tensor | None:
         if self.table is None:
             return None

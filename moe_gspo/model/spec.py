@@ -32,11 +32,6 @@ def te_missing() -> str | None:
     return None
 
 
-def te_available() -> bool:
-    """Transformer Engine importable and CUDA present."""
-    return te_missing() is None
-
-
 def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig:
     """Megatron's config for the Qwen3-MoE architecture (see docs/architecture.md for each choice)."""
     dtype = torch.bfloat16 if mc.params_dtype == "bfloat16" else torch.float32
@@ -81,6 +76,7 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
         rotary_interleaved=False,
+        cuda_graph_scope=[],  # megatron's default, "full", is a deprecated spelling of [] and warns
     )
 
 

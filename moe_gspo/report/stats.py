@@ -70,10 +70,6 @@ class Interval:
     n: int
     level: float = 0.95
 
-    @property
-    def half_width(self) -> float | None:
-        return None if self.lo is None else (self.hi - self.lo) / 2
-
     def covers(self, x: float) -> bool | None:
         return None if self.lo is None else self.lo <= x <= self.hi
 

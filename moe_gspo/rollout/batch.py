@@ -20,7 +20,6 @@ Conventions (B responses, T = max over responses of P_i + R_i):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,24 +83,6 @@ class RolloutBatch:
     @property
     def has_routing(self) -> bool:
         return self.routed_experts is not None
-
-    def select(self, indices: Sequence[int] | torch.Tensor) -> RolloutBatch:
-        """The responses at `indices`, in that order (a minibatch)."""
-        idx = [int(i) for i in indices]
-        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
-        return RolloutBatch(pick(self.prompt_ids), pick(self.response_ids), pick(self.logprobs),
-                            pick(self.finish_reasons), self.sample_ids[idx], self.group_ids[idx],
-                            pick(self.routed_experts), pick(self.prompt_routed_experts))
-
-    @staticmethod
-    def concat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
-        cat = lambda name: [x for b in batches for x in getattr(b, name)]  # noqa: E731
-        routed = all(b.routed_experts is not None for b in batches)
-        prompt_routed = all(b.prompt_routed_experts is not None for b in batches)
-        return RolloutBatch(cat("prompt_ids"), cat("response_ids"), cat("logprobs"), cat("finish_reasons"),
-                            torch.cat([b.sample_ids for b in batches]), torch.cat([b.group_ids for b in batches]),
-                            cat("routed_experts") if routed else None,
-                            cat("prompt_routed_experts") if prompt_routed else None)
 
     def to_padded(self, pad_id: int = 0, max_len: int | None = None) -> PaddedRollout:
         """Right-padded training tensors (see PaddedRollout); max_len (>= the longest sequence) fixes T."""

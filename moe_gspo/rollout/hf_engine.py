@@ -137,15 +137,6 @@ def capture_routing(model):
             h.remove()
 
 
-@torch.no_grad()
-def hf_forward_with_routing(model, input_ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A training-style full forward: logits (B, T, V) float32 and routing (B, T, L, k) int64, ids sorted."""
-    with capture_routing(model) as steps:
-        logits = model(input_ids=input_ids_BT.to(model.device)).logits.float().cpu()
-    B, T = input_ids_BT.shape
-    return logits, steps[0].reshape(B, T, *steps[0].shape[1:])
-
-
 # ---------------------------------------------------------------------------------------------------------- sampling
 def greedy(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax tokens (B,), their log-probs (B,)) of float logits: sampling at temperature 0."""

@@ -165,22 +165,6 @@ class Optimizer:
                     out[kind][name] = torch.zeros(model_p.shape) if t is None else t.detach().float().clone()
         return out
 
-    def load_local_state(self, state: dict[str, dict[str, torch.Tensor]], adam_step: int) -> None:
-        """Inverse of local_state on this rank's shard (model parameters are loaded separately)."""
-        for name, model_p, main_p, _, sub in self._entries():
-            if main_p is None:  # no shard of this parameter on this data-parallel rank
-                continue
-            full = {k: state[k][name].to(main_p.device, torch.float32) for k in ADAM_KINDS}  # read on the CPU
-            if isinstance(sub, DistributedOptimizer):
-                rng = sub._get_model_param_range_map(model_p)["param"]
-                full = {k: v.reshape(-1)[rng.start:rng.end] for k, v in full.items()}
-            with torch.no_grad():
-                main_p.copy_(full["param"].view_as(main_p))
-            # torch's Adam keeps `step` on the CPU (capturable=False) and the moments beside the parameter
-            sub.optimizer.state[main_p] = {"step": torch.tensor(float(adam_step)),
-                                           "exp_avg": full["exp_avg"].view_as(main_p).clone(),
-                                           "exp_avg_sq": full["exp_avg_sq"].view_as(main_p).clone()}
-
     def _entries(self):
         """(name, model param, main param, Adam state dict, sub-optimizer) for every trained parameter, in the same
         order on every rank. Under the DistributedOptimizer the main param is this rank's flat shard, or None when

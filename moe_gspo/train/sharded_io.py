@@ -23,15 +23,17 @@ megatron's linear layers, None without Transformer Engine) are neither saved nor
 from __future__ import annotations
 
 import contextlib
+import logging
 import pickle
 import queue
 from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values, merge
+from megatron.core.dist_checkpointing.dict_utils import (dict_list_map_inplace, extract_matching_values, merge,
+                                                        nested_values)
 from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedObject, ShardedTensor,
-                                                     ShardedTensorFactory)
+                                                     ShardedTensorFactory, is_main_replica)
 from megatron.core.dist_checkpointing.strategies import filesystem_async as fs_async
 from megatron.core.dist_checkpointing.strategies import torch as mtorch
 from megatron.core.dist_checkpointing.strategies.base import LoadCommonStrategy
@@ -210,16 +212,36 @@ def _in_process_results_queue():
         fs_async._results_queue = original
 
 
+@contextlib.contextmanager
+def _writer_log_off():
+    """megatron's writer logs a failed shard writer's exception ("Local process 1 encountered an error: ...")
+    before raising it inside a CheckpointException; the raised one says the same, so the log is off while saving
+    and the caller decides how much of the failure the user sees."""
+    log = logging.getLogger(fs_async.__name__)
+    disabled, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = disabled
+
+
 # ------------------------------------------------------------------ save / load
 def _is_tensor(v) -> bool:
     return isinstance(v, (ShardedTensor, ShardedTensorFactory))
+
+
+def bytes_to_write(sharded_state_dict: dict) -> int:
+    """Bytes of tensor data this rank writes in `save_sharded`: the main replicas of its ShardedTensors (torch.save's
+    framing of each tensor, about 1.5 KiB, comes on top)."""
+    return sum(v.data.numel() * v.data.element_size() for v in nested_values(sharded_state_dict)
+               if _is_tensor(v) and is_main_replica(v.replica_id))
 
 
 def save_sharded(sharded_state_dict: dict, directory: Path) -> None:
     """Collective: every rank writes its shards of the ShardedTensors in `sharded_state_dict` into `directory`
     (which must exist and be empty); everything else in it is left out."""
     tensors, _ = extract_matching_values(sharded_state_dict, _is_tensor)
-    with _in_process_results_queue():
+    with _in_process_results_queue(), _writer_log_off():
         dist_checkpointing.save(tensors, str(directory))
     if torch.distributed.get_rank() == 0:
         (directory / "common.pt").unlink(missing_ok=True)  # megatron's (empty) common dict, a pickle

@@ -1,0 +1,275 @@
+"""A checkpoint write that runs out of disk space ends in one line naming the directory, the free and needed bytes and
+the checkpoint `--resume` continues from; the partial directory is never taken as complete, and resuming loads the
+last good checkpoint. A write failure with space to spare, or any other exception, keeps its traceback.
+
+The small disk is faked (SmallDisk) over the lowest file writes of a save, so these tests run anywhere; one test
+also fills a real 2 MiB tmpfs where the kernel lets an unprivileged user namespace mount one, and one runs two ranks
+under torchrun (this file is then the script each rank runs).
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import ROOT, TINY, free_port
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fs_async
+from torch.distributed.checkpoint.api import CheckpointException
+
+from moe_gspo.config import UserError
+from moe_gspo.train import checkpoint, sharded_io
+from moe_gspo.train.checkpoint import Checkpoints, OutOfSpace
+
+# the tiny run of tests/helpers.py, saving after every step
+RUN = ["train", "--config", "configs/train_tiny_cpu.yaml", *TINY, "train.cold_start_steps=0",
+       "train.checkpoint_every=1", "train.keep_checkpoints=3"]
+
+
+class _File(io.FileIO):
+    """An unbuffered file on a SmallDisk: a write that does not fit writes what does and raises ENOSPC."""
+
+    def __init__(self, disk: SmallDisk, path, mode: str):
+        super().__init__(path, mode)
+        self.disk = disk
+
+    def write(self, b) -> int:
+        b = memoryview(b).cast("B")
+        room = self.disk.free()
+        if len(b) > room:
+            super().write(b[:max(room, 0)])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.name)
+        return super().write(b)
+
+
+class SmallDisk:
+    """A file system of `capacity` bytes holding `root`, faked: its free space is `capacity` less the bytes of the
+    files under `root`. `install` puts it under the shard files megatron's forked writers open, the files rank 0
+    writes in checkpoint.py, and shutil.disk_usage; torch DCP's `.metadata` and megatron's metadata.json are written
+    as usual and counted."""
+
+    def __init__(self, root: Path, capacity: int):
+        self.root, self.capacity = Path(root), capacity
+
+    def used(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+
+    def free(self) -> int:
+        return self.capacity - self.used()
+
+    def open(self, path, mode="r", *args, **kwargs):
+        if "w" in mode and Path(path).resolve().is_relative_to(self.root.resolve()):
+            return _File(self, path, mode)
+        return builtins.open(path, mode, *args, **kwargs)
+
+    def install(self, monkeypatch) -> None:
+        real = shutil.disk_usage(self.root)
+        monkeypatch.setattr(fs_async, "open", self.open, raising=False)
+        monkeypatch.setattr(checkpoint, "open", self.open, raising=False)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: real._replace(
+            total=self.capacity, used=self.used(), free=max(self.free(), 0)))
+
+
+def _ctx(seed=0):
+    """The policy and optimizer of the tiny run (the StepContext fields a checkpoint touches)."""
+    from helpers import tiny_cfg
+
+    import moe_gspo
+    from moe_gspo.train.optim import Optimizer, wrap_ddp
+
+    cfg = tiny_cfg(f"train.seed={seed}")
+    policy = moe_gspo.load_policy(cfg)
+    optim = Optimizer.from_config(wrap_ddp(policy), policy, cfg.train, total_steps=10)
+    return SimpleNamespace(policy=policy, optim=optim, reference=None, cfg=cfg)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    ctx = _ctx()
+    ids = torch.randint(0, ctx.cfg.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    ctx.optim.zero_grad()
+    ctx.policy(ids).float().logsumexp(-1).mean().backward()
+    ctx.optim.step()  # Adam moments exist: the checkpoint has its full size
+    return ctx
+
+
+@pytest.fixture(scope="module")
+def ckpt_bytes(trained, tmp_path_factory):
+    """Bytes of one checkpoint of the tiny run."""
+    d = tmp_path_factory.mktemp("size")
+    Checkpoints(d).save(1, trained, {"step": 1})
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+
+def _assert_one_line(msg: str, root: Path, step: int, last: int | None) -> None:
+    assert "\n" not in msg, msg
+    assert msg.startswith(f"writing checkpoint {root / f'.tmp-step_{step:08d}'}: out of space ("), msg
+    assert "free on its file system" in msg and "take about" in msg, msg
+    if last is None:
+        assert "no checkpoint was completed before it, so --resume starts from step 0" in msg, msg
+    else:
+        assert f"the newest complete checkpoint is {root / f'step_{last:08d}'}, and --resume continues from it" \
+            in msg, msg
+
+
+@pytest.mark.parametrize("where", ["shards", "state.json"])
+def test_a_full_disk_is_one_line_and_resume_loads_the_last_good_checkpoint(tmp_path, trained, ckpt_bytes,
+                                                                            monkeypatch, where):
+    """"shards": the disk fills while megatron's forked writers write the shard files (torch DCP hands back their
+    failure without its errno, as it does on a real disk); "state.json": while rank 0 writes its own files
+    (an OSError with errno ENOSPC)."""
+    ck = Checkpoints(tmp_path, keep=3)
+    ck.save(1, trained, {"step": 1})
+    room = ckpt_bytes // 3 if where == "shards" else ckpt_bytes - 8000  # state.json and the manifest do not fit
+    disk = SmallDisk(tmp_path, ckpt_bytes + room)
+    disk.install(monkeypatch)
+    with pytest.raises(OutOfSpace) as e:
+        ck.save(2, trained, {"step": 2})
+    assert isinstance(e.value, UserError)
+    _assert_one_line(str(e.value), tmp_path, 2, last=1)
+    partial = tmp_path / ".tmp-step_00000002"
+    assert partial.is_dir() and disk.free() < room  # something was written, and is kept aside
+    if where == "state.json":
+        assert (partial / "rng.safetensors").is_file() and not (partial / "manifest.json").exists()
+    monkeypatch.undo()
+    assert ck.steps() == [1] and ck.latest() == 1  # the partial checkpoint is not taken as complete
+    fresh = _ctx(seed=5)
+    assert ck.load(ck.latest(), fresh)["step"] == 1
+    for (n, a), (_, b) in zip(trained.policy.gpt.named_parameters(), fresh.policy.gpt.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_a_full_disk_before_any_checkpoint_says_there_is_none(tmp_path, trained, ckpt_bytes, monkeypatch):
+    SmallDisk(tmp_path, ckpt_bytes // 2).install(monkeypatch)
+    with pytest.raises(OutOfSpace) as e:
+        Checkpoints(tmp_path).save(1, trained, {"step": 1})
+    _assert_one_line(str(e.value), tmp_path, 1, last=None)
+    monkeypatch.undo()
+    assert Checkpoints(tmp_path).latest() == 0
+
+
+def _failing_writer(*args, **kwargs):
+    raise RuntimeError("a writer bug")
+
+
+def test_a_write_failure_with_space_left_keeps_its_traceback(tmp_path, trained, monkeypatch):
+    """The same CheckpointException a full disk gives, on a disk with room to spare: a bug, not a user error."""
+    monkeypatch.setattr(fs_async, "_write_item", _failing_writer)
+    with pytest.raises(CheckpointException, match="a writer bug"):
+        Checkpoints(tmp_path).save(1, trained, {"step": 1})
+
+
+def test_another_exception_on_a_full_disk_keeps_its_traceback(tmp_path, trained, monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("an internal table lacks a key")
+
+    SmallDisk(tmp_path, 0).install(monkeypatch)
+    monkeypatch.setattr(sharded_io, "save_sharded", broken)
+    with pytest.raises(KeyError, match="internal table"):
+        Checkpoints(tmp_path).save(1, trained, {"step": 1})
+
+
+def test_cli_full_disk_is_one_line_exit_2_and_resume_continues(tmp_path, ckpt_bytes, monkeypatch, capsys):
+    """`moe-gspo train` with a checkpoint every step on a disk that holds one and a half: step 1 saves, step 2 runs
+    out of space and ends the command with one line and exit code 2; with the space back, --resume continues
+    from step 1."""
+    from moe_gspo.cli import main
+
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "run"
+    run.mkdir()
+    SmallDisk(run, ckpt_bytes * 3 // 2).install(monkeypatch)
+    rc = main(RUN + ["--out", str(run)])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("moe-gspo ")]
+    assert rc == 2 and "Traceback" not in err and "encountered an error" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("moe-gspo train: error: "), err
+    _assert_one_line(lines[0].removeprefix("moe-gspo train: error: "), run / "checkpoints", 2, last=1)
+    monkeypatch.undo()
+    monkeypatch.chdir(ROOT)
+    assert main(RUN + ["--out", str(run), "--resume"]) == 0
+    assert f"resumed from {run / 'checkpoints' / 'step_00000001'}" in capsys.readouterr().err
+    assert Checkpoints(run / "checkpoints").steps()[0] == 2
+
+
+def _unshare_tmpfs() -> list[str] | None:
+    """The command prefix that runs a shell as root of a new user and mount namespace, or None where the kernel
+    does not let this user create one."""
+    cmd = ["unshare", "--user", "--map-root-user", "--mount"]
+    try:
+        ok = subprocess.run([*cmd, "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", "/mnt"],
+                            capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return cmd if ok else None
+
+
+@pytest.mark.slow
+def test_cli_on_a_real_full_tmpfs(tmp_path, ckpt_bytes):
+    """The same run on a real tmpfs of one and a half checkpoints (megatron's forked shard writers fail with
+    "[Errno 28] ..." or torch's "unexpected pos ...", which reach this process as text inside a
+    CheckpointException): one line, exit code 2, step 1 still complete."""
+    prefix = _unshare_tmpfs()
+    if prefix is None:
+        pytest.skip("this kernel does not let an unprivileged user namespace mount a tmpfs")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    kib = ckpt_bytes * 3 // 2 // 1024
+    script = (f'mount -t tmpfs -o size={kib}k tmpfs {mnt} && "$0" -m moe_gspo.cli "$@" --out {mnt}/run; '
+              f'echo "rc=$?"; ls -a {mnt}/run/checkpoints {mnt}/run/checkpoints/step_00000001')
+    r = subprocess.run([*prefix, "sh", "-c", script, sys.executable, *RUN], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [x for x in r.stderr.splitlines() if x.startswith("moe-gspo ")]
+    assert "rc=2" in r.stdout and "Traceback" not in r.stderr and "encountered an error" not in r.stderr, \
+        r.stdout + r.stderr[-3000:]
+    assert len(lines) == 1, r.stderr
+    _assert_one_line(lines[0].removeprefix("moe-gspo train: error: "), mnt / "run" / "checkpoints", 2, last=1)
+    assert ".tmp-step_00000002" in r.stdout and "manifest.json" in r.stdout, r.stdout
+
+
+@pytest.mark.slow
+def test_two_ranks_end_in_one_line_each_naming_the_rank(tmp_path, ckpt_bytes):
+    """Two ranks (EP=2: both write shards) under torchrun, on one SmallDisk that holds two single-rank checkpoints
+    (one of this layout's): whichever rank's writer hits the full disk, the other learns of it only as an empty
+    CheckpointException, and both end in one line naming their rank (the one torchrun reports first, exit code
+    2; the other may be stopped by torchrun before it prints), with no traceback but torchrun's own report."""
+    run = tmp_path / "run"
+    run.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", __file__, str(run), str(2 * ckpt_bytes), *RUN, "parallel.ep=2",
+           "--out", str(run)]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    first = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", r.stderr, re.S)
+    assert first and first[2] == "2", r.stderr[-6000:]
+    said = {}
+    for line in r.stderr.splitlines():
+        m = re.match(r"moe-gspo train: error: rank (\d): (.*)", line)
+        if m:
+            assert m[1] not in said, r.stderr[-6000:]
+            said[m[1]] = m[2]
+    assert first[1] in said, r.stderr[-6000:]
+    for msg in said.values():
+        _assert_one_line(msg, run / "checkpoints", 2, last=1)
+    assert r.stderr.count("Traceback") == 1 and "raise ChildFailedError" in r.stderr, r.stderr[-6000:]
+    assert "encountered an error" not in r.stderr, r.stderr[-6000:]
+    assert Checkpoints(run / "checkpoints").steps() == [1]
+
+
+if __name__ == "__main__":  # one rank of test_two_ranks_end_in_one_line_each_naming_the_rank: RUN_DIR BYTES ARGV
+    from moe_gspo.cli import main
+
+    patches = pytest.MonkeyPatch()
+    SmallDisk(Path(sys.argv[1]), int(sys.argv[2])).install(patches)
+    sys.exit(main(sys.argv[3:]))

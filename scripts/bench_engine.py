@@ -188,7 +188,7 @@ def main():
     args.prompts = args.prompts or cfg.rollout.prompts_per_step
     args.group = args.group or cfg.rollout.group_size
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    policy = moe_gspo.load_policy(cfg)
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     policy.eval()
     task, tok = task_from_config(cfg.rollout), CharTokenizer()
     prompts = [tok.encode(ex.prompt, bos=True) for ex in data.step_examples(task, cfg.train.seed, 0, 0, args.prompts)]

@@ -39,7 +39,8 @@ def main():
                          moe_intermediate_size=F)
         mods = {}
         for impl in ("grouped", "torch", "megatron"):
-            p = moe_gspo.load_policy(dataclasses.replace(mc, experts=impl))
+            source = dataclasses.replace(mc, experts=impl)
+            p = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
             mods[impl] = p.gpt.decoder.layers[0].mlp.experts
         g = torch.Generator().manual_seed(0)
         expert = torch.multinomial(torch.rand(8, generator=g) + 0.2, N, replacement=True, generator=g)

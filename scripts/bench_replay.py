@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = load_config(args.config)
-    policy = moe_gspo.load_policy(cfg).to(args.device)
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg)).to(args.device)
     mc, dev = policy.model_config, torch.device(args.device)
     L, k, E = mc.num_hidden_layers, mc.num_experts_per_tok, mc.num_experts
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len

@@ -77,7 +77,7 @@ def main():
         cfg = load_config(args.config)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
-    policy = moe_gspo.load_policy(cfg)
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     hf_cfg, hf_state = policy.export_hf()
     d = tempfile.mkdtemp()
     policy.save_pretrained(d)
@@ -92,15 +92,18 @@ def main():
     y = torch.where(real, y, -100)
 
     models = {"moe-gspo (megatron-core, SDPA)": policy}
-    slow = moe_gspo.load_policy(load_config(args.config, ["model.attention=megatron"]))
+    source = load_config(args.config, ["model.attention=megatron"])
+    slow = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
     slow.load_full_megatron_state(policy.full_megatron_state())
     models["moe-gspo (megatron-core, local attention)"] = slow
     for impl in ("torch", "megatron"):  # the eager twins of the default grouped-GEMM experts
-        twin = moe_gspo.load_policy(load_config(args.config, [f"model.experts={impl}"]))
+        source = load_config(args.config, [f"model.experts={impl}"])
+        twin = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
         twin.load_full_megatron_state(policy.full_megatron_state())
         models[f"moe-gspo (megatron-core, SDPA, {impl} experts)"] = twin
     if args.compile:
-        fast = moe_gspo.load_policy(load_config(args.config, ["model.compile=true"]))
+        source = load_config(args.config, ["model.compile=true"])
+        fast = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
         fast.load_full_megatron_state(policy.full_megatron_state())
         models["moe-gspo (megatron-core, SDPA, torch.compile)"] = fast
     hf = Qwen3MoeForCausalLM.from_pretrained(d).train()
@@ -172,10 +175,10 @@ def optimizer_rows(args, cfg, policy, x, y, V):
     import moe_gspo
     from moe_gspo.train.optim import Optimizer, wrap_ddp
 
-    mega = moe_gspo.load_policy(cfg)
+    mega = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     mega.load_full_megatron_state(policy.full_megatron_state())
     opt = Optimizer.from_config(wrap_ddp(mega, False), mega, cfg.train, total_steps=10**6)
-    plain = moe_gspo.load_policy(cfg)
+    plain = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     plain.load_full_megatron_state(policy.full_megatron_state())
     adamw = torch.optim.AdamW(plain.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
 

@@ -29,7 +29,7 @@ def _ctx(*overrides, seed=0):
     from moe_gspo.train.optim import Optimizer, wrap_ddp
 
     cfg = load_config("configs/train_tiny_cpu.yaml", TINY_MODEL + [f"train.seed={seed}", *overrides])
-    policy = moe_gspo.load_policy(cfg)
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     optim = Optimizer.from_config(wrap_ddp(policy), policy, cfg.train, total_steps=10)
     return SimpleNamespace(policy=policy, optim=optim, reference=None, cfg=cfg)
 

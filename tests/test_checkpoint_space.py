@@ -87,7 +87,7 @@ def _ctx(seed=0):
     from moe_gspo.train.optim import Optimizer, wrap_ddp
 
     cfg = tiny_cfg(f"train.seed={seed}")
-    policy = moe_gspo.load_policy(cfg)
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     optim = Optimizer.from_config(wrap_ddp(policy), policy, cfg.train, total_steps=10)
     return SimpleNamespace(policy=policy, optim=optim, reference=None, cfg=cfg)
 

@@ -50,7 +50,7 @@ CASES = [
     ("override without =", TRAIN + ["train.steps"], "override 'train.steps' is not of the form section.key=value"),
     ("unknown override key", TRAIN + ["train.stepz=3"], "command-line override train.stepz=3: unknown config key 'train.stepz'"),
     ("override of the wrong type", TRAIN + ["train.steps=abc"], "command-line override train.steps=abc: train.steps='abc' must be an int"),
-    ("unknown loss", TRAIN + ["algorithm.loss=ppo", "--out", "{d}/r"], "algorithm.loss='ppo' is not one of"),
+    ("unknown loss", TRAIN + ["algorithm.loss=ppo", "--out", "{d}/r"], "algorithm.loss='ppo': unknown policy loss; valid names: cispo, gmpo, grpo, gspo"),
     ("unknown advantage", TRAIN + ["algorithm.advantage=ppo", "--out", "{d}/r"], "algorithm.advantage='ppo' is not one of"),
     ("unknown engine", TRAIN + ["rollout.engine=tgi", "--out", "{d}/r"], "rollout.engine='tgi' is not one of"),
     ("unknown task", TRAIN + ["rollout.task=nope", "--out", "{d}/r"], "rollout.task: unknown task 'nope'"),

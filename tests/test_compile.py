@@ -26,8 +26,9 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.fixture(scope="module")
 def pair():
-    eager = moe_gspo.load_policy(MC)
-    fast = moe_gspo.load_policy(dataclasses.replace(MC, compile=True))
+    eager = moe_gspo.load_policy(MC, moe_gspo.init_parallel(MC))
+    source = dataclasses.replace(MC, compile=True)
+    fast = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
     fast.load_full_megatron_state(eager.full_megatron_state())
     return eager, fast
 
@@ -90,10 +91,11 @@ def test_compiled_routing_capture_and_replay_equal_eager(pair):
 
 def test_compile_survives_loading_a_checkpoint(tmp_path):
     make_hf_checkpoint(tmp_path / "hf")
-    policy = moe_gspo.load_policy(ModelConfig(init_from=str(tmp_path / "hf"), compile=True))
+    source = ModelConfig(init_from=str(tmp_path / "hf"), compile=True)
+    policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
     assert policy.model_config.compile and policy.model_config.hidden_size == 32
 
 
 def test_compile_with_model_parallelism_is_refused():
     with pytest.raises(ConfigError, match="model.compile"):
-        MoEPolicy(dataclasses.replace(MC, compile=True), ParallelConfig(ep=2))
+        MoEPolicy(dataclasses.replace(MC, compile=True), ParallelConfig(ep=2), groups=None)

@@ -57,7 +57,7 @@ def test_load_policy_rejects_ep_not_dividing_experts():
 
     cfg = load_config("configs/tiny_cpu.yaml", ["parallel.ep=3", "model.num_experts=8"])
     with pytest.raises(ConfigError, match="does not divide the world size 1|not divisible by parallel.ep=3"):
-        moe_gspo.load_policy(cfg)
+        moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
 
 
 def test_off_stays_a_string():

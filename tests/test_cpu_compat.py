@@ -44,7 +44,8 @@ def test_rng_tracker_fork_is_reproducible():
 
     from moe_gspo.config import load_config
 
-    moe_gspo.load_policy(load_config("configs/tiny_cpu.yaml"))
+    moe_gspo.load_policy(load_config("configs/tiny_cpu.yaml"),
+                         moe_gspo.init_parallel(load_config("configs/tiny_cpu.yaml")))
     tracker = mrandom.get_cuda_rng_tracker()
     before = torch.get_rng_state()
     with tracker.fork():
@@ -64,8 +65,8 @@ def test_transformers_imports_after_patches():
     import subprocess
     import sys
 
-    code = ("import moe_gspo; from moe_gspo.config import load_config; "
-            "moe_gspo.load_policy(load_config('configs/tiny_cpu.yaml')); "
+    code = ("import moe_gspo; from moe_gspo.config import load_config; cfg = load_config('configs/tiny_cpu.yaml'); "
+            "moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg)); "
             "from transformers import Qwen3MoeForCausalLM; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
@@ -77,7 +78,8 @@ def test_load_policy_prints_nothing():
     import subprocess
     import sys
 
-    code = "import moe_gspo; moe_gspo.load_policy('configs/tiny_cpu.yaml')"
+    code = ("import moe_gspo; groups = moe_gspo.init_parallel('configs/tiny_cpu.yaml'); "
+            "moe_gspo.load_policy('configs/tiny_cpu.yaml', groups)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout == "" and r.stderr == "", r.stderr[-2000:]

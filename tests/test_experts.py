@@ -56,8 +56,10 @@ def run(policy, x, y, table=None):
 def test_fast_experts_equal_megatron_sequential_mlp(impl, dtype):
     tol = TOL[dtype]
     mc = dataclasses.replace(MC, params_dtype=dtype)
-    ref = moe_gspo.load_policy(dataclasses.replace(mc, experts="megatron"))
-    fast = moe_gspo.load_policy(dataclasses.replace(mc, experts=impl))
+    source = dataclasses.replace(mc, experts="megatron")
+    ref = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
+    source = dataclasses.replace(mc, experts=impl)
+    fast = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
     experts = fast.gpt.decoder.layers[0].mlp.experts
     assert type(ref.gpt.decoder.layers[0].mlp.experts) not in IMPLS.values()
     assert isinstance(experts, IMPLS[impl])
@@ -85,8 +87,9 @@ def test_fast_experts_equal_megatron_sequential_mlp(impl, dtype):
 
 def experts_module(hidden=32, ffn=24):
     """Layer 0's GroupedGemmExperts (4 experts) of a one-layer policy."""
-    policy = moe_gspo.load_policy(dataclasses.replace(MC, hidden_size=hidden, moe_intermediate_size=ffn,
-                                                      num_experts=4, num_hidden_layers=1, experts="grouped"))
+    source = dataclasses.replace(MC, hidden_size=hidden, moe_intermediate_size=ffn,
+                                 num_experts=4, num_hidden_layers=1, experts="grouped")
+    policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
     return policy.gpt.decoder.layers[0].mlp.experts
 
 
@@ -132,12 +135,14 @@ def test_unaligned_width_falls_back_to_the_loop():
 
 def test_grouped_hf_export_equals_torch_experts_export(tmp_path):
     make_hf_checkpoint(tmp_path / "hf")
-    policies = {impl: moe_gspo.load_policy(ModelConfig(init_from=str(tmp_path / "hf"), experts=impl))
+    policies = {impl: moe_gspo.load_policy(ModelConfig(init_from=str(tmp_path / "hf"), experts=impl),
+                                           moe_gspo.init_parallel(ModelConfig(init_from=str(tmp_path / "hf"), experts=impl)))
                 for impl in ("torch", "grouped")}
     (_, a), (_, b) = policies["torch"].export_hf(), policies["grouped"].export_hf()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     policies["grouped"].save_pretrained(tmp_path / "out")
-    again = moe_gspo.load_policy(ModelConfig(init_from=str(tmp_path / "out"), experts="grouped"))
+    source = ModelConfig(init_from=str(tmp_path / "out"), experts="grouped")
+    again = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
     _, c = again.export_hf()
     assert all(torch.equal(a[k], c[k]) for k in a)
 
@@ -150,7 +155,8 @@ def test_unknown_experts_impl_is_a_config_error():
 @pytest.mark.parametrize("impl", ["grouped", "torch", "megatron"])
 def test_experts_choice_survives_loading_a_checkpoint(tmp_path, impl):
     make_hf_checkpoint(tmp_path / "hf")
-    policy = moe_gspo.load_policy(ModelConfig(init_from=str(tmp_path / "hf"), experts=impl))
+    source = ModelConfig(init_from=str(tmp_path / "hf"), experts=impl)
+    policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
     assert policy.model_config.experts == impl
     got = type(policy.gpt.decoder.layers[0].mlp.experts)
     assert got is IMPLS[impl] if impl in IMPLS else got not in IMPLS.values()

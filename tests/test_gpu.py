@@ -120,7 +120,8 @@ def test_policy_on_cuda_matches_transformers(hf_dir, dtype):
     from transformers import Qwen3MoeForCausalLM
 
     dt = getattr(torch, dtype)
-    policy = moe_gspo.load_policy(ModelConfig(init_from=str(hf_dir), params_dtype=dtype))
+    source = ModelConfig(init_from=str(hf_dir), params_dtype=dtype)
+    policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
     assert policy.device.type == "cuda"
     hf = Qwen3MoeForCausalLM.from_pretrained(str(hf_dir), dtype=dt).cuda()
     hf32 = Qwen3MoeForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).cuda() if dt != torch.float32 else hf
@@ -181,7 +182,8 @@ def test_te_spec_matches_local_spec(hf_dir, experts):
     y = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
     outs, routes, grads, hf = {}, {}, {}, {}
     for spec in ("local", "te"):
-        policy = moe_gspo.load_policy(ModelConfig(init_from=str(hf_dir), spec=spec, experts=experts))
+        source = ModelConfig(init_from=str(hf_dir), spec=spec, experts=experts)
+        policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
         hf[spec] = policy.export_hf()[1]
         cap = RoutingCapture()
         outs[spec] = policy(x, routing=cap).float()

@@ -73,9 +73,10 @@ def test_no_import_cycles():
     assert _cycles(graph) == []
 
 
-# Lowest first: a package may import only packages before it (and itself). The root package's public API
-# (moe_gspo.load_policy) and the CLI are the top two: no package below imports either.
-LAYERS = ["config", "kernels", "losses", "rewards", "tasks", "parallel", "model", "routing", "rollout", "train",
+# Lowest first: a package may import only packages before it (and itself). The losses are pure math and the bottom
+# layer: the config reads each loss's own checks from them. The root package's public API (moe_gspo.load_policy) and
+# the CLI are the top two: no package below imports either.
+LAYERS = ["losses", "config", "kernels", "rewards", "tasks", "parallel", "model", "routing", "rollout", "train",
           "report", "experiments", "moe_gspo", "cli"]
 
 

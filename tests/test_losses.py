@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moe_gspo.losses import AGG_MODES, DEFAULT_CLIP, POLICY_LOSSES, agg_loss, agg_seq_loss, get_policy_loss
+from moe_gspo.losses import AGG_MODES, POLICY_LOSSES, agg_loss, agg_seq_loss, get_policy_loss
 
 F64 = torch.float64
 
@@ -64,7 +64,7 @@ def grad_of(loss, x):
 
 def test_registry_and_defaults():
     assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo_token", "gmpo", "rspo", "sapo", "cispo"}
-    assert DEFAULT_CLIP == {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4),
+    assert {n: c.default_clip for n, c in POLICY_LOSSES.items()} == {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4),
                             "gmpo": (0.4, 0.4), "rspo": (0.4, 0.4),  # gmpo/rspo: log-space bounds
                             "sapo": (0.2, 0.28), "cispo": (1.0, 0.28)}  # sapo: diagnostic band; cispo: no lower bound
     with pytest.raises(ValueError, match="cispo, gmpo, grpo, gspo, gspo_token, rspo, sapo"):
@@ -76,7 +76,7 @@ def test_none_clip_uses_paper_defaults(name):
     logp, old, adv, mask, _ = make_inputs(0, noise=1e-3)
     fn = get_policy_loss(name)
     a, _ = fn(logp, old, adv, mask)
-    b, _ = fn(logp, old, adv, mask, clip_low=DEFAULT_CLIP[name][0], clip_high=DEFAULT_CLIP[name][1])
+    b, _ = fn(logp, old, adv, mask, clip_low=POLICY_LOSSES[name].default_clip[0], clip_high=POLICY_LOSSES[name].default_clip[1])
     assert a == b
 
 
@@ -174,7 +174,7 @@ def test_gspo_gradient_closed_form():
     grad = grad_of(loss, logp)
     n = mask.sum(-1)
     s = torch.exp(((logp - old) * mask).sum(-1) / n.clamp(min=1)).detach()
-    lo, hi = DEFAULT_CLIP["gspo"]
+    lo, hi = POLICY_LOSSES["gspo"].default_clip
     clipped = ((adv > 0) & (s > 1 + hi)) | ((adv < 0) & (s < 1 - lo))
     assert clipped.any() and (~clipped & (n > 0)).any()
     num_seq = (n > 0).sum()
@@ -282,7 +282,7 @@ def test_low_precision_inputs_compute_in_float32(name):
 def test_kl_beta_adds_exactly_the_estimators_gradient_float64(estimator, loss_name):
     """d/dlogp [loss(beta) - loss(0)] == beta * w_it * dKL_t/dlogp, with the KL derivative written out by hand
     (k1: 1; k3 and low_var_kl inside their clamps: 1 - exp(ref - logp)) and w_it the seq-mean-token-mean weight."""
-    from moe_gspo.losses import get_policy_loss
+    from moe_gspo.losses import get_policy_loss, POLICY_LOSSES
 
     g = torch.Generator().manual_seed(0)
     B, T, beta = 4, 7, 0.3

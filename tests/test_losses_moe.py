@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_gspo.config import ConfigError, load_config
-from moe_gspo.losses import (DEFAULT_CLIP, POLICY_LOSSES, ROUTER_SHIFT_LOSSES, get_policy_loss, router_shift_metrics,
+from moe_gspo.losses import (POLICY_LOSSES, get_policy_loss, router_shift_metrics,
                              router_shift_ratio, router_shift_weight)
 
 F64 = torch.float64
@@ -102,8 +102,8 @@ def grad_of(loss, x):
 
 # ----------------------------------------------------------------------------------------------- GMPO
 def test_registry_defaults_and_clip_space():
-    assert {"gmpo", "rspo"} <= set(POLICY_LOSSES) and ROUTER_SHIFT_LOSSES == {"rspo"}
-    assert DEFAULT_CLIP["gmpo"] == DEFAULT_CLIP["rspo"] == (0.4, 0.4)
+    assert {"gmpo", "rspo"} <= set(POLICY_LOSSES) and {n for n, c in POLICY_LOSSES.items() if c.needs_router_shift} == {"rspo"}
+    assert POLICY_LOSSES["gmpo"].default_clip == POLICY_LOSSES["rspo"].default_clip == (0.4, 0.4)
     logp, old, adv, mask = make_inputs(0)
     a, _ = get_policy_loss("gmpo")(logp, old, adv, mask)
     b, _ = get_policy_loss("gmpo")(logp, old, adv, mask, clip_low=0.4, clip_high=0.4)
@@ -131,7 +131,7 @@ def test_gmpo_matches_float64_paper_formula(mode, clip):
 def test_gmpo_metrics_and_both_branches():
     """Clipped and unclipped tokens both occur (else the reference test proves little); the metrics count them."""
     logp, old, adv, mask = make_inputs(5, B=32)
-    lo, hi = DEFAULT_CLIP["gmpo"]
+    lo, hi = POLICY_LOSSES["gmpo"].default_clip
     loss, m = get_policy_loss("gmpo")(logp, old, adv, mask)
     lr = (logp - old).detach()
     clipped = (((adv[:, None] > 0) & (lr > hi)) | ((adv[:, None] < 0) & (lr < -lo))) & mask
@@ -288,7 +288,7 @@ def tiny():
 
     cfg = load_config("configs/train_tiny_cpu.yaml", TINY + ["algorithm.loss=rspo", "train.lr=0",
                                                              "train.micro_batch_size=3"])
-    policy = moe_gspo.load_policy(cfg)
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     return cfg, policy, copy.deepcopy(policy.state_dict())
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from moe_gspo.losses import DEFAULT_AGG, DEFAULT_CLIP, get_policy_loss, loss_denominator
+from moe_gspo.losses import get_policy_loss, loss_denominator, POLICY_LOSSES
 
 D = torch.float64
 
@@ -111,7 +111,7 @@ def test_sapo_temperatures_are_used(tau):
     ref, gref = _sapo_ref(logp, old, adv, mask, "seq-mean-token-mean", *tau)
     assert float(loss.detach()) == pytest.approx(ref, rel=1e-12)
     torch.testing.assert_close(logp.grad, gref, rtol=1e-12, atol=1e-15)
-    with pytest.raises(ValueError, match="tau_pos and tau_neg"):
+    with pytest.raises(ValueError, match="gate temperatures must be > 0"):
         get_policy_loss("sapo")(logp, old, adv, mask, tau_neg=0.0)
 
 
@@ -152,13 +152,13 @@ def test_cispo_keeps_the_gradient_of_tokens_whose_weight_is_capped():
 
 
 def test_defaults():
-    assert DEFAULT_CLIP["cispo"] == (1.0, 0.28) and DEFAULT_AGG["cispo"] == "token-mean"
-    assert DEFAULT_AGG["sapo"] == "seq-mean-token-mean"
+    assert POLICY_LOSSES["cispo"].default_clip == (1.0, 0.28) and POLICY_LOSSES["cispo"].default_agg_mode == "token-mean"
+    assert POLICY_LOSSES["sapo"].default_agg_mode == "seq-mean-token-mean"
     logp, old, adv, mask = _inputs(6)
     for name in ("sapo", "cispo"):
         a, _ = get_policy_loss(name)(logp, old, adv, mask)
-        b, _ = get_policy_loss(name)(logp, old, adv, mask, loss_agg_mode=DEFAULT_AGG[name],
-                                     clip_low=DEFAULT_CLIP[name][0], clip_high=DEFAULT_CLIP[name][1])
+        b, _ = get_policy_loss(name)(logp, old, adv, mask, loss_agg_mode=POLICY_LOSSES[name].default_agg_mode,
+                                     clip_low=POLICY_LOSSES[name].default_clip[0], clip_high=POLICY_LOSSES[name].default_clip[1])
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="clip_low <= 1"):
         get_policy_loss("cispo")(logp, old, adv, mask, clip_low=1.5)

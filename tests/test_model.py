@@ -17,7 +17,7 @@ def pair(request, tmp_path_factory):
                        inter=24, seed=11, norm_topk_prob=request.param)
     d = tmp_path_factory.mktemp("hf")
     hf.save_pretrained(str(d))
-    return hf, moe_gspo.load_policy(d), d
+    return hf, moe_gspo.load_policy(d, moe_gspo.init_parallel(d)), d
 
 
 def hf_routing(hf, x):
@@ -84,7 +84,7 @@ def test_save_load_round_trip_is_bitwise(pair, tmp_path):
     policy.save_pretrained(tmp_path / "a")
     cfg = json.loads((tmp_path / "a" / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_moe" and cfg["architectures"] == ["Qwen3MoeForCausalLM"]
-    again = moe_gspo.load_policy(tmp_path / "a")
+    again = moe_gspo.load_policy(tmp_path / "a", moe_gspo.init_parallel(tmp_path / "a"))
     a, b = policy.megatron_state(), again.megatron_state()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "save -> load changed a weight"
@@ -102,25 +102,26 @@ def test_sharded_checkpoint_loads(pair, tmp_path):
     policy.save_pretrained(tmp_path / "s", max_shard_bytes=200_000)
     files = sorted(p.name for p in (tmp_path / "s").iterdir())
     assert "model.safetensors.index.json" in files and len([f for f in files if f.endswith(".safetensors")]) > 1
-    again = moe_gspo.load_policy(tmp_path / "s")
+    again = moe_gspo.load_policy(tmp_path / "s", moe_gspo.init_parallel(tmp_path / "s"))
     a, b = policy.megatron_state(), again.megatron_state()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_load_from_yaml_and_config(tmp_path):
     cfg = load_config("configs/tiny_cpu.yaml")
-    p = moe_gspo.load_policy(cfg)
+    p = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     x = torch.randint(0, cfg.model.vocab_size, (2, 8))
     assert p(x).shape == (2, 8, cfg.model.vocab_size)
-    p2 = moe_gspo.load_policy("configs/tiny_cpu.yaml")
+    p2 = moe_gspo.load_policy("configs/tiny_cpu.yaml", moe_gspo.init_parallel("configs/tiny_cpu.yaml"))
     assert p2.model_config == cfg.model
 
 
 def test_sequence_longer_than_context_is_refused():
-    p = moe_gspo.load_policy(ModelConfig(vocab_size=32, hidden_size=32, num_attention_heads=2,
-                                         num_key_value_heads=1, head_dim=16, num_experts=4,
-                                         moe_intermediate_size=16, num_hidden_layers=1,
-                                         max_position_embeddings=8))
+    source = ModelConfig(vocab_size=32, hidden_size=32, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, num_experts=4,
+                         moe_intermediate_size=16, num_hidden_layers=1,
+                         max_position_embeddings=8)
+    p = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         p(torch.zeros(1, 9, dtype=torch.long))
 
@@ -129,14 +130,14 @@ def test_sequence_longer_than_context_is_refused():
 def test_other_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ConfigError, match="model_type='llama'"):
-        moe_gspo.load_policy(tmp_path)
+        moe_gspo.load_policy(tmp_path, moe_gspo.init_parallel(tmp_path))
 
 
 def test_missing_weights_file(pair, tmp_path):
     _, _, d = pair
     (tmp_path / "config.json").write_text((d / "config.json").read_text())
     with pytest.raises(ConfigError, match="no \\*.safetensors"):
-        moe_gspo.load_policy(tmp_path)
+        moe_gspo.load_policy(tmp_path, moe_gspo.init_parallel(tmp_path))
 
 
 def test_truncated_weights_file(pair, tmp_path):
@@ -145,13 +146,13 @@ def test_truncated_weights_file(pair, tmp_path):
     data = (d / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ConfigError, match="model.safetensors: unreadable or truncated"):
-        moe_gspo.load_policy(tmp_path)
+        moe_gspo.load_policy(tmp_path, moe_gspo.init_parallel(tmp_path))
 
 
 def test_garbled_config_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="config.json: invalid JSON"):
-        moe_gspo.load_policy(tmp_path)
+        moe_gspo.load_policy(tmp_path, moe_gspo.init_parallel(tmp_path))
 
 
 def test_missing_tensor_is_named(pair, tmp_path):
@@ -163,4 +164,4 @@ def test_missing_tensor_is_named(pair, tmp_path):
     sd.pop("model.layers.1.self_attn.k_norm.weight")
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(ConfigError, match="model.layers.1.self_attn.k_norm.weight"):
-        moe_gspo.load_policy(tmp_path)
+        moe_gspo.load_policy(tmp_path, moe_gspo.init_parallel(tmp_path))

@@ -31,10 +31,10 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def policy(cfg):
-    from moe_gspo import load_policy
+    from moe_gspo import init_parallel, load_policy
 
     torch.manual_seed(0)
-    return load_policy(cfg)
+    return load_policy(cfg, init_parallel(cfg))
 
 
 def _batch(vocab, lengths, T):

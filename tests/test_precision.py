@@ -25,7 +25,7 @@ def _pure_bf16(tmp_path):
     from moe_gspo.train.lm import progression_batch
 
     cfg = load_config("configs/tiny_cpu.yaml", LM + ["model.params_dtype=bfloat16"])
-    policy = moe_gspo.load_policy(cfg)
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     opt = torch.optim.AdamW([p for p in policy.parameters()], lr=cfg.train.lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(cfg.train.seed)
     V, out = cfg.model.vocab_size, []

@@ -67,12 +67,12 @@ def test_logprobs_equal_full_forward_recomputation(model, prompts, temperature):
     pb = batch.to_padded()
     logits, _ = hf_forward_with_routing(model, pb.input_ids)
     recomputed = token_logprobs_from_logits(logits, pb.input_ids, temperature)
-    d = rollout_probs_diff(pb.old_logprobs, recomputed, pb.response_mask)
+    d = rollout_probs_diff(pb.engine_logprobs, recomputed, pb.response_mask)
     assert d["rollout_logprobs_diff_max"] < 1e-4, d  # float rounding at logits of magnitude ~5
     assert d["rollout_probs_diff_max"] < 1e-5, d
     # and a different model's log-probs are far off: the check can fail
     other, _ = hf_forward_with_routing(tiny_hf_model(seed=1), pb.input_ids)
-    far = rollout_probs_diff(pb.old_logprobs, token_logprobs_from_logits(other, pb.input_ids, temperature),
+    far = rollout_probs_diff(pb.engine_logprobs, token_logprobs_from_logits(other, pb.input_ids, temperature),
                              pb.response_mask)
     assert far["rollout_logprobs_diff_mean"] > 0.1
 
@@ -190,13 +190,13 @@ def test_padded_layout_and_select(model, prompts):
     batch = build_engine("hf", model, tokenizer=TOK).generate(prompts, 2, SamplingParams(max_new_tokens=6, seed=1))
     pb = batch.to_padded(pad_id=TOK.pad_id, max_len=32)
     assert pb.input_ids.shape == (8, 32) and pb.input_ids.dtype == torch.long
-    assert pb.old_logprobs.dtype == torch.float32 and pb.response_mask.dtype == torch.bool
+    assert pb.engine_logprobs.dtype == torch.float32 and pb.response_mask.dtype == torch.bool
     for i in range(len(batch)):
         P, R = batch.prompt_ids[i].numel(), batch.response_ids[i].numel()
         assert pb.response_mask[i].nonzero().flatten().tolist() == list(range(P, P + R))
-        assert torch.equal(pb.old_logprobs[i, P:P + R], batch.logprobs[i])
+        assert torch.equal(pb.engine_logprobs[i, P:P + R], batch.logprobs[i])
         assert torch.equal(pb.input_ids[i, P:P + R], batch.response_ids[i])
-    assert (pb.old_logprobs[~pb.response_mask] == 0).all()
+    assert (pb.engine_logprobs[~pb.response_mask] == 0).all()
     assert pb.replay_source().indices(2).shape == (8 * 32, 2)
     sub = select_responses(batch, [3, 0])
     assert sub.sample_ids.tolist() == [batch.sample_ids[3], batch.sample_ids[0]]
@@ -257,11 +257,11 @@ def _megatron_policy():
         import moe_gspo.model.policy  # noqa: F401
     except ImportError as e:
         pytest.skip(f"moe_gspo.model.policy not available yet ({e})")
-    from moe_gspo import load_policy
+    from moe_gspo import init_parallel, load_policy
     from moe_gspo.config import load_config
 
     torch.manual_seed(0)
-    policy = load_policy(load_config("configs/tiny_cpu.yaml"))
+    policy = load_policy(load_config("configs/tiny_cpu.yaml"), init_parallel(load_config("configs/tiny_cpu.yaml")))
     if not hasattr(policy, "export_hf"):
         pytest.skip("policy has no export_hf() yet")
     with torch.no_grad():  # larger weights than the 0.02 init: peaked logits, decisive routing
@@ -283,7 +283,7 @@ def test_hf_engine_matches_megatron_policy(prompts):
     with torch.no_grad():
         logits = policy(pb.input_ids, routing=cap)
     logits = logits.logits if hasattr(logits, "logits") else logits
-    d = rollout_probs_diff(pb.old_logprobs, token_logprobs_from_logits(logits, pb.input_ids), pb.response_mask)
+    d = rollout_probs_diff(pb.engine_logprobs, token_logprobs_from_logits(logits, pb.input_ids), pb.response_mask)
     assert d["rollout_logprobs_diff_max"] < 1e-4, d
     B, T = pb.input_ids.shape
     policy_routing = cap.stacked().reshape(B, T, *cap.stacked().shape[1:]).sort(-1).values
@@ -308,7 +308,7 @@ def test_half_precision_engines_differ_from_the_trainer_by_their_rounding(prompt
         assert eng.dtype == getattr(torch, dtype) and next(eng.model.parameters()).dtype == eng.dtype
         with torch.no_grad():
             logits = eng.model(input_ids=pb.input_ids).logits.float()
-        d = rollout_probs_diff(pb.old_logprobs, token_logprobs_from_logits(logits, pb.input_ids), pb.response_mask)
+        d = rollout_probs_diff(pb.engine_logprobs, token_logprobs_from_logits(logits, pb.input_ids), pb.response_mask)
         gaps[dtype] = d["rollout_logprobs_diff_mean"]
     assert 0 < gaps["float16"] < gaps["bfloat16"], gaps
     with pytest.raises(ConfigError, match="rollout.engine_dtype"):

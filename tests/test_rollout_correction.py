@@ -223,7 +223,17 @@ def test_bad_weight_is_a_clear_error():
      "algorithm.rollout_rs_threshold"),
     (["algorithm.rollout_rs=seq_sum_k2", "algorithm.rollout_rs_threshold=[0.5,2]"], "algorithm.rollout_rs_threshold"),
     (["algorithm.rollout_is=token", "algorithm.use_engine_logprobs=true"], "algorithm.rollout_is"),
-    (["algorithm.sapo_tau_neg=0"], "algorithm.sapo_tau_neg"),
+    (["algorithm.loss=sapo", "algorithm.loss_options.tau_neg=0"], "algorithm.loss_options.tau_neg"),
+    (["algorithm.loss=sapo", "algorithm.loss_options.tau=1"], "algorithm.loss_options.tau"),
+    (["algorithm.loss=gspo", "algorithm.loss_options.tau_pos=1"], "algorithm.loss_options.tau_pos"),
+    (["algorithm.loss=grpo", "algorithm.loss_options.clip_ratio_c=0.5"], "algorithm.loss_options.clip_ratio_c"),
+    (["algorithm.clip_low=-0.1"], "algorithm.clip_low"),
+    (["algorithm.loss=cispo", "algorithm.clip_low=1.5"], "algorithm.clip_low"),
+    (["algorithm.loss=gmpo", "algorithm.clip_high=-1"], "algorithm.clip_high"),
+    (["algorithm.loss=gmpo", "algorithm.loss_agg_mode=seq-mean-token-sum"], "algorithm.loss_agg_mode"),
+    (["algorithm.loss=ppo"], "algorithm.loss"),
+    (["algorithm.kl_beta=-1"], "algorithm.kl_beta"),
+    (["algorithm.kl_estimator=k9"], "algorithm.kl_estimator"),
 ])
 def test_bad_correction_config_fails_at_load_with_one_line_naming_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:
@@ -234,9 +244,6 @@ def test_bad_correction_config_fails_at_load_with_one_line_naming_the_field(over
 
 
 def test_config_modes_are_the_loss_modes_and_thresholds_reach_the_functions():
-    from moe_gspo.config.algorithm import ROLLOUT_RS_MODES
-
-    assert ROLLOUT_RS_MODES == RS_MODES
     a = load_config(None, ["algorithm.rollout_is=sequence", "algorithm.rollout_is_threshold=[0.5,2]",
                            "algorithm.rollout_rs=seq_mean_k1", "algorithm.rollout_rs_threshold=1.01"]).algorithm
     assert a.rollout_is_threshold == [0.5, 2.0] and a.rollout_rs_threshold == 1.01
@@ -288,7 +295,7 @@ def test_trainer_loss_call_applies_rejection_then_weights(bypass, loss):
     (decoupled) or from the detached current ones (bypass, where pi_old is the engine)."""
     from types import SimpleNamespace
 
-    from moe_gspo.train.step import _loss_rows
+    from moe_gspo.train.step import LossRows, rollout_correction, rows_loss
 
     logp, old, adv, mask, _ = _inputs(3)
     g = torch.Generator().manual_seed(9)
@@ -297,9 +304,13 @@ def test_trainer_loss_call_applies_rejection_then_weights(bypass, loss):
     ovs += ["algorithm.use_engine_logprobs=true"] if bypass else ["algorithm.rollout_is=token",
                                                                   "algorithm.rollout_is_threshold=1.05"]
     cfg = load_config(None, ovs)
-    ctx = SimpleNamespace(cfg=cfg, loss_fn=get_policy_loss(loss))
+    ctx = SimpleNamespace(cfg=cfg, loss=cfg.algorithm.policy_loss())
     pi_old = engine if bypass else old
-    got, m = _loss_rows(ctx, pi_old, adv, mask, None, {}, 7.0, engine)(logp, 0, len(logp))
+    if bypass:  # the loss call compares the current log-probs with the engine's
+        got, m = rows_loss(ctx, LossRows(pi_old, adv, mask, engine_logp=engine), logp, 7.0)
+    else:  # computed once per minibatch from pi_old, before any loss call
+        keep, w, m = rollout_correction(cfg.algorithm, old, engine, mask)
+        got, _ = rows_loss(ctx, LossRows(pi_old, adv, keep, rollout_is_weight=w), logp, 7.0)
     (g_got,) = torch.autograd.grad(got, logp)
 
     lr = rollout_log_ratio(logp if bypass else old, engine, mask)

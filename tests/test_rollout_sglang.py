@@ -59,7 +59,7 @@ def test_sglang_logprobs_and_routing_match_hf_forward(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(batch.response_ids, again.response_ids))
         pb = batch.to_padded()
         logits, routing = hf_forward_with_routing(model, pb.input_ids)
-        d = rollout_probs_diff(pb.old_logprobs, token_logprobs_from_logits(logits, pb.input_ids), pb.response_mask)
+        d = rollout_probs_diff(pb.engine_logprobs, token_logprobs_from_logits(logits, pb.input_ids), pb.response_mask)
         assert d["rollout_logprobs_diff_max"] < 1e-2, d  # GPU kernels vs CPU fp32
         known = pb.routing[..., 0, 0] >= 0
         agree = (pb.routing[known] == routing[known]).all(-1).float().mean()

@@ -21,11 +21,12 @@ LOGP_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def policy():
-    from moe_gspo import load_policy
+    from moe_gspo import init_parallel, load_policy
     from moe_gspo.config import load_config
 
     torch.manual_seed(0)
-    p = load_policy(load_config(ROOT / "configs" / "tiny_cpu.yaml"))
+    source = load_config(ROOT / "configs" / "tiny_cpu.yaml")
+    p = load_policy(source, init_parallel(source))
     with torch.no_grad():  # larger weights than the 0.02 init: peaked logits, decisive routing
         for w in p.parameters():
             if w.dim() >= 2:

@@ -20,11 +20,12 @@ STOP = 7  # a token id used as the stop token
 
 @pytest.fixture(scope="module")
 def policy():
-    from moe_gspo import load_policy
+    from moe_gspo import init_parallel, load_policy
     from moe_gspo.config import load_config
 
     torch.manual_seed(0)
-    p = load_policy(load_config(ROOT / "configs/tiny_cpu.yaml"))  # head_dim 32, 4 layers, 8 experts top-2
+    source = load_config(ROOT / "configs/tiny_cpu.yaml")
+    p = load_policy(source, init_parallel(source))  # head_dim 32, 4 layers, 8 experts top-2
     with torch.no_grad():  # larger weights than the 0.02 init: peaked logits, decisive routing
         for w in p.parameters():
             if w.dim() >= 2:
@@ -82,7 +83,7 @@ def test_fp32_engine_equals_trainer_logprobs_and_routing(policy, engine):
     assert len(batch) == 64 and all(r.numel() == 32 for r in batch.response_ids)
     pb = batch.to_padded()
     logp, routing = _trainer(policy, pb)
-    d = rollout_probs_diff(pb.old_logprobs, logp, pb.response_mask)
+    d = rollout_probs_diff(pb.engine_logprobs, logp, pb.response_mask)
     assert d["rollout_logprobs_diff_max"] < 1e-5, d
     known = pb.routing[..., 0, 0] >= 0
     lengths = torch.tensor([p.numel() + r.numel() - 1 for p, r in zip(batch.prompt_ids, batch.response_ids)])
@@ -125,7 +126,7 @@ def test_routing_when_requests_join_a_running_batch(policy, engine):
         assert known.sum().item() == sum(p.numel() + r.numel() - 1 for p, r in
                                          zip(batch.prompt_ids, batch.response_ids))
         assert torch.equal(pb.routing[known], routing[known])
-        assert rollout_probs_diff(pb.old_logprobs, logp, pb.response_mask)["rollout_logprobs_diff_max"] < 1e-5
+        assert rollout_probs_diff(pb.engine_logprobs, logp, pb.response_mask)["rollout_logprobs_diff_max"] < 1e-5
     finally:
         eng.close()
     big = [[1] + [g.randrange(8, 128) for _ in range(40)] for _ in range(32)]  # 5.2k prompt tokens > 4096 a step
@@ -144,7 +145,7 @@ def test_temperature_logprobs_follow_the_hf_convention(policy, engine):
         with torch.no_grad():
             logits = policy(pb.input_ids)
         want = token_logprobs_from_logits(logits, pb.input_ids, temperature=temperature or 1.0)
-        d = rollout_probs_diff(pb.old_logprobs, want, pb.response_mask)
+        d = rollout_probs_diff(pb.engine_logprobs, want, pb.response_mask)
         assert d["rollout_logprobs_diff_max"] < 1e-5, (temperature, d)
 
 
@@ -160,7 +161,7 @@ def test_top_p_samples_the_nucleus_and_reports_untruncated_logprobs(policy, engi
     m = pb.response_mask[:, 1:]
     tok = pb.input_ids[:, 1:]
     lp = logp_BTV[:, :-1].gather(-1, tok[..., None]).squeeze(-1)
-    assert (lp[m] - pb.old_logprobs[:, 1:][m]).abs().max() < 1e-5
+    assert (lp[m] - pb.engine_logprobs[:, 1:][m]).abs().max() < 1e-5
     # the mass of the tokens more probable than the sampled one is below top_p: it is inside the nucleus
     p = logp_BTV[:, :-1].exp()
     before = (p * (p > lp.exp()[..., None])).sum(-1)
@@ -267,12 +268,13 @@ def test_weight_updates_equal_a_fresh_engine(policy, engine, tmp_path):
 def test_expert_width_padded_by_vllm():
     """moe_intermediate_size 48: vLLM's CPU experts pad it to 64, and the update writes the up projection at the
     padded offset; the engine still equals the trainer."""
-    from moe_gspo import load_policy
+    from moe_gspo import init_parallel, load_policy
     from moe_gspo.config import load_config
 
     torch.manual_seed(1)
-    p = load_policy(load_config(ROOT / "configs/tiny_cpu.yaml", ["model.moe_intermediate_size=48",
-                                                                 "model.num_hidden_layers=2"]))
+    source = load_config(ROOT / "configs/tiny_cpu.yaml", ["model.moe_intermediate_size=48",
+                         "model.num_hidden_layers=2"])
+    p = load_policy(source, init_parallel(source))
     _perturb(p, seed=5, scale=2.0)
     eng = build_engine("vllm", p, dtype="float32")
     try:
@@ -281,7 +283,7 @@ def test_expert_width_padded_by_vllm():
         batch = eng.generate(_prompts(4), 2, SamplingParams(max_new_tokens=16, seed=0))
         pb = batch.to_padded()
         logp, routing = _trainer(p, pb)
-        assert rollout_probs_diff(pb.old_logprobs, logp, pb.response_mask)["rollout_logprobs_diff_max"] < 1e-5
+        assert rollout_probs_diff(pb.engine_logprobs, logp, pb.response_mask)["rollout_logprobs_diff_max"] < 1e-5
         known = pb.routing[..., 0, 0] >= 0
         assert torch.equal(pb.routing[known], routing[known])
     finally:
@@ -355,11 +357,12 @@ def test_bf16_engine_r3_run_reports_a_real_mismatch(tmp_path):
 def test_cuda_engine_native_routing_and_weight_update():
     """On a GPU: vLLM's own routed-experts capture in RolloutBatch's layout, equal to the fp32 trainer's routing on
     almost every slot, log-probs within fp32 GPU rounding, and an update that moves the engine with the policy."""
-    from moe_gspo import load_policy
+    from moe_gspo import init_parallel, load_policy
     from moe_gspo.config import load_config
 
     torch.manual_seed(0)
-    p = load_policy(load_config(ROOT / "configs/tiny_cpu.yaml", ["parallel.backend=nccl"]))
+    source = load_config(ROOT / "configs/tiny_cpu.yaml", ["parallel.backend=nccl"])
+    p = load_policy(source, init_parallel(source))
     _perturb(p, seed=1, scale=2.0)
     eng = build_engine("vllm", p, dtype="float32")
     try:
@@ -367,7 +370,7 @@ def test_cuda_engine_native_routing_and_weight_update():
             batch = eng.generate(_prompts(8), 4, SamplingParams(max_new_tokens=16, seed=rnd))
             pb = batch.to_padded()
             logp, routing = _trainer(p, pb.to(p.device))
-            d = rollout_probs_diff(pb.old_logprobs, logp.cpu(), pb.response_mask)
+            d = rollout_probs_diff(pb.engine_logprobs, logp.cpu(), pb.response_mask)
             assert d["rollout_logprobs_diff_max"] < 1e-3, (rnd, d)
             known = pb.routing[..., 0, 0] >= 0
             same = (pb.routing[known] == routing.cpu()[known]).all(-1).float().mean()

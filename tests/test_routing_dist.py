@@ -34,7 +34,9 @@ def worker() -> None:
     from worker_args import checkpoint_args  # noqa: E402
 
     args = checkpoint_args()
-    policy = moe_gspo.load_policy(args.ckpt, parallel=ParallelConfig(tp=args.tp, ep=args.ep))
+    source = args.ckpt
+    layout = ParallelConfig(tp=args.tp, ep=args.ep)
+    policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source, parallel=layout), parallel=layout)
     mc = policy.model_config
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     g = torch.Generator().manual_seed(1234)

@@ -19,7 +19,8 @@ SIDS = [100, 101, 102]
 
 @pytest.fixture(scope="module")
 def built():
-    policy = moe_gspo.load_policy(load_config("configs/tiny_cpu.yaml"))
+    source = load_config("configs/tiny_cpu.yaml")
+    policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
     return policy, copy.deepcopy(policy.state_dict())
 
 

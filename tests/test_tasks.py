@@ -121,7 +121,7 @@ def test_column_addition_cold_start_learns_the_demonstrations():
                              "model.num_experts=4", "model.moe_intermediate_size=128",
                              "model.max_position_embeddings=64", "train.cold_start_steps=60",
                              "train.cold_start_lr=0.003", "train.cold_start_batch_size=16"])
-    policy = moe_gspo.load_policy(cfg)
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     task = ColumnAdditionTask(4, 4)
     heldout = demonstration_batch(task.examples(32, seed=5, split="test"), TOK)
     with torch.no_grad():
@@ -197,7 +197,7 @@ def test_cold_start_raises_heldout_accuracy():
                              "model.num_experts=4", "model.moe_intermediate_size=128",
                              "model.max_position_embeddings=64", "train.cold_start_steps=150",
                              "train.cold_start_lr=0.003", "train.cold_start_batch_size=32"])
-    policy = moe_gspo.load_policy(cfg)
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     task = AdditionTask(1, 1, heldout_fraction=0.2)
     ids, mask = demonstration_batch(task.examples(2), TOK)
     assert TOK.decode(ids[0][mask[0]].tolist()) == task.examples(2)[0].answer  # loss only on answer + eos

@@ -25,7 +25,7 @@ def local():
     import moe_gspo
 
     torch.manual_seed(0)
-    return moe_gspo.load_policy(TINY)
+    return moe_gspo.load_policy(TINY, moe_gspo.init_parallel(TINY))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,7 +41,7 @@ def _te_policy(local, experts: str):
     from moe_gspo.model.policy import MoEPolicy
 
     return MoEPolicy(dataclasses.replace(local.model_config, spec="te", experts=experts, attention="te"),
-                     local.parallel_config)
+                     local.parallel_config, local.groups)
 
 
 @pytest.fixture(scope="module", params=["grouped", "megatron"])

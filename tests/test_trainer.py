@@ -144,7 +144,7 @@ def test_train_cli_reports_config_errors_with_exit_code_2(tmp_path, capsys):
 
     assert main(["train", "--config", "configs/train_tiny_cpu.yaml", "--out", str(tmp_path), "algorithm.loss=ppo"]) == 2
     err = capsys.readouterr().err
-    assert "algorithm.loss='ppo' is not one of" in err and "'gspo'" in err and err.count("\n") == 1
+    assert "algorithm.loss='ppo': unknown policy loss; valid names:" in err and " gspo," in err and err.count("\n") == 1
 
 
 def test_config_rejects_bad_trainer_values():
@@ -159,12 +159,12 @@ def test_config_rejects_bad_trainer_values():
 
 
 def test_fused_logprobs_equal_eager_values_and_gradients():
-    from moe_gspo import load_policy
+    from moe_gspo import init_parallel, load_policy
     from moe_gspo.model.routing_capture import RoutingCapture
     from moe_gspo.train.logprob import batch_logprobs
 
     cfg = tiny_cfg()
-    policy = load_policy(cfg)
+    policy = load_policy(cfg, init_parallel(cfg))
     ids = torch.randint(0, 100, (3, 9), generator=torch.Generator().manual_seed(0))
     out = {}
     for impl in ("eager", "fused"):
@@ -183,11 +183,11 @@ def test_fused_logprobs_equal_eager_values_and_gradients():
 def test_megatron_optimizer_step_equals_torch_adamw(clip):
     """megatron's optimizer (fp32, one process), its grad norm and clipping == torch AdamW + clip_grad_norm_ on the
     same gradients."""
-    from moe_gspo import load_policy
+    from moe_gspo import init_parallel, load_policy
     from moe_gspo.train.optim import Optimizer, wrap_ddp
 
     cfg = tiny_cfg(f"train.grad_clip={clip}", "train.weight_decay=0.1", "train.lr=0.01")
-    policy = load_policy(cfg)
+    policy = load_policy(cfg, init_parallel(cfg))
     opt = Optimizer.from_config(wrap_ddp(policy), policy, cfg.train, total_steps=4)
     params = dict(policy.gpt.named_parameters())
     ref = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
@@ -309,7 +309,7 @@ def test_cpu_adam_steps_fused_and_equals_torch_adams_parameter_loop():
     cfg = tiny_cfg("train.lr=0.01")
     pols, opts = [], []
     for _ in range(2):
-        p = moe_gspo.load_policy(cfg)
+        p = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
         if pols:
             p.load_full_megatron_state(pols[0].full_megatron_state())
         pols.append(p)

@@ -24,9 +24,9 @@ BASE = TINY + ["train.micro_batch_size=4"]
 
 @pytest.fixture(scope="module")
 def policy():
-    from moe_gspo import load_policy
+    from moe_gspo import init_parallel, load_policy
 
-    return load_policy(case_cfg(BASE, "gspo_temperature"))
+    return load_policy(case_cfg(BASE, "gspo_temperature"), init_parallel(case_cfg(BASE, "gspo_temperature")))
 
 
 @pytest.mark.parametrize("case", list(CASES))

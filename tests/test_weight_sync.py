@@ -20,9 +20,10 @@ def policy():
     import moe_gspo
     from moe_gspo.config import ModelConfig
 
-    p = moe_gspo.load_policy(ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                         moe_intermediate_size=16))
+    source = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=16)
+    p = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
     with torch.no_grad():
         for w in p.parameters():
             w.normal_(0.0, 0.1)

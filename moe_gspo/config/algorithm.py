@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from moe_gspo.config.checks import ConfigError, choice
 
@@ -17,8 +16,11 @@ class AlgorithmConfig:
 
     loss: str = "gspo"
     """Policy loss by registered name: 'gspo', 'gspo_token', 'grpo', 'gmpo' (geometric mean of token ratios),
-    'rspo' (gmpo with the router-shift weight), 'sapo' (soft gate instead of a clip) or 'cispo' (REINFORCE with a
-    clipped, detached importance weight)."""
+    'rspo' (gmpo with the router-shift weight), 'sapo' (soft gate instead of a clip), 'cispo' (REINFORCE with a
+    clipped, detached importance weight), or any loss registered with moe_gspo.losses.register_policy_loss."""
+    loss_options: dict[str, Any] = field(default_factory=dict)
+    """The loss's own options by name, checked by the loss at config load: sapo's tau_pos (1.0) and tau_neg
+    (1.05), grpo's dual-clip bound clip_ratio_c (None); the other built-in losses take none."""
     advantage: str = "grpo"
     """Advantage estimator by registered name (group-relative by default)."""
     clip_low: float | None = None
@@ -51,10 +53,6 @@ class AlgorithmConfig:
     router_score_dtype: str = "float16"
     """Dtype the old router scores are kept in between the old-log-prob pass and the updates: 'float16' (2 bytes
     per score), 'bfloat16' (2) or 'float32' (4)."""
-    sapo_tau_pos: float = 1.0
-    """SAPO's gate temperature for positive advantages (> 0; arXiv:2511.20347's default)."""
-    sapo_tau_neg: float = 1.05
-    """SAPO's gate temperature for negative advantages (> 0; larger decays the gradient of off-policy tokens faster)."""
     rollout_is: str = "off"
     """Importance weights by the rollout ratio rho = pi_trainer / pi_engine on every response token's gradient:
     'off', 'token' (rho per token) or 'sequence' (the product of a response's rho). Not with use_engine_logprobs,
@@ -71,58 +69,40 @@ class AlgorithmConfig:
 
     def __post_init__(self):
         choice(self, "routing_replay", ("off", "r2", "r3"))
-        if self.loss_agg_mode is None:
-            self.loss_agg_mode = "token-mean" if self.loss == "cispo" else "seq-mean-token-mean"
-        choice(self, "loss_agg_mode", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
-        if self.kl_beta < 0:
-            raise ConfigError(f"algorithm.kl_beta={self.kl_beta} must be >= 0")
-        choice(self, "kl_estimator", ("k1", "k3", "low_var_kl"))
         choice(self, "router_score_dtype", ("float16", "bfloat16", "float32"))
         if not 0 < self.router_shift_floor <= 1:
             raise ConfigError(f"algorithm.router_shift_floor={self.router_shift_floor} must be in (0, 1]")
-        if self.loss in ("gmpo", "rspo") and self.loss_agg_mode == "seq-mean-token-sum":
-            raise ConfigError(f"algorithm.loss_agg_mode='seq-mean-token-sum' does not apply to algorithm.loss="
-                              f"{self.loss!r}; use 'seq-mean-token-mean' (the paper's) or 'token-mean'")
-        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
-            raise ConfigError(f"algorithm.sapo_tau_pos={self.sapo_tau_pos}, algorithm.sapo_tau_neg="
-                              f"{self.sapo_tau_neg}: both must be > 0")
+        loss = self.policy_loss()  # the loss checks its own clip range, aggregation, KL and options
+        self.loss_agg_mode = loss.loss_agg_mode  # None takes the loss's own default
         self._check_rollout_correction()
-        if (self.loss == "rspo" or self.router_shift) and self.use_engine_logprobs:
+        if (loss.needs_router_shift or self.router_shift) and self.use_engine_logprobs:
             raise ConfigError(f"algorithm.use_engine_logprobs=true cannot go with the router shift (algorithm.loss="
                               f"{self.loss!r}, algorithm.router_shift={self.router_shift}): it needs the old router "
                               "scores that the training engine's old-log-prob pass records")
 
+    def policy_loss(self):
+        """The configured loss (moe_gspo.losses.PolicyLoss); its hyperparameter errors as ConfigError naming the
+        algorithm field."""
+        from moe_gspo.losses import LossConfigError, policy_loss_from_config
+
+        try:
+            return policy_loss_from_config(self)
+        except LossConfigError as e:
+            raise ConfigError(f"algorithm.{e.field}={e.value!r}: {e.why}") from None
+
     def _check_rollout_correction(self):
-        choice(self, "rollout_is", ("off", "token", "sequence"))
-        choice(self, "rollout_rs", ("off",) + ROLLOUT_RS_MODES)
-        _check_bounds("rollout_is_threshold", self.rollout_is_threshold, pair_ok=True)
-        if self.rollout_rs != "off":
-            if self.rollout_rs_threshold is None:
-                raise ConfigError(f"algorithm.rollout_rs_threshold is required with algorithm.rollout_rs="
-                                  f"{self.rollout_rs!r}")
-            _check_bounds("rollout_rs_threshold", self.rollout_rs_threshold, pair_ok=self.rollout_rs.endswith("k1"))
-        elif self.rollout_rs_threshold is not None:
-            _check_bounds("rollout_rs_threshold", self.rollout_rs_threshold, pair_ok=True)
+        from moe_gspo.losses.rollout_correction import IS_LEVELS, RS_MODES, is_threshold_bounds, rs_threshold_bounds
+
+        choice(self, "rollout_is", ("off",) + IS_LEVELS)
+        choice(self, "rollout_rs", ("off",) + RS_MODES)
+        try:
+            is_threshold_bounds(self.rollout_is_threshold)
+            if self.rollout_rs != "off":
+                rs_threshold_bounds(self.rollout_rs, self.rollout_rs_threshold)
+        except ValueError as e:
+            raise ConfigError(f"algorithm.{e}") from None
         if self.rollout_is != "off" and self.use_engine_logprobs:
             raise ConfigError(f"algorithm.rollout_is={self.rollout_is!r} cannot go with algorithm.use_engine_logprobs="
                               "true: the loss's ratio pi_theta / pi_engine already corrects for the engine (bypass "
                               "mode takes algorithm.rollout_rs only)")
 
-
-ROLLOUT_RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-                    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
-
-
-def _check_bounds(name: str, value, pair_ok: bool) -> None:
-    """A finite number > 0, or (where pair_ok) a pair [lower, upper] with 0 < lower <= upper."""
-    where = f"algorithm.{name}={value!r}"
-    if isinstance(value, (list, tuple)):
-        if not pair_ok:
-            raise ConfigError(f"{where}: this mode takes one upper bound, not a pair")
-        if len(value) != 2:
-            raise ConfigError(f"{where}: give one number or a pair [lower, upper]")
-        lower, upper = value
-        if not (0 < lower <= upper < math.inf):
-            raise ConfigError(f"{where}: need 0 < lower <= upper (finite)")
-    elif not 0 < value < math.inf:
-        raise ConfigError(f"{where} must be a finite number > 0")

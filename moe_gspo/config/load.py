@@ -48,6 +48,10 @@ def _coerce(value, tp, where: str):
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is dict:  # free-form options (algorithm.loss_options): their owner checks them
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return dict(value)
+        raise ConfigError(f"{where}={value!r} must be a mapping of names to values")
     if origin is list:
         (item,) = typing.get_args(tp)
         if isinstance(value, (list, tuple)):

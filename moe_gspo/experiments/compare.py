@@ -122,15 +122,16 @@ def cold_start_key(cfg) -> str:
 def cold_start_state(cfg) -> dict:
     """Run the cold-start stage once on a fresh policy; return its full (unsharded) weights."""
 
-    from moe_gspo.model.load import load_policy
-    from moe_gspo.parallel.state import current_info
+    from moe_gspo.model.load import init_parallel, load_policy
+    from moe_gspo.parallel.state import parallel_info
     from moe_gspo.tasks import task_from_config
     from moe_gspo.train.data import build_tokenizer
     from moe_gspo.train.optim import release_ddp, wrap_ddp
     from moe_gspo.train.step import cold_start
 
-    policy = load_policy(cfg)
-    info = current_info()
+    groups = init_parallel(cfg)
+    policy = load_policy(cfg, groups)
+    info = parallel_info(groups)
     if cfg.train.cold_start_steps:
         ddp = wrap_ddp(policy, cfg.train.distributed_optimizer)
         cold_start(policy, ddp, cfg.train, task_from_config(cfg.rollout), build_tokenizer(cfg), info.dp, info.dp_rank)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from moe_gspo.losses.aggregation import agg_seq_loss
 from moe_gspo.losses.policy import _frac, surrogate_metrics
-from moe_gspo.losses.registry import register_policy_loss
+from moe_gspo.losses.registry import PolicyLoss, register_policy_loss
 
 GMPO_CLIP = (0.4, 0.4)  # arXiv:2507.20673: log-ratios clipped to [-0.4, 0.4], i.e. ratios to [e^-0.4, e^0.4]
 GMPO_AGG_MODES = ("seq-mean-token-mean", "token-mean")
@@ -70,7 +70,21 @@ def gmpo_loss(
                                       seq_clipfrac=_frac(clipped.any(-1), nonempty_B))
 
 
-gmpo = register_policy_loss("gmpo", default_clip=GMPO_CLIP, clip_space="log", agg_modes=GMPO_AGG_MODES)(gmpo_loss)
-# RSPO (arXiv:2510.23027) is GMPO + the router-shift weight; the paper builds on GMPO, so its clip range is GMPO's
-rspo = register_policy_loss("rspo", default_clip=GMPO_CLIP, clip_space="log", agg_modes=GMPO_AGG_MODES,
-                            needs_router_shift=True)(gmpo_loss)
+@register_policy_loss
+class GMPO(PolicyLoss):
+    """GMPO: the geometric mean of per-token clipped ratios (log-space clip)."""
+
+    name = "gmpo"
+    default_clip = GMPO_CLIP
+    clip_space = "log"
+    agg_modes = GMPO_AGG_MODES
+    fn = staticmethod(gmpo_loss)
+
+
+@register_policy_loss
+class RSPO(GMPO):
+    """RSPO (arXiv:2510.23027): GMPO on router-shift-rescaled ratios; the paper builds on GMPO, so its clip range
+    is GMPO's."""
+
+    name = "rspo"
+    needs_router_shift = True

@@ -1,9 +1,9 @@
 """GRPO, GSPO and GSPO-token policy losses (arXiv:2402.03300, arXiv:2507.18071).
 
-Each loss is a small pure function registered by name (see registry.py, which validates inputs, handles the
-packed layout and the optional KL term before calling it). Called through `get_policy_loss(name)`:
+Each loss is a small pure function, registered by name as the `fn` of a PolicyLoss class (registry.py, whose
+call validates inputs, handles the packed layout and the optional KL term before calling it):
 
-    loss, metrics = fn(logp, old_logp, advantages, mask, *, clip_low=None, clip_high=None, **options)
+    loss, metrics = build_policy_loss("gspo", clip_low=3e-4)(logp, old_logp, advantages, mask)
 
 Shapes after the registry's handling: logp, old_logp, mask [B, T] (mask bool, True on response tokens;
 logp and old_logp are 0 off the mask and old_logp is detached); advantages [B] or [B, T].
@@ -23,11 +23,13 @@ Metrics (0-dim detached tensors, computed over this call's tokens):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from moe_gspo.losses.aggregation import agg_loss, agg_seq_loss
-from moe_gspo.losses.registry import ppo_kl, register_policy_loss
+from moe_gspo.losses.registry import LossConfigError, PolicyLoss, ppo_kl, register_policy_loss
 
 
 def _frac(flag: Tensor, valid: Tensor) -> Tensor:
@@ -65,7 +67,6 @@ def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return diff.sum(-1) / mask.sum(-1).clamp(min=1).to(logp.dtype)
 
 
-@register_policy_loss("grpo", default_clip=(0.2, 0.27))
 def grpo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -84,8 +85,6 @@ def grpo_loss(
     w_{i,t} = exp(logp - old_logp); l_{i,t} = max(-A w, -A clip(w, 1 - clip_low, 1 + clip_high)),
     and with dual-clip, for A < 0: l_{i,t} = min(l_{i,t}, -A clip_ratio_c). advantages: [B] or [B, T].
     """
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip bound), got {clip_ratio_c}")
     adv = advantages if advantages.dim() == 2 else advantages[:, None]  # (B, T) or (B, 1)
     log_ratio = (logp - old_logp).clamp(-log_ratio_clamp, log_ratio_clamp)  # (B, T)
     ratio = torch.exp(log_ratio)
@@ -103,7 +102,6 @@ def grpo_loss(
                                       _frac(dual, mask))
 
 
-@register_policy_loss("gspo", default_clip=(3e-4, 4e-4))
 def gspo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -139,7 +137,6 @@ def gspo_loss(
                                       seq_clipfrac=_frac(clipped_B, nonempty_B))
 
 
-@register_policy_loss("gspo_token", default_clip=(3e-4, 4e-4))
 def gspo_token_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -169,3 +166,43 @@ def gspo_token_loss(
     pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, loss_denominator)
     return pg_loss, surrogate_metrics(pg_loss, logp, old_logp, mask, torch.exp(seq_log_ratio), nonempty_B,
                                       _frac(clipped, mask), seq_clipfrac=_frac(clipped.any(-1), nonempty_B))
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    clip_ratio_c: float | None = None
+    """Dual-clip bound (> 1) on the loss of tokens with negative advantage; None: no dual clip."""
+
+    def __post_init__(self):
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise LossConfigError("loss_options.clip_ratio_c", self.clip_ratio_c, "the dual-clip bound must be > 1")
+
+
+@register_policy_loss
+class GRPO(PolicyLoss):
+    """GRPO / PPO's token-level clipped surrogate (arXiv:2402.03300)."""
+
+    name = "grpo"
+    default_clip = (0.2, 0.27)
+    Options = GRPOOptions
+    fn = staticmethod(grpo_loss)
+
+
+@register_policy_loss
+class GSPO(PolicyLoss):
+    """GSPO's sequence-level clipped surrogate (arXiv:2507.18071)."""
+
+    name = "gspo"
+    default_clip = (3e-4, 4e-4)
+    ratio_level = "sequence"
+    fn = staticmethod(gspo_loss)
+
+
+@register_policy_loss
+class GSPOToken(PolicyLoss):
+    """GSPO-token: GSPO's sequence ratio with per-token advantages."""
+
+    name = "gspo_token"
+    default_clip = (3e-4, 4e-4)
+    ratio_level = "sequence"
+    fn = staticmethod(gspo_token_loss)

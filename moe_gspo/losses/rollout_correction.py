@@ -71,7 +71,7 @@ def rs_threshold_bounds(mode: str, threshold) -> tuple[float | None, float]:
     if mode not in RS_MODES:
         raise ValueError(f"unknown rollout_rs mode {mode!r}; valid modes: {', '.join(RS_MODES)}")
     if threshold is None:
-        raise ValueError(f"rollout_rs={mode!r} needs rollout_rs_threshold")
+        raise ValueError(f"rollout_rs_threshold is required with rollout_rs={mode!r}")
     pair = isinstance(threshold, (list, tuple))
     if pair and not mode.endswith("k1"):
         raise ValueError(f"rollout_rs_threshold={list(threshold)!r}: {mode} takes one upper bound, not a pair")

@@ -21,19 +21,20 @@ whose weight was capped (their gradient is scaled, not zeroed). Aggregation defa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from moe_gspo.losses.aggregation import agg_loss
 from moe_gspo.losses.policy import _frac, surrogate_metrics
-from moe_gspo.losses.registry import register_policy_loss
+from moe_gspo.losses.registry import LossConfigError, PolicyLoss, register_policy_loss
 
 SAPO_TAU = (1.0, 1.05)  # (tau_pos, tau_neg), arXiv:2511.20347
 SAPO_BAND = (0.2, 0.28)  # the PPO band SAPO's pg_clipfrac diagnostic measures against; SAPO itself does not clip
 CISPO_CLIP = (1.0, 0.28)  # no lower bound; upper 1 + 0.28
 
 
-@register_policy_loss("sapo", default_clip=SAPO_BAND)
 def sapo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -49,9 +50,6 @@ def sapo_loss(
     tau_neg: float = SAPO_TAU[1],
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO's soft-gated surrogate; advantages [B] or [B, T]; tau_pos, tau_neg > 0."""
-    if not (tau_pos > 0 and tau_neg > 0):
-        raise ValueError(f"sapo: tau_pos and tau_neg must be > 0 (algorithm.sapo_tau_pos / sapo_tau_neg), "
-                         f"got ({tau_pos}, {tau_neg})")
     adv = advantages if advantages.dim() == 2 else advantages[:, None]  # (B, T) or (B, 1)
     ratio = torch.exp((logp - old_logp).clamp(-log_ratio_clamp, log_ratio_clamp))  # (B, T)
     tau = torch.where(adv > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))  # in the loss's dtype
@@ -65,7 +63,6 @@ def sapo_loss(
         sapo_grad_scale_mean=torch.where(mask, scale, 0).sum() / mask.sum().clamp(min=1))
 
 
-@register_policy_loss("cispo", default_clip=CISPO_CLIP, default_agg_mode="token-mean", open_low=True)
 def cispo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -85,3 +82,38 @@ def cispo_loss(
     pg_losses = -weight * adv * logp
     pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, loss_denominator)
     return pg_loss, surrogate_metrics(pg_loss, logp, old_logp, mask, ratio, mask, _frac(weight != ratio, mask))
+
+
+@dataclass(frozen=True)
+class SAPOOptions:
+    tau_pos: float = SAPO_TAU[0]
+    """Gate temperature for positive advantages (> 0)."""
+    tau_neg: float = SAPO_TAU[1]
+    """Gate temperature for negative advantages (> 0; larger decays the gradient of off-policy tokens faster)."""
+
+    def __post_init__(self):
+        for field in ("tau_pos", "tau_neg"):
+            v = getattr(self, field)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise LossConfigError(f"loss_options.{field}", v, "sapo's gate temperatures must be > 0")
+
+
+@register_policy_loss
+class SAPO(PolicyLoss):
+    """SAPO: a soft gate on the token ratio instead of a clip; clip_low / clip_high only set its band metric."""
+
+    name = "sapo"
+    default_clip = SAPO_BAND
+    Options = SAPOOptions
+    fn = staticmethod(sapo_loss)
+
+
+@register_policy_loss
+class CISPO(PolicyLoss):
+    """CISPO: REINFORCE with a clipped, detached importance weight; no lower bound by default."""
+
+    name = "cispo"
+    default_clip = CISPO_CLIP
+    default_agg_mode = "token-mean"
+    open_low = True
+    fn = staticmethod(cispo_loss)

@@ -1,7 +1,12 @@
-"""`load_policy`: one call from a config, a YAML file or a HF checkpoint dir to a ready policy module.
+"""Building the policy: process groups first, then the policy on them.
 
-Initializes torch.distributed (torchrun or a one-process group) and megatron's TP/EP groups, builds the
-megatron-core Qwen3-MoE policy on this rank, and loads (and shards) HF weights when given a checkpoint.
+    groups = init_parallel("configs/tiny_cpu.yaml")       # torch.distributed + megatron's groups, once per process
+    policy = load_policy("configs/tiny_cpu.yaml", groups)  # or a Config, a ModelConfig or a HF checkpoint dir
+
+`init_parallel` initializes torch.distributed (torchrun's or a one-process group), megatron's TP/EP/DP groups and
+its per-rank RNG tracker. `load_policy` builds the megatron-core Qwen3-MoE policy on the groups it is given, its
+initial weights drawn from a forked RNG seeded with the config's seed (the caller's RNG state is left as it was),
+and loads (and shards) HF weights when given a checkpoint. It initializes nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import torch
 
 from moe_gspo.config import Config, ConfigError, ModelConfig, ParallelConfig, load_config
 from moe_gspo.model import hf_io
-from moe_gspo.parallel.state import init_parallel
+from moe_gspo.parallel.state import init_model_parallel
 
 
 def _resolve(path_or_config) -> tuple[ModelConfig, ParallelConfig, int, Path | None]:
@@ -32,20 +37,36 @@ def _resolve(path_or_config) -> tuple[ModelConfig, ParallelConfig, int, Path | N
     raise ConfigError(f"load_policy: {p} is neither a checkpoint directory nor a YAML config")
 
 
-def load_policy(path_or_config, parallel: ParallelConfig | None = None, seed: int | None = None):
-    """Build the policy. `path_or_config`: Config, ModelConfig, a YAML path or a HF Qwen3-MoE checkpoint dir."""
+def init_parallel(path_or_config, parallel: ParallelConfig | None = None, seed: int | None = None):
+    """torch.distributed and megatron's groups for the model and layout of `path_or_config` (as load_policy takes
+    it; `parallel` overrides its layout), megatron's RNG tracker seeded with `seed` (default: the config's);
+    returns megatron's ProcessGroupCollection for load_policy and the trainer."""
+    mc, pc, cfg_seed, ckpt = _resolve(path_or_config)
+    pc = parallel or pc
+    if ckpt is not None:
+        mc = hf_io.model_config_from_hf(ckpt, mc)
+    return init_model_parallel(pc, mc.num_experts, seed=cfg_seed if seed is None else seed,
+                               num_kv_heads=mc.num_key_value_heads, vocab_size=mc.vocab_size)
+
+
+def load_policy(path_or_config, groups, parallel: ParallelConfig | None = None, seed: int | None = None):
+    """Build the policy on `groups` (init_parallel's). `path_or_config`: Config, ModelConfig, a YAML path or a HF
+    Qwen3-MoE checkpoint dir; `parallel` overrides its layout, which must match the groups' sizes."""
     from moe_gspo.model.policy import MoEPolicy
 
     mc, pc, cfg_seed, ckpt = _resolve(path_or_config)
     pc = parallel or pc
+    if (pc.tp, pc.ep) != (groups.tp.size(), groups.ep.size()):
+        raise ConfigError(f"parallel.tp={pc.tp}, parallel.ep={pc.ep} do not match the process groups "
+                          f"(tp={groups.tp.size()}, ep={groups.ep.size()}): call init_parallel with this layout")
     seed = cfg_seed if seed is None else seed
     hf_state = None
     if ckpt is not None:  # read and check everything before building anything
         mc = hf_io.model_config_from_hf(ckpt, mc)
         hf_state = hf_io.read_safetensors_dir(ckpt)
-    init_parallel(pc, mc.num_experts, seed=seed, num_kv_heads=mc.num_key_value_heads, vocab_size=mc.vocab_size)
-    torch.manual_seed(seed)
-    policy = MoEPolicy(mc, pc)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        policy = MoEPolicy(mc, pc, groups)
     if hf_state is not None:
         try:
             policy.load_hf_state(hf_state)

@@ -1,13 +1,14 @@
 """The MoE policy: megatron-core GPTModel in the Qwen3-MoE architecture, behind a batch-first interface.
 
-    policy = moe_gspo.load_policy("configs/tiny_cpu.yaml")      # or a Config, or a HF checkpoint dir
+    groups = moe_gspo.init_parallel("configs/tiny_cpu.yaml")     # megatron's ProcessGroupCollection
+    policy = moe_gspo.load_policy("configs/tiny_cpu.yaml", groups)  # or a Config, or a HF checkpoint dir
     logits_BTV = policy(input_ids_BT)                             # full vocab, float32
     hidden_BTH = policy(input_ids_BT, return_hidden=True)         # after the final norm (feeds token_logprobs)
     cap = RoutingCapture(); policy(input_ids_BT, routing=cap)     # per-layer top-k experts, batch-major
     policy.save_pretrained("out/hf")                               # HF Qwen3-MoE checkpoint
 
-The module itself runs on one device; TP/EP enter only through megatron's process groups, initialized by
-moe_gspo.parallel before the model is built. Under TP the policy's forward gathers the vocab-sharded logits
+The module itself runs on one device; TP/EP enter only through the process groups it is built with (megatron's
+ProcessGroupCollection, from moe_gspo.parallel), which it hands to megatron's GPTModel and uses for its own gathers. Under TP the policy's forward gathers the vocab-sharded logits
 (or returns sharded hidden-state inputs for the fused log-prob op via `lm_head_weight()`).
 """
 
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -50,12 +51,12 @@ def compiled(fn, num_layers: int):
 class MoEPolicy(torch.nn.Module):
     """A Qwen3-MoE causal LM (megatron-core) with batch-first inputs and explicit routing exposure."""
 
-    def __init__(self, mc: ModelConfig, pc: ParallelConfig):
+    def __init__(self, mc: ModelConfig, pc: ParallelConfig, groups):
         super().__init__()
         if mc.compile and (pc.tp > 1 or pc.ep > 1):  # collectives inside the compiled graphs are untested
             raise ConfigError(f"model.compile=true supports parallel.tp=1 and parallel.ep=1 only, "
                               f"got tp={pc.tp} ep={pc.ep}")
-        self.model_config, self.parallel_config = mc, pc
+        self.model_config, self.parallel_config, self.groups = mc, pc, groups
         self.config = transformer_config(mc, pc)
         spec = layer_spec(mc)
         block = TransformerBlockSubmodules(layer_specs=[spec] * mc.num_hidden_layers, layer_norm=RMSNorm)
@@ -64,6 +65,7 @@ class MoEPolicy(torch.nn.Module):
             max_sequence_length=mc.max_position_embeddings, pre_process=True, post_process=True,
             parallel_output=True, share_embeddings_and_output_weights=mc.tie_word_embeddings,
             position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(mc.rope_theta),
+            pg_collection=groups,
         )
         if torch.cuda.is_available():
             # megatron builds some parameters on the CPU whatever use_cpu_initialization says (the router weight)
@@ -72,8 +74,8 @@ class MoEPolicy(torch.nn.Module):
         self.routers: list[Qwen3Router] = [m for m in self.gpt.modules() if isinstance(m, Qwen3Router)]
         for r in self.routers:
             r.norm_topk_prob = mc.norm_topk_prob
-        self.tp = ps.get_tensor_model_parallel_world_size()
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp, self.tp_rank = groups.tp.size(), groups.tp.rank()
+        self.ep, self.ep_rank = groups.ep.size(), groups.ep.rank()
         if mc.compile:
             self.gpt.forward = compiled(self.gpt.forward, mc.num_hidden_layers)
 
@@ -101,12 +103,45 @@ class MoEPolicy(torch.nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
         input_ids = input_ids.to(self.device)  # rollouts and data batches are built on the CPU
-        B, T = input_ids.shape
+        T = input_ids.shape[1]
         if T > self.model_config.max_position_embeddings:
             raise ValueError(f"sequence length {T} exceeds model.max_position_embeddings="
                              f"{self.model_config.max_position_embeddings}")
-        if lengths is not None:
-            return self._packed_forward(input_ids, routing, return_hidden, gather_logits, lengths, pack_to or 0)
+        if lengths is None:
+            inp = self._padded_inputs(input_ids, routing)
+        else:
+            inp = self._packed_inputs(input_ids, routing, lengths, pack_to or 0)
+        return inp.to_frame(self._run(inp, return_hidden, gather_logits))
+
+    def _run(self, inp: _GPTInputs, return_hidden: bool, gather_logits: bool) -> torch.Tensor:
+        """GPTModel on prepared inputs -> (b, s, H) hidden states after the final norm, or (b, s, V) logits
+        (V/tp with gather_logits=False), batch-first; routers see the inputs' routing context meanwhile."""
+        for r in self.routers:
+            r.routing_context = inp.routing
+        try:
+            if return_hidden:
+                self.gpt.post_process = False  # GPTModel returns the decoder output (after the final norm)
+                try:
+                    h = self.gpt(inp.ids, inp.position_ids, inp.mask, packed_seq_params=inp.packed)  # (s/tp, b, H)
+                finally:
+                    self.gpt.post_process = True
+                if self.tp > 1:
+                    # Every TP rank gets all tokens' hidden states; their consumer (token_logprobs with the TP
+                    # group) returns the full, TP-all-reduced gradient, so the backward only keeps this rank's
+                    # sequence shard (split), it does not sum again.
+                    h = tensor_parallel.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False,
+                                                                             group=self.groups.tp)
+                return h.transpose(0, 1)
+            logits = self.gpt(inp.ids, inp.position_ids, inp.mask, packed_seq_params=inp.packed)  # (b, s, V/tp)
+        finally:
+            for r in self.routers:
+                r.routing_context = None
+        if self.tp > 1 and gather_logits:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.groups.tp)
+        return logits
+
+    def _padded_inputs(self, input_ids: torch.Tensor, routing) -> _GPTInputs:
+        B, T = input_ids.shape
         pad = (-T) % self.tp  # sequence parallelism splits the sequence evenly over TP ranks
         if pad:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad))
@@ -115,30 +150,9 @@ class MoEPolicy(torch.nn.Module):
         position_ids = torch.arange(Tp, device=dev).unsqueeze(0).expand(B, Tp)
         mask = torch.triu(torch.ones(Tp, Tp, dtype=torch.bool, device=dev), 1).view(1, 1, Tp, Tp)
         ctx = self._routing_context(routing, B, T, Tp, dev) if routing is not None else None
-        for r in self.routers:
-            r.routing_context = ctx
-        try:
-            if return_hidden:
-                self.gpt.post_process = False  # GPTModel returns the decoder output (after the final norm)
-                try:
-                    h = self.gpt(input_ids, position_ids, mask)  # (T/tp, B, H) under SP
-                finally:
-                    self.gpt.post_process = True
-                if self.tp > 1:
-                    # Every TP rank gets all tokens' hidden states; their consumer (token_logprobs with the TP
-                    # group) returns the full, TP-all-reduced gradient, so the backward only keeps this rank's
-                    # sequence shard (split), it does not sum again.
-                    h = tensor_parallel.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False)
-                return h.transpose(0, 1)[:, :T]  # (B, T, H)
-            logits = self.gpt(input_ids, position_ids, mask)  # (B, Tp, V/tp)
-        finally:
-            for r in self.routers:
-                r.routing_context = None
-        if self.tp > 1 and gather_logits:
-            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-        return logits[:, :T]
+        return _GPTInputs(input_ids, position_ids, mask, None, ctx, B, T)
 
-    def _packed_forward(self, input_ids, routing, return_hidden, gather_logits, lengths, pack_to) -> torch.Tensor:
+    def _packed_inputs(self, input_ids: torch.Tensor, routing, lengths, pack_to: int) -> _GPTInputs:
         B, T = input_ids.shape
         lengths = [int(n) for n in lengths]
         if len(lengths) != B or any(not 0 < n <= T for n in lengths):
@@ -162,28 +176,7 @@ class MoEPolicy(torch.nn.Module):
         ctx = None
         if routing is not None:
             ctx = self._routing_context(routing, B, T, N + pad, dev, packed=pos)
-        for r in self.routers:
-            r.routing_context = ctx
-        try:
-            if return_hidden:
-                self.gpt.post_process = False
-                try:
-                    h = self.gpt(ids, position_ids.unsqueeze(0), None, packed_seq_params=psp)  # (Np/tp, 1, H)
-                finally:
-                    self.gpt.post_process = True
-                if self.tp > 1:  # as in forward: every TP rank gets all tokens, the backward keeps its shard
-                    h = tensor_parallel.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False)
-                out = h[:N, 0]  # (N, H)
-            else:
-                logits = self.gpt(ids, position_ids.unsqueeze(0), None, packed_seq_params=psp)  # (1, Np, V/tp)
-                if self.tp > 1 and gather_logits:
-                    logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-                out = logits[0, :N]  # (N, V)
-        finally:
-            for r in self.routers:
-                r.routing_context = None
-        full = out.new_zeros(B * T, out.shape[-1]).index_copy(0, pos, out)
-        return full.view(B, T, -1)
+        return _GPTInputs(ids, position_ids.unsqueeze(0), None, psp, ctx, B, T, pos)
 
     def _routing_context(self, capture, B, T, Tp, dev, packed: torch.Tensor | None = None) -> RoutingContext:
         # Megatron's router sees (s, b) sequence-major tokens; under SP this rank holds s in [r*S, (r+1)*S).
@@ -195,7 +188,7 @@ class MoEPolicy(torch.nn.Module):
             layout = (Tp, B, T)
         gather = None
         if self.tp > 1:
-            group = ps.get_tensor_model_parallel_group()
+            group = self.groups.tp
 
             def gather(x):
                 parts = [torch.empty_like(x) for _ in range(self.tp)]
@@ -238,7 +231,7 @@ class MoEPolicy(torch.nn.Module):
     def per_expert(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Tensors named and shaped like this rank's parameters -> the same under the local spec's per-expert names:
         grouped experts' stacked weights split into per-expert views, TE-spec names mapped (te_names.to_local)."""
-        e_local = self.model_config.num_experts // ps.get_expert_model_parallel_world_size()
+        e_local = self.model_config.num_experts // self.ep
         return te_names.to_local(per_expert_state(local, e_local, self.model_config.hidden_size))
 
     def full_megatron_state(self) -> dict[str, torch.Tensor]:
@@ -249,15 +242,13 @@ class MoEPolicy(torch.nn.Module):
         """Tensors named and shaped like this rank's parameters (weights, or optimizer state per parameter) ->
         the unsharded tensors (a collective over TP and EP when they are > 1)."""
         local = self.per_expert(local)
-        if self.tp == 1 and ps.get_expert_model_parallel_world_size() == 1:
+        if self.tp == 1 and self.ep == 1:
             return {k: v.detach() for k, v in local.items()}
-        return hf_io.gather_state(local, self.model_config, ps.get_tensor_model_parallel_group(),
-                                  ps.get_expert_model_parallel_group())
+        return hf_io.gather_state(local, self.model_config, self.groups.tp, self.groups.ep)
 
     def shard_full(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Inverse of gather_full: this rank's TP/EP shard of unsharded tensors (no communication)."""
-        ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
-        return hf_io.shard_state(full, self.model_config, self.tp, self.tp_rank, ep, ep_rank)
+        return hf_io.shard_state(full, self.model_config, self.tp, self.tp_rank, self.ep, self.ep_rank)
 
     def export_hf(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """(config.json dict, HF-named full state dict) in memory: what save_pretrained writes."""
@@ -268,11 +259,10 @@ class MoEPolicy(torch.nn.Module):
         """(config.json dict, HF-named state) like export_hf, without a full copy of the model on this rank: under
         TP or EP the state is a StreamedHFState (every rank of the group must read its keys once, in order);
         otherwise views of this rank's weights."""
-        if self.tp == 1 and ps.get_expert_model_parallel_world_size() == 1:
+        if self.tp == 1 and self.ep == 1:
             return self.export_hf()
         return hf_io.hf_config_dict(self.model_config), hf_io.StreamedHFState(
-            self.megatron_state(), self.model_config, ps.get_tensor_model_parallel_group(),
-            ps.get_expert_model_parallel_group())
+            self.megatron_state(), self.model_config, self.groups.tp, self.groups.ep)
 
     def load_full_megatron_state(self, full: dict[str, torch.Tensor]) -> None:
         local = self.shard_full(full)
@@ -289,7 +279,7 @@ class MoEPolicy(torch.nn.Module):
     def frozen_copy(self) -> MoEPolicy:
         """A second policy on the same parallel layout holding a copy of the current weights, with no gradients
         (the KL reference). Costs one more set of this rank's weights."""
-        ref = MoEPolicy(self.model_config, self.parallel_config)
+        ref = MoEPolicy(self.model_config, self.parallel_config, self.groups)
         ref.gpt.load_state_dict(self.gpt.state_dict())
         ref.requires_grad_(False)
         return ref.eval()
@@ -303,3 +293,26 @@ class MoEPolicy(torch.nn.Module):
         if dist.is_initialized() and dist.get_rank() != 0:
             return None
         return hf_io.write_hf_dir(Path(path), config, tensors, max_shard_bytes)
+
+
+@dataclass
+class _GPTInputs:
+    """GPTModel's inputs for a (B, T) batch, padded (b = B rows) or packed (one row of its tokens, `packed_pos`
+    giving each packed token's place in the (B, T) frame), and how its outputs go back to that frame."""
+
+    ids: torch.Tensor  # (b, s)
+    position_ids: torch.Tensor  # (b, s)
+    mask: torch.Tensor | None  # causal mask (padded); None with packed_seq_params
+    packed: PackedSeqParams | None
+    routing: RoutingContext | None
+    B: int
+    T: int
+    packed_pos: torch.Tensor | None = None  # (N,) batch-major positions of the packed tokens
+
+    def to_frame(self, out: torch.Tensor) -> torch.Tensor:
+        """(b, s, D) batch-first outputs -> (B, T, D), zeros at the padding of a packed batch."""
+        if self.packed_pos is None:
+            return out[:, :self.T]
+        N = self.packed_pos.numel()
+        full = out.new_zeros(self.B * self.T, out.shape[-1]).index_copy(0, self.packed_pos, out[0, :N])
+        return full.view(self.B, self.T, -1)

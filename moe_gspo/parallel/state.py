@@ -1,6 +1,10 @@
 """Process groups for TP x EP x DP: torchrun environment (or a single process), validation, megatron init.
 
-    init_parallel(ParallelConfig(tp=2, ep=2), num_experts=8, seed=0)   # under torchrun --nproc-per-node 4
+    groups = init_model_parallel(ParallelConfig(tp=2, ep=2), num_experts=8, seed=0)  # torchrun --nproc-per-node 4
+    info = parallel_info(groups)                                                       # this rank's place
+
+`groups` is megatron-core's ProcessGroupCollection (tp, ep, dp, ...): built once, then handed to the policy, the
+optimizer, the kernels and the trainer, which read their groups from it.
 
 Sizes are checked before any group or model is built; every error names the field and the world size.
 """
@@ -107,10 +111,12 @@ def init_distributed(backend: str = "auto", timeout_min: int = 10) -> None:
                                 timeout=timeout)
 
 
-def init_parallel(pc: ParallelConfig, num_experts: int, seed: int = 0, num_kv_heads: int | None = None,
-                  vocab_size: int | None = None) -> ParallelInfo:
-    """Initialize torch.distributed and megatron's model-parallel groups (re-initialized if sizes changed)."""
+def init_model_parallel(pc: ParallelConfig, num_experts: int, seed: int = 0, num_kv_heads: int | None = None,
+                        vocab_size: int | None = None):
+    """Initialize torch.distributed, megatron's model-parallel groups (re-initialized if sizes changed) and
+    megatron's per-rank RNG tracker; returns the groups as megatron's ProcessGroupCollection."""
     from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import random as mrandom
 
     from moe_gspo.parallel import cpu_compat
@@ -127,15 +133,13 @@ def init_parallel(pc: ParallelConfig, num_experts: int, seed: int = 0, num_kv_he
         ps.initialize_model_parallel(tensor_model_parallel_size=pc.tp, expert_model_parallel_size=pc.ep,
                                      expert_tensor_parallel_size=1)
     mrandom.model_parallel_cuda_manual_seed(seed)
-    return current_info()
+    return ProcessGroupCollection.use_mpu_process_groups()
 
 
-def current_info() -> ParallelInfo:
-    from megatron.core import parallel_state as ps
-
+def parallel_info(groups) -> ParallelInfo:
+    """This rank's place in the mesh of `groups` (a ProcessGroupCollection)."""
     return ParallelInfo(
         world=dist.get_world_size(), rank=dist.get_rank(),
-        tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-        ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
-        dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+        tp=groups.tp.size(), tp_rank=groups.tp.rank(), ep=groups.ep.size(), ep_rank=groups.ep.rank(),
+        dp=groups.dp.size(), dp_rank=groups.dp.rank(),
     )

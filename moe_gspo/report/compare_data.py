@@ -264,9 +264,10 @@ def run_config(run: Run) -> dict:
 
 def clip_used(algorithm: dict) -> tuple[float, float] | None:
     """(clip_low, clip_high) the loss ran with: the config's values, else the loss's registered default."""
-    from moe_gspo.losses import DEFAULT_CLIP
+    from moe_gspo.losses import POLICY_LOSSES
 
-    default = DEFAULT_CLIP.get(algorithm.get("loss"))
+    cls = POLICY_LOSSES.get(algorithm.get("loss"))
+    default = None if cls is None else cls.default_clip
     lo, hi = algorithm.get("clip_low"), algorithm.get("clip_high")
     if default is None and (lo is None or hi is None):
         return None

@@ -3,7 +3,7 @@
     engine = build_engine("hf", policy, tokenizer=CharTokenizer())      # or "hf_static", or "sglang" on a GPU
     batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(temperature=1.0, seed=0))
     pb = batch.to_padded()                                              # (B, T) training tensors
-    rollout_probs_diff(pb.old_logprobs, recomputed_logp, pb.response_mask)
+    rollout_probs_diff(pb.engine_logprobs, recomputed_logp, pb.response_mask)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     pb = batch.to_padded()                  # PaddedRollout: input_ids (B, T), response_mask (B, T), ...
     logits = policy(pb.input_ids)           # (B, T, V)
     new_logp = token_logprobs_from_logits(logits, pb.input_ids, temperature=1.0)       # moe_gspo.kernels, (B, T)
-    metrics = rollout_probs_diff(pb.old_logprobs, new_logp, pb.response_mask)
+    metrics = rollout_probs_diff(pb.engine_logprobs, new_logp, pb.response_mask)
 
 Conventions (B responses, T = max over responses of P_i + R_i):
 - Token-aligned log-probs: logp[b, j] = log pi(input_ids[b, j] | input_ids[b, :j]); position 0 and every
@@ -94,7 +94,7 @@ class RolloutBatch:
         input_ids = torch.full((B, T), pad_id, dtype=torch.long)
         attention_mask = torch.zeros(B, T, dtype=torch.bool)
         response_mask = torch.zeros(B, T, dtype=torch.bool)
-        old_logprobs = torch.zeros(B, T, dtype=torch.float32)
+        engine_logprobs = torch.zeros(B, T, dtype=torch.float32)
         routing = None
         if self.routed_experts is not None:
             L, k = _lk(self.routed_experts)
@@ -104,12 +104,12 @@ class RolloutBatch:
             input_ids[b, :P], input_ids[b, P:P + R] = p, r
             attention_mask[b, :P + R] = True
             response_mask[b, P:P + R] = True
-            old_logprobs[b, P:P + R] = lp.float()
+            engine_logprobs[b, P:P + R] = lp.float()
             if routing is not None:
                 routing[b, P - 1:P - 1 + R] = self.routed_experts[b].long()
                 if self.prompt_routed_experts is not None:
                     routing[b, :P - 1] = self.prompt_routed_experts[b].long()
-        return PaddedRollout(input_ids, attention_mask, response_mask, old_logprobs, routing,
+        return PaddedRollout(input_ids, attention_mask, response_mask, engine_logprobs, routing,
                              self.sample_ids.clone(), self.group_ids.clone())
 
 
@@ -127,7 +127,7 @@ class PaddedRollout:
         input_ids       (B, T)        int64    prompt then response then pad_id
         attention_mask  (B, T)        bool     True on prompt and response positions
         response_mask   (B, T)        bool     True on response positions (the tokens a loss sums over)
-        old_logprobs    (B, T)        float32  engine log-probs, token-aligned, 0 off the response
+        engine_logprobs (B, T)        float32  engine log-probs, token-aligned, 0 off the response
         routing         (B, T, L, k)  int64    engine routing, position-aligned, -1 where unknown; None if not asked
         sample_ids      (B,)          int64
         group_ids       (B,)          int64
@@ -137,7 +137,7 @@ class PaddedRollout:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
-    old_logprobs: torch.Tensor
+    engine_logprobs: torch.Tensor
     routing: torch.Tensor | None
     sample_ids: torch.Tensor
     group_ids: torch.Tensor
@@ -146,7 +146,7 @@ class PaddedRollout:
         """The training tensors on `device` (the policy's); sample and group ids stay on the CPU as keys."""
         mv = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
         return PaddedRollout(mv(self.input_ids), mv(self.attention_mask), mv(self.response_mask),
-                             mv(self.old_logprobs), mv(self.routing), self.sample_ids, self.group_ids)
+                             mv(self.engine_logprobs), mv(self.routing), self.sample_ids, self.group_ids)
 
     def replay_source(self) -> ReplaySource:
         if self.routing is None:

@@ -210,7 +210,7 @@ class Checkpoints:
 
     def _write(self, step: int, ctx, extra: dict, sharded: dict) -> Path:
         """Every file of checkpoint `step` into DIR/.tmp-step_*/, then the manifest, then the rename. Collective."""
-        from moe_gspo.parallel.state import current_info
+        from moe_gspo.parallel.state import parallel_info
 
         rank, world = _rank_world()
         final, tmp = self.root / self.name(step), self.root / f"{TMP}{self.name(step)}"
@@ -233,7 +233,7 @@ class Checkpoints:
             dist.all_gather(rng, torch.get_rng_state().to(dev))
             rng = [r.cpu() for r in rng]
         if rank == 0:
-            info = current_info()
+            info = parallel_info(ctx.policy.groups)
             files.append(_write_synced(tmp, tmp / "rng.safetensors",
                                        save({f"rank_{r:05d}": t for r, t in enumerate(rng)})))
             state = {**extra, "format": FORMAT, "scheduler": ctx.optim.scheduler_state(),

@@ -81,13 +81,12 @@ def world_size() -> int:
 
 
 def check_names(cfg: Config) -> None:
-    """Registered names the config refers to (loss, advantage estimator, rollout engine), checked before anything
-    is built."""
-    from moe_gspo.losses import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+    """Registered names the config refers to (advantage estimator, rollout engine), checked before anything is
+    built (the loss checks itself at config load)."""
+    from moe_gspo.losses import ADVANTAGE_ESTIMATORS
     from moe_gspo.rollout import ENGINES
 
-    for field, name, valid in (("algorithm.loss", cfg.algorithm.loss, POLICY_LOSSES),
-                               ("algorithm.advantage", cfg.algorithm.advantage, ADVANTAGE_ESTIMATORS),
+    for field, name, valid in (("algorithm.advantage", cfg.algorithm.advantage, ADVANTAGE_ESTIMATORS),
                                ("rollout.engine", cfg.rollout.engine, ENGINES)):
         if name not in valid:
             raise ConfigError(f"{field}={name!r} is not one of {sorted(valid)}")

@@ -30,14 +30,13 @@ def progression_batch(batch: int, seq_len: int, vocab: int, g: torch.Generator) 
 
 
 def train_lm(cfg: Config, log=print) -> list[dict]:
-    from megatron.core import parallel_state as ps
-
-    from moe_gspo.model.load import load_policy
+    from moe_gspo.model.load import init_parallel, load_policy
     from moe_gspo.train.optim import Optimizer, release_ddp, wrap_ddp
 
     tc = cfg.train
-    policy = load_policy(cfg)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    groups = init_parallel(cfg)
+    policy = load_policy(cfg, groups)
+    dp, dp_rank = groups.dp.size(), groups.dp.rank()
     if tc.batch_size % dp:
         raise ValueError(f"train.batch_size={tc.batch_size} does not divide over {dp} data-parallel ranks")
     per_rank = tc.batch_size // dp

@@ -25,15 +25,12 @@ import itertools
 import torch
 
 from moe_gspo.kernels import fused_logprob_loss, token_logprobs, token_logprobs_from_logits
-from moe_gspo.losses import DEFAULT_AGG, get_policy_loss, loss_denominator
+from moe_gspo.losses import get_policy_loss, loss_denominator, policy_loss_class
 
 
 def _tp_group(policy):
-    if getattr(policy, "tp", 1) == 1:
-        return None
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_group()
+    """The policy's TP group for the vocab-parallel kernels (None without TP)."""
+    return policy.groups.tp if getattr(policy, "tp", 1) > 1 else None
 
 
 class Targets:
@@ -132,7 +129,7 @@ def fused_policy_loss(hidden, weight, targets, old_logp, advantages, *, cu_seqle
         raise ValueError(f"fused_policy_loss: advantages must be [B] = [{cu.numel() - 1}], got "
                          f"{tuple(advantages.shape)}")
     if denominator is None:  # the loss's own count, fixed for the whole call: the kernel hands it parts of the batch
-        mode = loss_options.get("loss_agg_mode") or DEFAULT_AGG[loss]
+        mode = loss_options.get("loss_agg_mode") or policy_loss_class(loss).default_agg_mode
         denominator = int(loss_denominator(valid, mode, cu_seqlens=cu))
     kw = {"loss_denominator": float(max(denominator, 1)), **loss_options}
     old, adv = old_logp.float(), advantages.float()

@@ -96,26 +96,26 @@ class Run:
 
     @classmethod
     def setup(cls, cfg, run_dir, task, engine, init_state, resume, label, overwrite=False) -> Run:
-        from megatron.core import parallel_state as ps
-
-        from moe_gspo.model.load import load_policy
-        from moe_gspo.parallel.state import current_info, init_distributed, validate_sizes
+        from moe_gspo.model.load import init_parallel, load_policy
+        from moe_gspo.parallel.state import parallel_info, validate_sizes
         from moe_gspo.train.optim import Optimizer, wrap_ddp
 
         run_dir = Path(run_dir or cfg.train.out_dir)
         _check_run_dir(run_dir, resume, overwrite)
         tok = data.build_tokenizer(cfg)
         data.check_names(cfg)  # fail before building anything
-        if cfg.algorithm.use_engine_logprobs and cfg.algorithm.loss == "grpo":
-            print("warning: algorithm.use_engine_logprobs with grpo: every token ratio then carries the engine vs "
-                  "trainer numeric mismatch (sound for gspo's sequence ratio, not for grpo)", file=sys.stderr)
+        loss = cfg.algorithm.policy_loss()
+        if cfg.algorithm.use_engine_logprobs and loss.ratio_level == "token":
+            print(f"warning: algorithm.use_engine_logprobs with {loss.name}: every token ratio then carries the "
+                  "engine vs trainer numeric mismatch (sound for a sequence ratio like gspo's, not for token ratios)",
+                  file=sys.stderr)
         validate_sizes(cfg.parallel, data.world_size(), cfg.model.num_experts, cfg.model.num_key_value_heads,
                        None if cfg.model.init_from else cfg.model.vocab_size)
         data.check_layout(cfg, data.world_size() // cfg.parallel.tp)
         task = task or task_from_config(cfg.rollout)
-        init_distributed(cfg.parallel.backend)
-        policy = load_policy(cfg)
-        info = current_info()
+        groups = init_parallel(cfg)  # megatron's ProcessGroupCollection, handed to everything below
+        policy = load_policy(cfg, groups)
+        info = parallel_info(groups)
         layout = data.check_layout(cfg, info.dp)
         if init_state is not None:
             policy.load_full_megatron_state(init_state)
@@ -124,7 +124,6 @@ class Run:
         replay = RoutingReplayCache(cfg.algorithm.routing_replay, mc.num_hidden_layers, mc.num_experts_per_tok,
                                     mc.num_experts)
         tracker = ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts) if cfg.algorithm.track_flips else None
-        ctx = StepContext(policy, None, cfg, replay, tracker, ps.get_data_parallel_group(), info.dp)
         if info.rank == 0:
             if overwrite and not resume:
                 for old in ("checkpoints", "tensorboard", "metrics.jsonl"):
@@ -141,9 +140,10 @@ class Run:
             if cfg.train.cold_start_steps and init_state is None:
                 _say(info, f"cold start: {cfg.train.cold_start_steps} supervised steps on {cfg.rollout.task}")
                 cold_start(policy, ddp, cfg.train, task, tok, info.dp, info.dp_rank)
-        if cfg.algorithm.kl_beta > 0:  # pi_ref: the weights RL starts from (restored below on resume)
-            ctx.reference = policy.frozen_copy()
-        ctx.optim = Optimizer.from_config(ddp, policy, cfg.train, total_steps=cfg.train.steps * cfg.train.minibatches)
+        # pi_ref: the weights RL starts from (restored below on resume)
+        reference = policy.frozen_copy() if cfg.algorithm.kl_beta > 0 else None
+        optim = Optimizer.from_config(ddp, policy, cfg.train, total_steps=cfg.train.steps * cfg.train.minibatches)
+        ctx = StepContext(policy, optim, cfg, replay, tracker, groups, reference)
         if start:
             ckpts.load(start, ctx)
             _say(info, f"resumed from {ckpts.root / ckpts.name(start)}")
@@ -213,11 +213,11 @@ class Run:
         ctx = self.ctx
         if (self.cfg.algorithm.use_engine_logprobs and ctx.tracker is None and ctx.replay.mode != "r2"
                 and ctx.reference is None and not ctx.router_shift):
-            return OldPass(pb.old_logprobs), {}
+            return OldPass(pb.engine_logprobs), {}
         old = old_logprob_pass(ctx, pb, sids)
-        diff = rollout_probs_diff(pb.old_logprobs, old.logp, pb.response_mask)
+        diff = rollout_probs_diff(pb.engine_logprobs, old.old_logp, pb.response_mask)
         if self.cfg.algorithm.use_engine_logprobs:
-            old = dataclasses.replace(old, logp=pb.old_logprobs)
+            old = dataclasses.replace(old, old_logp=pb.engine_logprobs)
         return old, diff
 
     def minibatches(self, step: int) -> list[torch.Tensor]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import (
@@ -40,10 +39,11 @@ def wrap_ddp(policy, distributed: bool = True) -> DistributedDataParallel:
     """megatron DDP around the policy's GPTModel with fp32 gradient buffers; with `distributed` and dp > 1 the
     buffers are laid out for the DistributedOptimizer (reduce-scatter of gradients, all-gather of parameters)."""
     cpu_compat.apply()
-    use_dist = bool(distributed and ps.get_data_parallel_world_size() > 1)
+    use_dist = bool(distributed and policy.groups.dp.size() > 1)
     cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                         use_distributed_optimizer=use_dist)
-    return DistributedDataParallel(config=policy.config, ddp_config=cfg, module=policy.gpt)
+    return DistributedDataParallel(config=policy.config, ddp_config=cfg, module=policy.gpt,
+                                   pg_collection=policy.groups)
 
 
 def release_ddp(ddp: DistributedDataParallel) -> None:
@@ -66,7 +66,8 @@ class Optimizer:
                  decay: str = "constant", min_lr: float = 0.0, total_steps: int = 1):
         cpu_compat.apply()
         self.ddp, self.policy = ddp, policy
-        self.replicated_experts = _replicated_experts(policy)
+        self.groups = policy.groups
+        self.replicated_experts = mark_tp_replicated_experts(policy)
         dtype = next(policy.parameters()).dtype
         self.distributed = ddp.ddp_config.use_distributed_optimizer
         self.config = OptimizerConfig(
@@ -121,12 +122,11 @@ class Optimizer:
     def reduce_grads(self) -> None:
         """Data-parallel (and expert-data-parallel) reduction, plus megatron's TP reduction of sequence-parallel
         norm, router and QK-norm gradients; then completes TP-replicated experts' partial sums
-        (see _replicated_experts)."""
-        finalize_model_grads([self.ddp])
+        (see mark_tp_replicated_experts)."""
+        finalize_model_grads([self.ddp], pg_collection=self.groups)
         if self.replicated_experts:
-            group = ps.get_tensor_model_parallel_group()
             for p in self.replicated_experts:
-                dist.all_reduce(p.main_grad, group=group)
+                dist.all_reduce(p.main_grad, group=self.groups.tp)
 
     def step(self) -> float:
         """Reduce gradients, clip (train.grad_clip), step Adam on the main parameters, copy them back to the model
@@ -205,14 +205,15 @@ class Optimizer:
 ADAM_KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
-def _replicated_experts(policy) -> list[torch.nn.Parameter]:
-    """The expert parameters every TP rank holds whole: TP > 1 with EP = 1 and expert-TP = 1 (else none).
+def mark_tp_replicated_experts(policy) -> list[torch.nn.Parameter]:
+    """Mark the expert parameters every TP rank holds whole (TP > 1 with EP = 1 and expert-TP = 1) as not
+    TP-sharded, and return them (none otherwise).
 
     Each TP rank routes only its sequence-parallel shard of tokens, and megatron reduces such experts' gradients
     over DP only, so they are partial sums that Optimizer.reduce_grads completes over the TP group. megatron also
     marks them `tensor_model_parallel=True`, so its grad norm (which sums TP-sharded weights over the TP group)
     would count each one tp times; they are marked TP-replicated here, so the norm counts them once."""
-    if ps.get_tensor_model_parallel_world_size() == 1 or ps.get_expert_model_parallel_world_size() > 1:
+    if policy.tp == 1 or policy.ep > 1:
         return []
     experts = [p for name, p in policy.gpt.named_parameters() if ".mlp.experts." in name]
     for p in experts:

@@ -21,7 +21,7 @@ from moe_gspo.config import UserError
 def rollout_command(config: str | None, run_dir: str | None, overrides: list[str], num_prompts: int,
                     out: str | Path, seed: int | None = None) -> tuple[Path, dict[str, float]]:
     """Build the policy from a config, or from a run directory's config.yaml and newest checkpoint; sample."""
-    from moe_gspo.model.load import load_policy
+    from moe_gspo.model.load import init_parallel, load_policy
     from moe_gspo.config import ConfigError, load_config
     from moe_gspo.train.checkpoint import Checkpoints
 
@@ -34,7 +34,7 @@ def rollout_command(config: str | None, run_dir: str | None, overrides: list[str
         cfg = load_config(run / "config.yaml", overrides)
     else:
         cfg = load_config(config, overrides)
-    policy = load_policy(cfg)
+    policy = load_policy(cfg, init_parallel(cfg))
     if run_dir is not None:
         ckpts = Checkpoints(Path(run_dir) / "checkpoints")
         step = ckpts.latest()
@@ -79,7 +79,7 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
 
     pb = batch.to_padded(pad_id=tok.pad_id)
     recomputed = token_logprobs_from_logits(policy_logits(policy, pb.input_ids), pb.input_ids, sampling.temperature)
-    diff = rollout_probs_diff(pb.old_logprobs, recomputed, pb.response_mask)
+    diff = rollout_probs_diff(pb.engine_logprobs, recomputed, pb.response_mask)
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,21 +1,28 @@
 """The compute of one RL step, after the rollout: old log-probs, then one optimizer step per minibatch.
 
-    ctx = StepContext(policy, optim, cfg, replay, tracker)  # picks the micro-batching and the loss path once
+    ctx = StepContext(policy, optim, cfg, replay, tracker, groups)  # the loss and the micro-batching, built once
     old = old_logprob_pass(ctx, pb, sample_ids)              # no grad: OldPass (pi_old, pi_ref, old router scores)
     for idx in minibatches: metrics += update_minibatch(ctx, pb, old, adv, sample_ids, idx)
+
+An update is a plain sequence: the minibatch's loss inputs (LossRows: pi_old, pi_ref, the engine's log-probs, the
+response mask, the rollout-correction weight) are gathered once; each micro-batch runs its forward, adds the
+router-shift weight its router scores give, and back-propagates its share of the loss; after the optimizer step the
+loss is evaluated once more, without gradient, on the whole minibatch's log-probs for the metrics, so they do not
+depend on how the minibatch was cut into forwards.
 
 Micro-batches (moe_gspo.train.micro): train.micro_batch_size rows run padded, or, with
 train.max_tokens_per_micro_batch, whole rows packed back to back up to that many tokens per forward; both passes
 use the strategy the context chose, and the LM head never computes the padding either way.
 
-With the router shift (algorithm.loss=rspo or algorithm.router_shift), the old pass also keeps the old policy's
+With the router shift (a loss that needs it, or algorithm.router_shift), the old pass also keeps the old policy's
 experts and router scores (OldPass.router), and each update forward scores the same experts under the current
 router; their shift gives every response token the weight that rescales its importance ratio (docs/losses.md).
 
-With the rollout correction (algorithm.rollout_is / rollout_rs), every loss call gets the importance weights of
-the rollout ratio rho = pi_trainer / pi_engine as a detached per-token gradient multiplier, and loses the tokens the
-rejection mode rejects from its mask. pi_trainer is the old-log-prob pass (decoupled mode) or, with
-algorithm.use_engine_logprobs (the engine as pi_old, "bypass"), the detached current log-probs of the update.
+With the rollout correction (algorithm.rollout_is / rollout_rs), the loss gets the importance weights of the rollout
+ratio rho = pi_trainer / pi_engine as a detached per-token gradient multiplier, and loses the tokens the rejection
+mode rejects from its mask. pi_trainer is the old-log-prob pass (decoupled mode: computed once per minibatch) or,
+with algorithm.use_engine_logprobs (the engine as pi_old, "bypass"), the detached current log-probs of the update
+(computed in the loss call, once per token).
 
 Global denominators (docs/losses.md): the count D of a minibatch is summed over data-parallel ranks once, and
 every micro-batch's loss is divided by D / dp and summed, so gradient accumulation over micro-batches and the
@@ -24,23 +31,22 @@ data-parallel mean equal one step on the whole minibatch, whatever the micro-bat
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from moe_gspo.config import Config
-from moe_gspo.losses import (ROUTER_SHIFT_LOSSES, get_policy_loss, loss_denominator, rollout_is_weights,
-                             rollout_log_ratio, rollout_rejection_mask, router_shift_metrics, router_shift_ratio,
-                             router_shift_weight)
+from moe_gspo.losses import (PolicyLoss, loss_denominator, rollout_is_weights, rollout_log_ratio,
+                             rollout_rejection_mask, router_shift_metrics, router_shift_ratio, router_shift_weight)
 from moe_gspo.model.policy import MoEPolicy
-from moe_gspo.model.routing_capture import ReplaySource, RoutingCapture
+from moe_gspo.model.routing_capture import RoutingCapture
 from moe_gspo.parallel.state import comm_device, max_over_ranks
 from moe_gspo.rollout.batch import PaddedRollout
 from moe_gspo.routing import SCORE_DTYPES, ExpertFlipTracker, OldRouterScores, RoutingReplayCache
 from moe_gspo.train.logprob import batch_logprobs, hidden_loss
-from moe_gspo.train.metrics import MetricMean
 from moe_gspo.train.micro import MicroBatch, micro_batches
 from moe_gspo.train.optim import Optimizer
 
@@ -49,38 +55,44 @@ from moe_gspo.train.optim import Optimizer
 class OldPass:
     """What the no-grad pass over the rollout batch computes for the updates that follow."""
 
-    logp: torch.Tensor  # (B, T) pi_old log-probs, token-aligned (the engine's in bypass mode)
-    ref: torch.Tensor | None = None  # (B, T) pi_ref log-probs (algorithm.kl_beta > 0)
+    old_logp: torch.Tensor  # (B, T) pi_old log-probs, token-aligned (the engine's in bypass mode)
+    ref_logp: torch.Tensor | None = None  # (B, T) pi_ref log-probs (algorithm.kl_beta > 0)
     router: OldRouterScores | None = None  # the old policy's experts and router scores (router shift)
 
 
 @dataclass
 class StepContext:
-    """What the per-step functions need (built once by the trainer), and the strategies chosen from the config
-    once: the micro-batching of each pass and the update's path from hidden states to the loss."""
+    """What the per-step functions need, built once by the trainer, and what it derives from the config once: the
+    loss object, the micro-batching of each pass, the update's path from hidden states to the loss."""
 
     policy: MoEPolicy
-    optim: Optimizer | None  # None until the RL optimizer is built (after the cold start)
+    optim: Optimizer | None  # None for a context that only runs the old-log-prob pass
     cfg: Config
     replay: RoutingReplayCache
     tracker: ExpertFlipTracker | None
-    dp_group: dist.ProcessGroup | None = None
-    dp: int = 1
+    groups: object | None = None  # megatron's ProcessGroupCollection (its .dp averages gradients); None: one rank
     reference: MoEPolicy | None = None  # frozen pi_ref for the KL penalty (algorithm.kl_beta > 0)
-    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = field(default=None)
+    loss: PolicyLoss = field(init=False)
+    router_shift: bool = field(init=False)  # importance ratios get the router-shift weight
+    update_batches: object = field(init=False)
+    logprob_batches: object = field(init=False)
+    fused: bool = field(init=False)  # train.loss_impl == "fused": hidden states -> loss in one kernel
 
     def __post_init__(self):
-        tc = self.cfg.train
-        self.loss_fn = get_policy_loss(self.cfg.algorithm.loss)
+        tc, a = self.cfg.train, self.cfg.algorithm
+        self.loss = a.policy_loss()
+        self.router_shift = self.loss.needs_router_shift or a.router_shift
         self.update_batches = micro_batches(tc)
         self.logprob_batches = micro_batches(tc, logprob_pass=True)
-        self.micro_loss = _fused_micro_loss if tc.loss_impl == "fused" else _eager_micro_loss
+        self.fused = tc.loss_impl == "fused"
 
     @property
-    def router_shift(self) -> bool:
-        """Whether importance ratios get the router-shift weight (rspo, or algorithm.router_shift)."""
-        a = self.cfg.algorithm
-        return a.loss in ROUTER_SHIFT_LOSSES or a.router_shift
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return None if self.groups is None else self.groups.dp
+
+    @property
+    def dp(self) -> int:
+        return 1 if self.groups is None else dist.get_world_size(self.groups.dp)
 
 
 def routing_mask(response_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -95,7 +107,7 @@ def _lengths(attention_mask_BT: torch.Tensor) -> list[int]:
 @torch.no_grad()
 def record_engine_routing(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tensor) -> None:
     """R3: the engine's routing of every position whose routing shapes a response log-prob (rows 0 .. P+R-2) goes
-    into the replay cache; a no-op in the other replay modes."""
+    into the replay cache, the one source both passes replay from; a no-op in the other replay modes."""
     if ctx.replay.mode != "r3":
         return
     lengths = _lengths(pb.attention_mask)
@@ -109,15 +121,13 @@ def old_logprob_pass(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tens
 
     Records what R2 and the flip tracker need, and has the tracker compare the engine's routing (when the rollout
     carries it) with the old policy's. Under R3 the engine's routing is replayed in this pass too (as in
-    arXiv:2510.11370). The reference policy routes live (its own router): it is a different model, not a replay
-    target."""
+    arXiv:2510.11370), from the replay cache. The reference policy routes live (its own router): it is a different
+    model, not a replay target."""
     cfg, policy = ctx.cfg, ctx.policy
     B, T = pb.input_ids.shape
-    table = None if pb.routing is None else pb.routing.reshape(-1, *pb.routing.shape[2:])  # (B*T, L, k)
-    r3_source = table if ctx.replay.mode == "r3" else None
     lengths = _lengths(pb.attention_mask)
-    logp = torch.zeros(B, T, device=pb.input_ids.device)
-    ref = torch.zeros_like(logp) if ctx.reference is not None else None
+    old_logp = torch.zeros(B, T, device=pb.input_ids.device)
+    ref_logp = torch.zeros_like(old_logp) if ctx.reference is not None else None
     live = []
     router = None
     if ctx.router_shift:
@@ -125,18 +135,15 @@ def old_logprob_pass(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tens
     for mb in ctx.logprob_batches.plan(lengths):
         sl = mb.rows
         replay = None
-        if r3_source is not None:
-            replay = ReplaySource(r3_source[sl.start * T:sl.stop * T])
+        if ctx.replay.mode == "r3":
+            replay = ctx.replay.replay_source(sample_ids[sl], seq_len=T, device=pb.input_ids.device)
         cap = RoutingCapture(replay=replay, scores=ctx.router_shift)
-        lp, _ = batch_logprobs(policy, pb.input_ids[sl], cap, cfg.train.logprob_impl, cfg.rollout.temperature,
-                               want_entropy=False, lengths=lengths[sl], pack_to=mb.pack_to)
-        if ctx.reference is not None:
-            ref_lp = batch_logprobs(ctx.reference, pb.input_ids[sl], None, cfg.train.logprob_impl,
-                                    cfg.rollout.temperature, want_entropy=False, lengths=lengths[sl],
-                                    pack_to=mb.pack_to)[0]
-        logp[sl] = lp
-        if ref is not None:
-            ref[sl] = ref_lp
+        old_logp[sl] = batch_logprobs(policy, pb.input_ids[sl], cap, cfg.train.logprob_impl, cfg.rollout.temperature,
+                                      want_entropy=False, lengths=lengths[sl], pack_to=mb.pack_to)[0]
+        if ref_logp is not None:
+            ref_logp[sl] = batch_logprobs(ctx.reference, pb.input_ids[sl], None, cfg.train.logprob_impl,
+                                          cfg.rollout.temperature, want_entropy=False, lengths=lengths[sl],
+                                          pack_to=mb.pack_to)[0]
         live.append(cap.live_stacked())  # (b*T, L, k) what the old policy's router chose
         if router is not None:  # the experts pi_old activated (replayed ones under R3) and their router scores
             router.record(sl, cap.stacked(), cap.scores_stacked())
@@ -145,9 +152,9 @@ def old_logprob_pass(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tens
     if ctx.tracker is not None:
         mask = routing_mask(pb.response_mask).reshape(-1)
         ctx.tracker.set_reference(sample_ids, torch.cat(live), mask)
-        if table is not None:
-            ctx.tracker.observe_rollout(sample_ids, table, mask)
-    return OldPass(logp, ref, router)
+        if pb.routing is not None:
+            ctx.tracker.observe_rollout(sample_ids, pb.routing.reshape(-1, *pb.routing.shape[2:]), mask)
+    return OldPass(old_logp, ref_logp, router)
 
 
 def global_count(mask_BT: torch.Tensor, mode: str, ctx: StepContext) -> torch.Tensor:
@@ -158,141 +165,168 @@ def global_count(mask_BT: torch.Tensor, mode: str, ctx: StepContext) -> torch.Te
     return d / ctx.dp
 
 
+@dataclass
+class LossRows:
+    """The loss's inputs for rows of a minibatch, token-aligned (b, T), in the minibatch's row order."""
+
+    old_logp: torch.Tensor  # pi_old
+    advantages: torch.Tensor  # (b,)
+    mask: torch.Tensor  # bool: response tokens the loss keeps (rejected ones already out in decoupled mode)
+    ref_logp: torch.Tensor | None = None  # pi_ref (KL term)
+    engine_logp: torch.Tensor | None = None  # the engine's log-probs, for the rejection of bypass mode
+    rollout_is_weight: torch.Tensor | None = None  # rollout-correction weight (decoupled mode)
+    router_shift_weight: torch.Tensor | None = None  # per token, from a forward's router scores
+
+    def rows(self, sl: slice) -> LossRows:
+        return LossRows(*(None if x is None else x[sl] for x in dataclasses.astuple(self)))
+
+
+def minibatch_rows(ctx: StepContext, pb: PaddedRollout, old: OldPass, adv_B, idx, T: int) -> tuple[LossRows, dict]:
+    """(LossRows of the responses idx trimmed to T columns, the decoupled rollout correction's metrics): the
+    correction is computed here, once for the minibatch, unless it compares with the current policy (bypass)."""
+    a = ctx.cfg.algorithm
+    mask = pb.response_mask[idx][:, :T]
+    ref = old.ref_logp[idx][:, :T] if ctx.loss.beta > 0 and old.ref_logp is not None else None
+    if ctx.loss.beta > 0 and ref is None:
+        raise RuntimeError("algorithm.kl_beta > 0 but the step has no reference log-probs")
+    rows = LossRows(old.old_logp[idx][:, :T], adv_B[idx], mask, ref)
+    if not _corrects(a):
+        return rows, {}
+    engine = pb.engine_logprobs[idx][:, :T]
+    if a.use_engine_logprobs:
+        return dataclasses.replace(rows, engine_logp=engine), {}
+    mask, weight, metrics = rollout_correction(a, rows.old_logp, engine, mask)
+    return dataclasses.replace(rows, mask=mask, rollout_is_weight=weight), metrics
+
+
+def rows_loss(ctx: StepContext, rows: LossRows, logp_bT: torch.Tensor, denom) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of the configured loss on rows with log-probs logp_bT; in bypass mode the rejection
+    compares the current (detached) log-probs with the engine's first. With the global denominator the parts of
+    any split of the rows add up to the loss of the whole."""
+    corr_m = {}
+    mask = rows.mask
+    if rows.engine_logp is not None:
+        mask, _, corr_m = rollout_correction(ctx.cfg.algorithm, logp_bT, rows.engine_logp, mask)
+    loss, m = ctx.loss(logp_bT, rows.old_logp, rows.advantages, mask, loss_denominator=denom, ref_logp=rows.ref_logp,
+                       router_shift_weight=rows.router_shift_weight, rollout_is_weight=rows.rollout_is_weight)
+    return loss, {**m, **corr_m}
+
+
+def _rows_part(ctx: StepContext, rows: LossRows, denom, logp_bT, b0: int, b1: int) -> torch.Tensor:
+    """The loss part of rows b0..b1-1 (the fused kernel's callback, on as many rows as fit its workspace)."""
+    return rows_loss(ctx, rows.rows(slice(b0, b1)), logp_bT, denom)[0]
+
+
+@dataclass
+class MicroOut:
+    """What one micro-batch's forward and loss give the minibatch."""
+
+    loss: torch.Tensor  # its share of the minibatch loss, to back-propagate
+    logp: torch.Tensor  # (b, T) detached
+    entropy: torch.Tensor  # (b, T) detached
+    gamma: torch.Tensor | None  # (b, T) router-shift ratio (router shift only)
+    capture: RoutingCapture
+
+
+def micro_step(ctx: StepContext, ids_bT, rows: LossRows, lengths: list[int], mb: MicroBatch, sample_ids,
+               old_router: OldRouterScores | None, old_rows, denom) -> MicroOut:
+    """Forward one micro-batch (replaying its routing when asked), weight its tokens by the router shift, and
+    compute its loss share: the fused kernel from hidden states, or log-probs then the loss under autograd."""
+    cfg, policy = ctx.cfg, ctx.policy
+    T = ids_bT.shape[1]
+    src = ctx.replay.replay_source(sample_ids, seq_len=T, device=ids_bT.device)  # None when off
+    old_src = old_router.source(old_rows, T, ids_bT.device) if ctx.router_shift else None
+    cap = RoutingCapture(replay=src, score_at=old_src)
+    temperature = cfg.rollout.temperature
+    if ctx.fused:
+        packed = {} if mb.lengths is None else {"lengths": mb.lengths, "pack_to": mb.pack_to}
+        hidden = policy(ids_bT, routing=cap, return_hidden=True, **packed)  # (b, T, H)
+    else:
+        logp, ent = batch_logprobs(policy, ids_bT, cap, cfg.train.logprob_impl, temperature, lengths=lengths,
+                                   pack_to=mb.pack_to)
+    gamma = None
+    if old_src is not None:  # the shift needs this forward's router scores
+        gamma = _router_shift_ratio(old_router, cap, old_src, rows.mask.shape)
+        rows = dataclasses.replace(rows, router_shift_weight=router_shift_weight(gamma, cfg.algorithm.router_shift_floor))
+    if ctx.fused:
+        loss, logp, ent = hidden_loss(policy, hidden, ids_bT, functools.partial(_rows_part, ctx, rows, denom),
+                                      temperature, lengths=lengths)
+    else:
+        loss = rows_loss(ctx, rows, logp, denom)[0]
+    if src is not None:
+        src.check_complete()
+    return MicroOut(loss, logp.detach(), ent.detach(), gamma, cap)
+
+
 def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, sample_ids, idx: torch.Tensor) -> dict[str, float]:
     """One optimizer step on the responses `idx` of the local batch; returns this minibatch's metrics.
 
-    With algorithm.kl_beta > 0, `old.ref` (the reference policy's log-probs) adds kl_beta * KL to the loss.
+    With algorithm.kl_beta > 0, `old.ref_logp` (the reference policy's log-probs) adds kl_beta * KL to the loss.
     train.loss_impl="fused" goes from the policy's hidden states to the loss and the LM head's gradient in one
     kernel (6THV); "eager" computes the log-probs (train.logprob_impl), then the loss under autograd."""
-    cfg, policy = ctx.cfg, ctx.policy
-    a = cfg.algorithm
-    ids, mask = pb.input_ids[idx], pb.response_mask[idx]
+    if ctx.router_shift and old.router is None:
+        raise RuntimeError("the router shift needs the old router scores, which old_logprob_pass records")
+    ids = pb.input_ids[idx]
     lengths = _lengths(pb.attention_mask[idx])
     # trim the padding the whole minibatch shares, to the same length on every rank (see max_over_ranks)
     T = max_over_ranks(max(lengths))
-    ids, mask = ids[:, :T], mask[:, :T]
-    old_logp, adv, sids = old.logp[idx][:, :T], adv_B[idx], sample_ids[idx]
-    ref = old.ref[idx][:, :T] if a.kl_beta > 0 and old.ref is not None else None
-    if a.kl_beta > 0 and ref is None:
-        raise RuntimeError("algorithm.kl_beta > 0 but the step has no reference log-probs")
-    engine = pb.old_logprobs[idx][:, :T] if _corrects(a) else None
-    kept = mask
-    if engine is not None and not a.use_engine_logprobs:  # decoupled: rejected tokens leave the denominator too
-        kept = rollout_correction(a, old_logp, engine, mask)[0]
-    denom = global_count(kept, a.loss_agg_mode, ctx)
-    if ctx.router_shift and old.router is None:
-        raise RuntimeError("the router shift needs the old router scores, which old_logprob_pass records")
+    ids, sids = ids[:, :T], sample_ids[idx]
+    rows, corr_m = minibatch_rows(ctx, pb, old, adv_B, idx, T)
+    response = pb.response_mask[idx][:, :T]
+    denom = global_count(rows.mask, ctx.loss.loss_agg_mode, ctx)
+    logp = torch.zeros(response.shape, device=response.device)
+    ent_sum = torch.zeros((), dtype=torch.float64, device=response.device)
+    gamma = torch.ones_like(logp) if ctx.router_shift else None
     ctx.optim.zero_grad()
-    acc = MetricMean()
-    ent_sum = torch.zeros((), dtype=torch.float64, device=mask.device)
-    gammas = []
     for mb in ctx.update_batches.plan(lengths):
         sl = mb.rows
-        src = ctx.replay.replay_source(sids[sl], seq_len=T, device=ids.device)  # None when off
-        old_src = old.router.source(idx[sl], T, ids.device) if ctx.router_shift else None
-        cap = RoutingCapture(replay=src, score_at=old_src)
-        shift = {}
-
-        def loss_rows_of(logp_cap):  # the shift needs this forward's router scores, known after the forward
-            if old_src is not None:
-                gamma = _router_shift_ratio(old.router, cap, old_src, mask[sl].shape)
-                gammas.append(gamma[mask[sl]])
-                shift["router_shift_weight"] = router_shift_weight(gamma, a.router_shift_floor)
-            return _loss_rows(ctx, old_logp[sl], adv[sl], mask[sl], None if ref is None else ref[sl], shift, denom,
-                              None if engine is None else engine[sl])
-
-        loss, m, ent = ctx.micro_loss(ctx, ids[sl], cap, lengths[sl], mb, loss_rows_of)
-        if src is not None:
-            src.check_complete()
-        loss.backward()
+        out = micro_step(ctx, ids[sl], rows.rows(sl), lengths[sl], mb, sids[sl], old.router, idx[sl], denom)
+        out.loss.backward()
         if ctx.tracker is not None:
-            ctx.tracker.observe(sids[sl], cap.live_stacked(), routing_mask(mask[sl]).reshape(-1))
-        ent_sum += torch.where(mask[sl], ent.detach(), 0).sum().double()
-        acc.add({k: float(v) for k, v in m.items()})
+            ctx.tracker.observe(sids[sl], out.capture.live_stacked(), routing_mask(response[sl]).reshape(-1))
+        logp[sl] = out.logp
+        ent_sum += torch.where(response[sl], out.entropy, 0).sum().double()
+        if gamma is not None:
+            gamma[sl] = out.gamma
     gnorm = ctx.optim.step()  # DP reduction, megatron's clipping, Adam on fp32 main params, LR schedule
-    out = acc.result()
-    out["entropy"] = float(ent_sum) / max(int(mask.sum()), 1)
+    out = minibatch_metrics(ctx, rows, logp, gamma, response, denom, corr_m)
+    out["entropy"] = float(ent_sum) / max(int(response.sum()), 1)
     out["grad_norm"] = gnorm
-    if gammas:  # over this minibatch's response tokens (the loop averages minibatches, then ranks)
-        out.update({k: float(v) for k, v in router_shift_metrics(torch.cat(gammas), a.router_shift_floor).items()})
     return out
 
 
-def _eager_micro_loss(ctx: StepContext, ids_bT, cap, lengths, mb: MicroBatch, loss_rows_of):
-    """(loss, metrics, entropy (b, T)): log-probs by train.logprob_impl, then the loss under autograd."""
-    logp, ent = batch_logprobs(ctx.policy, ids_bT, cap, ctx.cfg.train.logprob_impl, ctx.cfg.rollout.temperature,
-                               lengths=lengths, pack_to=mb.pack_to)
-    loss, m = loss_rows_of(cap)(logp, 0, len(logp))
-    return loss, m, ent
-
-
-def _fused_micro_loss(ctx: StepContext, ids_bT, cap, lengths, mb: MicroBatch, loss_rows_of):
-    """(loss, metrics, entropy (b, T)) through the loss-fused kernel (hidden_loss). The kernel calls the loss on
-    groups of whole rows and takes d loss / d logp from it before its gradient GEMMs, so the math is
-    moe_gspo.losses' own. The metrics are those of the call that covered every row, or, when the workspace split
-    the rows, of one more evaluation on the finished log-probs."""
-    packed = {} if mb.lengths is None else {"lengths": mb.lengths, "pack_to": mb.pack_to}
-    hidden = ctx.policy(ids_bT, routing=cap, return_hidden=True, **packed)  # (b, T, H)
-    loss_rows = loss_rows_of(cap)
-    b = ids_bT.shape[0]
-    whole = {}
-
-    def part(logp_bT, b0, b1):
-        loss, m = loss_rows(logp_bT, b0, b1)
-        if b0 == 0 and b1 == b:
-            whole.update(m)
-        return loss
-
-    loss, logp, ent = hidden_loss(ctx.policy, hidden, ids_bT, part, ctx.cfg.rollout.temperature, lengths=lengths)
-    if not whole:
-        with torch.no_grad():
-            whole.update(loss_rows(logp, 0, b)[1])
-    return loss, whole, ent
+@torch.no_grad()
+def minibatch_metrics(ctx: StepContext, rows: LossRows, logp, gamma, response, denom,
+                      corr_m: dict) -> dict[str, float]:
+    """The minibatch's metrics: the loss evaluated once on all its rows' log-probs (pg_loss is this rank's share
+    of the global loss, the ratios and fractions are over all its tokens) and the router shift's statistics."""
+    floor = ctx.cfg.algorithm.router_shift_floor
+    if gamma is not None:
+        rows = dataclasses.replace(rows, router_shift_weight=router_shift_weight(gamma, floor))
+    m = {**rows_loss(ctx, rows, logp, denom)[1], **corr_m}
+    out = {k: float(v) for k, v in m.items()}
+    if gamma is not None:  # over this minibatch's response tokens (the loop averages minibatches, then ranks)
+        out.update({k: float(v) for k, v in router_shift_metrics(gamma[response], floor).items()})
+    return out
 
 
 def _corrects(a) -> bool:
     return a.rollout_is != "off" or a.rollout_rs != "off"
 
 
-def rollout_correction(a, trainer_bT, engine_bT, mask_bT) -> tuple[torch.Tensor, dict, dict]:
-    """(mask without the rejected tokens, loss kwargs with the importance weight, metrics) of algorithm.rollout_is /
+def rollout_correction(a, trainer_bT, engine_bT, mask_bT) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """(mask without the rejected tokens, importance weight or None, metrics) of algorithm.rollout_is /
     rollout_rs for rows whose trainer-side log-probs are trainer_bT (detached here) and engine log-probs engine_bT.
     The weights' metrics describe the tokens that stay."""
     log_ratio = rollout_log_ratio(trainer_bT, engine_bT, mask_bT)
-    metrics, kwargs = {}, {}
+    metrics, weight = {}, None
     if a.rollout_rs != "off":
         mask_bT, m = rollout_rejection_mask(log_ratio, mask_bT, a.rollout_rs, a.rollout_rs_threshold)
         metrics.update(m)
     if a.rollout_is != "off":
-        kwargs["rollout_is_weight"], m = rollout_is_weights(log_ratio, mask_bT, a.rollout_is, a.rollout_is_threshold)
+        weight, m = rollout_is_weights(log_ratio, mask_bT, a.rollout_is, a.rollout_is_threshold)
         metrics.update(m)
-    return mask_bT, kwargs, metrics
-
-
-def loss_options(a) -> dict:
-    """The configured options of the loss beyond the shared ones (sapo's temperatures)."""
-    return {"tau_pos": a.sapo_tau_pos, "tau_neg": a.sapo_tau_neg} if a.loss == "sapo" else {}
-
-
-def _loss_rows(ctx: StepContext, old_bT, adv_b, mask_bT, ref_bT, shift: dict, denom, engine_bT=None):
-    """loss_rows(logp_bT, b0, b1) -> (loss, metrics): the configured policy loss (with its KL term, router-shift
-    weight and rollout correction against the engine's log-probs engine_bT) of rows b0..b1-1 of a micro-batch. With
-    the global denominator the parts of any split of the rows add up to the loss of the whole micro-batch."""
-    a = ctx.cfg.algorithm
-
-    def loss_rows(logp_bT, b0, b1):
-        r = slice(b0, b1)
-        mask, corr, corr_m = mask_bT[r], {}, {}
-        if engine_bT is not None:  # bypass: pi_old is the engine, rho compares the current policy with it
-            trainer = logp_bT if a.use_engine_logprobs else old_bT[r]
-            mask, corr, corr_m = rollout_correction(a, trainer, engine_bT[r], mask)
-        loss, m = ctx.loss_fn(logp_bT, old_bT[r], adv_b[r], mask, clip_low=a.clip_low, clip_high=a.clip_high,
-                              loss_agg_mode=a.loss_agg_mode, loss_denominator=denom,
-                              ref_logp=None if ref_bT is None else ref_bT[r], beta=a.kl_beta,
-                              kl_estimator=a.kl_estimator, **{k: v[r] for k, v in shift.items()}, **corr,
-                              **loss_options(a))
-        return loss, {**m, **corr_m}
-    return loss_rows
+    return mask_bT, weight, metrics
 
 
 def _router_shift_ratio(old_router: OldRouterScores, cap: RoutingCapture, old_src, shape_BT) -> torch.Tensor:

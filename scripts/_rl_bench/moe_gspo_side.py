@@ -18,7 +18,8 @@ def run_moe_gspo(spec: dict) -> dict:
     if not (Path(spec["ckpt"]) / "config.json").is_file():  # the first run of a size writes the shared weights
         import moe_gspo
 
-        moe_gspo.load_policy(spec_config(spec, None)).save_pretrained(spec["ckpt"])
+        moe_gspo.load_policy(spec_config(spec, None),
+                             moe_gspo.init_parallel(spec_config(spec, None))).save_pretrained(spec["ckpt"])
     cfg = spec_config(spec, spec["ckpt"])
     starts, steps_out, probe, prompts, updates = [], [], None, [], [0]
     rollout, pad, log, update = loop.Run.rollout, loop.Run.pad, loop.Run.log, loop.update_minibatch

@@ -73,30 +73,26 @@ def run_update(policy, cfg, impl, noise, seed=0):
     pb, g = batch(cfg, seed=seed)
     sids = pb.sample_ids
     first = old_logprob_pass(ctx, pb, sids)
-    old = first.logp
+    old = first.old_logp
     old = torch.where(pb.response_mask, old + noise * torch.randn(old.shape, generator=g), 0.0)
     ref = torch.where(pb.response_mask, old + 0.3 * torch.randn(old.shape, generator=g), 0.0)
     adv = torch.randn(len(sids), generator=g)
     idx = torch.tensor([5, 0, 3, 6, 1, 2])  # two micro-batches of train.micro_batch_size=4: 4 and 2 rows
     losses = []
 
-    def recording(fn):  # fn, appending the loss it returns (its first output) to `losses`
+    def recording(fn):  # fn, appending the loss of the MicroOut it returns to `losses`
         def wrapped(*a, **k):
             out = fn(*a, **k)
-            losses.append(float(out[0].detach()))
+            losses.append(float(out.loss.detach()))
             return out
         return wrapped
 
-    if impl == "fused":  # the loss the kernel hands to backward, per micro-batch
-        inner = step_mod.hidden_loss
-        step_mod.hidden_loss = recording(inner)
-    else:
-        ctx.loss_fn = recording(ctx.loss_fn)
+    inner = step_mod.micro_step  # the loss each micro-batch hands to backward
+    step_mod.micro_step = recording(inner)
     try:
         metrics = update_minibatch(ctx, pb, OldPass(old, ref, first.router), adv, sids, idx)
     finally:
-        if impl == "fused":
-            step_mod.hidden_loss = inner
+        step_mod.micro_step = inner
     return losses, metrics, ctx.optim.grads
 
 
@@ -140,10 +136,11 @@ def case_cfg(base_overrides, case):
 def main():
     import torch.distributed as dist
 
-    from moe_gspo import load_policy
+    from moe_gspo import init_parallel, load_policy
 
     args = override_args()
-    policy = load_policy(case_cfg(args.overrides, "gspo_temperature"))
+    source = case_cfg(args.overrides, "gspo_temperature")
+    policy = load_policy(source, init_parallel(source))
     lines = []
     for case in CASES:
         worst = compare_update(policy, case_cfg(args.overrides, case), case)

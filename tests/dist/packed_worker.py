@@ -77,10 +77,10 @@ def run(policy, cfg, pb, adv):
         replay.record_rollouts(sids, [pb.routing[b, :n - 1] for b, n in enumerate(lengths)])
     old = old_logprob_pass(ctx, pb, sids)
     stored = {int(s): replay.get(s).clone() for s in sids} if replay.mode != "off" else {}
-    moved = dataclasses.replace(old, logp=torch.where(pb.response_mask, old.logp - 0.02, 0.0))  # ratios != 1
+    moved = dataclasses.replace(old, old_logp=torch.where(pb.response_mask, old.old_logp - 0.02, 0.0))  # ratios != 1
     idx = torch.arange(len(sids)).flip(0)  # rows in another order than the rollout's
     update_minibatch(ctx, pb, moved, adv, sids, idx)
-    return old.logp, stored, ctx.optim.grads, tracker.metrics()
+    return old.old_logp, stored, ctx.optim.grads, tracker.metrics()
 
 
 def compare_packed(policy, cfg, lengths, seed=0) -> dict[str, float]:
@@ -106,12 +106,12 @@ def main():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from moe_gspo import load_policy
+    from moe_gspo import init_parallel, load_policy
     from moe_gspo.config import load_config
 
     args = override_args()
     cfg = load_config("configs/train_tiny_cpu.yaml", args.overrides)
-    policy = load_policy(cfg)
+    policy = load_policy(cfg, init_parallel(cfg))
     dp_rank = ps.get_data_parallel_rank()
     worst = compare_packed(policy, cfg, ROWS[dp_rank], seed=dp_rank)
     Path(args.out, f"ok_{dist.get_rank()}").write_text(f"rank {dist.get_rank()} max |d grad| {worst}\n")

@@ -29,8 +29,9 @@ def _options(ap):
 
 def main():
     args = checkpoint_args(_options)
-    policy = moe_gspo.load_policy(ModelConfig(init_from=args.ckpt, experts=args.experts),
-                                  parallel=ParallelConfig(tp=args.tp, ep=args.ep))
+    source = ModelConfig(init_from=args.ckpt, experts=args.experts)
+    layout = ParallelConfig(tp=args.tp, ep=args.ep)
+    policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source, parallel=layout), parallel=layout)
     from megatron.core import parallel_state as ps
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

@@ -34,7 +34,7 @@ def check_load(cfg, run: Path) -> int:
     from moe_gspo.train.optim import Optimizer, wrap_ddp
     from moe_gspo.train.sharded_io import load_full
 
-    policy = moe_gspo.load_policy(cfg)
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     optim = Optimizer.from_config(wrap_ddp(policy, cfg.train.distributed_optimizer), policy, cfg.train,
                                   total_steps=cfg.train.steps * cfg.train.minibatches)
     ckpts = Checkpoints(run / "checkpoints")

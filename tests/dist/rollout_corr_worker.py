@@ -40,7 +40,9 @@ def main():
     from moe_gspo.train.optim import Optimizer, wrap_ddp
     from moe_gspo.train.step import OldPass, StepContext, old_logprob_pass, update_minibatch
 
-    policy = moe_gspo.load_policy(args.ckpt, parallel=ParallelConfig(tp=args.tp, ep=args.ep))
+    source = args.ckpt
+    layout = ParallelConfig(tp=args.tp, ep=args.ep)
+    policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source, parallel=layout), parallel=layout)
     mc = policy.model_config
     base = ["algorithm.loss=grpo", "algorithm.track_flips=false", "train.lr=0", "train.micro_batch_size=2",
             f"model.num_experts={mc.num_experts}"]
@@ -58,17 +60,17 @@ def main():
 
     cfg = load_config(None, base + CORRECTION + ["train.loss_impl=eager"])
     replay = RoutingReplayCache("off", mc.num_hidden_layers, mc.num_experts_per_tok, mc.num_experts)
-    ctx = StepContext(policy, None, cfg, replay, None, ps.get_data_parallel_group(), dp)
+    ctx = StepContext(policy, None, cfg, replay, None, policy.groups)
     ctx.optim = Optimizer(wrap_ddp(policy, distributed=False), policy, lr=0.0)
-    old = old_logprob_pass(ctx, pb, sids).logp
-    pb.old_logprobs = torch.where(pb.response_mask, old + noise[rows], 0.0)  # the "engine"
+    old = old_logprob_pass(ctx, pb, sids).old_logp
+    pb.engine_logprobs = torch.where(pb.response_mask, old + noise[rows], 0.0)  # the "engine"
 
     out = {}
     for name, ovs in (("eager", CORRECTION + ["train.loss_impl=eager"]),
                       ("fused", CORRECTION + ["train.loss_impl=fused"]),
                       ("bypass", BYPASS + ["train.loss_impl=fused"])):
-        ctx.cfg = load_config(None, base + ovs)
-        pi_old = pb.old_logprobs if ctx.cfg.algorithm.use_engine_logprobs else old
+        ctx = StepContext(policy, ctx.optim, load_config(None, base + ovs), replay, None, policy.groups)
+        pi_old = pb.engine_logprobs if ctx.cfg.algorithm.use_engine_logprobs else old
         m = update_minibatch(ctx, pb, OldPass(pi_old), adv, sids, torch.arange(per))
         keys = sorted(k for k in m if k == "pg_loss" or k.startswith("rollout_corr/"))
         vals = torch.tensor([m[k] for k in keys], dtype=torch.float64)

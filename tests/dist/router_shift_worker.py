@@ -40,7 +40,9 @@ def main():
     from moe_gspo.train.optim import Optimizer, wrap_ddp
     from moe_gspo.train.step import StepContext, _router_shift_ratio, old_logprob_pass, update_minibatch
 
-    policy = moe_gspo.load_policy(args.ckpt, parallel=ParallelConfig(tp=args.tp, ep=args.ep))
+    source = args.ckpt
+    layout = ParallelConfig(tp=args.tp, ep=args.ep)
+    policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source, parallel=layout), parallel=layout)
     mc = policy.model_config
     # one micro-batch per forward here and in the single process: the pg_loss metric is a per-micro-batch mean
     cfg = load_config(None, ["algorithm.loss=rspo", "algorithm.router_score_dtype=float32", "train.lr=0",
@@ -57,7 +59,7 @@ def main():
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[rows]
 
     replay = RoutingReplayCache("off", mc.num_hidden_layers, mc.num_experts_per_tok, mc.num_experts)
-    ctx = StepContext(policy, None, cfg, replay, None, ps.get_data_parallel_group(), dp)
+    ctx = StepContext(policy, None, cfg, replay, None, policy.groups)
     ctx.optim = Optimizer(wrap_ddp(policy, distributed=False), policy, lr=0.0)
     old = old_logprob_pass(ctx, pb, sids)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_gspo import load_policy
+from moe_gspo import init_parallel, load_policy
 from moe_gspo.config import load_config
 from moe_gspo.model.routing_capture import RoutingCapture
 from moe_gspo.train.logprob import batch_logprobs
@@ -23,7 +23,7 @@ from worker_args import override_args  # noqa: E402 (the worker's own folder)
 def main():
     args = override_args()
     cfg = load_config("configs/train_tiny_cpu.yaml", args.overrides)
-    policy = load_policy(cfg)
+    policy = load_policy(cfg, init_parallel(cfg))
     ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))
     res = {}
     for impl in ("eager", "fused"):

@@ -24,7 +24,7 @@ def main():
     report = Path(sys.argv[1])
     torch.set_num_threads(1)
     cfg = load_config("configs/tiny_cpu.yaml", ["parallel.tp=2"])
-    policy = moe_gspo.load_policy(cfg)
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     rank = dist.get_rank()
     engine = build_engine("vllm", policy, dtype="float32", return_routing=False)
     g = torch.Generator().manual_seed(0)

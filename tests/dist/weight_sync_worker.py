@@ -23,7 +23,9 @@ from moe_gspo.rollout.hf_engine import HFEngine, model_from_export
 def main():
     ckpt, report, bucket = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(1)
-    policy = moe_gspo.load_policy(ModelConfig(init_from=ckpt), parallel=ParallelConfig(tp=2, ep=2))
+    source = ModelConfig(init_from=ckpt)
+    layout = ParallelConfig(tp=2, ep=2)
+    policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source, parallel=layout), parallel=layout)
     rank = dist.get_rank()
     engine = HFEngine(policy)  # the first sync builds the module; the bucketed one writes into it in place
     with torch.no_grad():

@@ -1,0 +1,29 @@
+"""The golden curve: today's tiny RL run against the per-step metrics stored in tests/golden/, so that a commit that
+changes what training computes fails here instead of drifting unnoticed.
+
+A change meant to alter training refreshes the file on purpose: `python tests/golden/make.py`, with the reason in
+the commit message (docs/training.md, "The golden curve").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
+from make import OUT, golden_run  # noqa: E402
+
+REL, ABS = 1e-5, 1e-7  # far above run-to-run rounding on one machine (0), far below any change to the math
+
+
+def test_the_tiny_run_follows_the_golden_curve():
+    stored = json.loads(OUT.read_text())["steps"]
+    rows = golden_run()
+    assert len(rows) == len(stored)
+    for step, (got, want) in enumerate(zip(rows, stored), start=1):
+        assert set(got) == set(want), (step, set(got) ^ set(want))
+        off = {k: (want[k], v) for k, v in got.items() if v != pytest.approx(want[k], rel=REL, abs=ABS)}
+        assert not off, f"step {step} left the golden curve: {off}"

@@ -2,6 +2,8 @@
 
     python scripts/study_summary.py granularity runs/granularity [--json per_seed.json]
     python scripts/study_summary.py paired runs/study_vllm [--json per_seed.json]
+    python scripts/study_summary.py contrasts runs/study_routing grpo_top8-grpo_top2 gspo_top2-grpo_top2 \
+        "gspo_top2-grpo_top2/gspo_top8-grpo_top8" [--json contrasts.json]
     python scripts/study_summary.py export runs/study_vllm docs/results/vllm/runs
     python scripts/study_summary.py precision --bf16 runs/granularity --fp16 runs/precision_fp16 \
         --bf16-r3 runs/precision_bf16_r3 [--steps 6]
@@ -14,6 +16,11 @@ its 95% t-interval, the paired difference with its per-comparison 95% interval, 
 for the number of comparisons (Bonferroni), runs above the baseline, collapses (recovered) with Fisher's exact p
 against the baseline's count, and run-level means of the engine-trainer routing mismatch and token-probability
 gap. --json writes the per-seed values.
+contrasts: a compare directory's pre-registered contrasts, the one multiple-comparison policy of docs/training.md:
+"a-b" is variant a minus variant b in final reward, paired by seed; "a-b/c-d" is (a - b) - (c - d) per seed (does a
+gap change between conditions). The m contrasts named are one family: each gets its per-comparison 95% t-interval,
+its p-value and its Bonferroni interval (level 1 - 0.05/m), and a verdict from the Bonferroni interval; collapse
+counts of a and b with Fisher's exact two-sided p, significant below 0.05/m.
 export: a compare directory's raw data for the repository: compare.json and, per run, metrics.jsonl cut to the
 keys the summaries read (reward, accuracy, the routing and engine metrics, clip fraction, lengths), enough for
 `paired` to give the same table from DEST.
@@ -172,6 +179,56 @@ def paired(out: Path, out_json: Path | None) -> None:
         out_json.write_text(json.dumps(per_seed, indent=1))
 
 
+def contrasts(out: Path, specs: list[str], out_json: Path | None) -> None:
+    from moe_gspo.report.compare_data import load_variants, read_meta, variant_stats
+
+    meta, settings = read_meta(out)
+    names = [n for n in meta.get("variants", []) if (out / n).is_dir()]
+    variants = {v.name: v for v in load_variants(out, names)}
+    _, stats = variant_stats(list(variants.values()), settings)
+    finals = {n: dict(zip(v.seeds, stats[n].finals)) for n, v in variants.items()}
+    collapsed = {n: sum(bool(e) for e in stats[n].collapses) for n in variants}
+
+    def diff(spec: str) -> dict:
+        a, b = spec.split("-")
+        if a not in finals or b not in finals:
+            raise SystemExit(f"contrast {spec!r}: variants are {', '.join(finals)}")
+        return {s_: finals[a][s_] - finals[b][s_] for s_ in finals[a] if s_ in finals[b]}
+
+    m = len(specs)
+    print(f"{out}: {m} contrasts, one family: Bonferroni level 1 - 0.05/{m}; final reward = mean of the last "
+          f"{settings.final_window} steps; Fisher's exact p on collapse counts, significant below {0.05 / m:.4f}")
+    print("| contrast | seeds | mean difference [95% t] | p | Bonferroni interval | verdict | collapsed | Fisher p |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = {}
+    for spec in specs:
+        parts = spec.split("/")
+        d = diff(parts[0])
+        if len(parts) == 2:
+            d2 = diff(parts[1])
+            d = {s_: x - d2[s_] for s_, x in d.items() if s_ in d2}
+        vals = [d[s_] for s_ in sorted(d)]
+        n = len(vals)
+        mu, sd = float(np.mean(vals)), float(np.std(vals, ddof=1))
+        half = t_critical(n - 1, 0.95) * sd / math.sqrt(n)
+        bhalf = t_critical(n - 1, 1 - 0.05 / m) * sd / math.sqrt(n)
+        p = paired_p(vals)
+        verdict = ("above 0" if mu - bhalf > 0 else "below 0" if mu + bhalf < 0 else "not distinguishable")
+        coll, fp = "", ""
+        if len(parts) == 1:
+            a, b = parts[0].split("-")
+            coll = f"{collapsed[a]}/{len(finals[a])} vs {collapsed[b]}/{len(finals[b])}"
+            fp = f"{fisher_exact(collapsed[a], len(finals[a]), collapsed[b], len(finals[b])):.3f}"
+        print(f"| {spec} | {n} | {mu:+.3f} [{mu - half:+.3f}, {mu + half:+.3f}] | {'-' if p is None else f'{p:.3f}'} | "
+              f"[{mu - bhalf:+.3f}, {mu + bhalf:+.3f}] | {verdict} | {coll} | {fp} |")
+        rows[spec] = {"per_seed": {str(k): v for k, v in sorted(d.items())}, "mean": mu, "ci95": [mu - half, mu + half],
+                      "bonferroni": [mu - bhalf, mu + bhalf], "p": p, "verdict": verdict}
+    if out_json:
+        out_json.write_text(json.dumps({"family_size": m, "contrasts": rows, "collapsed": collapsed,
+                                        "finals": {n: {str(k): v for k, v in f.items()} for n, f in finals.items()}},
+                                       indent=1))
+
+
 EXPORT_KEYS = ("step", "reward/mean", "accuracy", "groups/with_variance", "response_length/mean", FLIP, MISMATCH,
                PDIFF, "rollout_probs_diff_max", "pg_clipfrac", "ppo_kl", "grad_norm")
 
@@ -198,6 +255,10 @@ def main() -> None:
     pr = sub.add_parser("paired")
     pr.add_argument("compare_dir", type=Path)
     pr.add_argument("--json", type=Path)
+    co = sub.add_parser("contrasts")
+    co.add_argument("compare_dir", type=Path)
+    co.add_argument("specs", nargs="+", help='"a-b" or "a-b/c-d" (variant names)')
+    co.add_argument("--json", type=Path)
     ex = sub.add_parser("export")
     ex.add_argument("compare_dir", type=Path)
     ex.add_argument("dest", type=Path)
@@ -210,6 +271,8 @@ def main() -> None:
         granularity(a.study, a.json)
     elif a.what == "paired":
         paired(a.compare_dir, a.json)
+    elif a.what == "contrasts":
+        contrasts(a.compare_dir, a.specs, a.json)
     elif a.what == "export":
         export(a.compare_dir, a.dest)
     else:

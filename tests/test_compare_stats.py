@@ -90,8 +90,13 @@ def test_collapse_detector_on_constructed_curves():
     # flat curves: at 0.5, and at 0 (below min_peak) with noise
     assert collapses(np.full(60, 0.5)) == []
     assert collapses(np.random.default_rng(0).uniform(0, 0.05, 60), min_peak=0.1) == []
-    # a drop in the last steps has not lasted `patience` yet
-    assert collapses(_curve((40, 0.6), (5, 0.0)), patience=10, window=1) == []
+    # a drop in the last steps that lasts to the end: the run ends collapsed, however late
+    late = collapses(_curve((40, 0.6), (5, 0.0)), patience=10, window=1)
+    assert [(d.start, d.end) for d in late] == [(40, None)]
+    # a dip in the last steps that recovers before the end is still a dip
+    assert collapses(_curve((40, 0.6), (3, 0.0), (2, 0.6)), patience=10, window=1) == []
+    # a run that never rose to min_peak cannot collapse, even from 0.08 to 0
+    assert collapses(_curve((20, 0.08), (30, 0.0)), patience=10, window=1, min_peak=0.1) == []
     # two collapses with a recovery in between
     two = collapses(_curve((10, 0.5), (12, 0.1), (10, 0.5), (15, 0.0)), patience=10, window=1)
     assert [(d.start, d.end) for d in two] == [(10, 22), (32, None)]

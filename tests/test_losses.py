@@ -306,3 +306,26 @@ def test_kl_beta_adds_exactly_the_estimators_gradient_float64(estimator, loss_na
     if kl is None:
         kl = torch.exp(ref - logp0) - (ref - logp0) - 1
     torch.testing.assert_close(m["kl_loss"], ((kl * mask).sum(-1) / mask.sum(-1)).mean(), rtol=1e-6, atol=1e-12)
+
+
+def test_gspo_without_length_normalization_uses_the_whole_responses_ratio():
+    """algorithm.loss_options.length_normalize=false (an ablation): s_i = exp(sum_t (logp - old_logp)), in value and
+    gradient equal to the float64 formula; the default keeps the paper's 1/|y_i|."""
+    from moe_gspo.config import load_config
+
+    g = torch.Generator().manual_seed(3)
+    logp = (torch.randn(4, 7, generator=g, dtype=torch.float64) * 0.02 - 1).requires_grad_()
+    old = logp.detach() + torch.randn(4, 7, generator=g, dtype=torch.float64) * 0.02
+    mask = torch.ones(4, 7, dtype=torch.bool)
+    mask[0, 3:] = False
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    a = load_config(None, ["algorithm.loss_options.length_normalize=false", "algorithm.clip_low=0.9",
+                           "algorithm.clip_high=100"]).algorithm
+    got, m = a.policy_loss()(logp, old, adv, mask)
+    s = torch.exp(torch.where(mask, logp - old, 0).sum(-1))
+    want = (-adv * s).mean()  # no clip is active at these bounds
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+    assert torch.allclose(torch.autograd.grad(got, logp)[0], torch.autograd.grad(want, logp)[0], rtol=1e-12, atol=0)
+    normalized, _ = load_config(None, ["algorithm.clip_low=0.9", "algorithm.clip_high=100"]).algorithm.policy_loss()(
+        logp, old, adv, mask)
+    assert not torch.allclose(normalized, want)

@@ -61,10 +61,11 @@ def surrogate_metrics(pg_loss: Tensor, logp: Tensor, old_logp: Tensor, mask: Ten
             "ppo_kl": ppo_kl(logp, old_logp, mask), **extra, **_stats(ratio, ratio_valid, "ratio")}
 
 
-def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """GSPO's length-normalized log-ratio: 1/|y_i| sum_t mask (logp - old_logp) -> [B] (0 for an empty row)."""
-    diff = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
-    return diff.sum(-1) / mask.sum(-1).clamp(min=1).to(logp.dtype)
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, length_normalize: bool = True) -> Tensor:
+    """GSPO's length-normalized log-ratio: 1/|y_i| sum_t mask (logp - old_logp) -> [B] (0 for an empty row); with
+    length_normalize=False the plain sum (the log of the whole response's likelihood ratio)."""
+    diff = torch.where(mask, logp - old_logp, torch.zeros_like(logp)).sum(-1)
+    return diff / mask.sum(-1).clamp(min=1).to(logp.dtype) if length_normalize else diff
 
 
 def grpo_loss(
@@ -113,11 +114,14 @@ def gspo_loss(
     loss_agg_mode: str,
     loss_denominator: Tensor | float | None,
     log_ratio_clamp: float,
+    length_normalize: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO sequence-level clipped surrogate; advantages [B] (one per sequence).
 
     s_i = exp(clamp(1/|y_i| sum_t (logp - old_logp))); J_i = max(-A_i s_i, -A_i clip(s_i, 1 - clip_low, 1 + clip_high)).
     Aggregated per sequence (agg_seq_loss): the default seq-mean-token-mean is the paper's 1/G sum_i J_i.
+    length_normalize=False drops the 1/|y_i| (s_i the whole response's likelihood ratio), which the paper calls
+    essential: an ablation switch, not a recommended setting.
     """
     if advantages.dim() != 1:
         raise ValueError(
@@ -126,7 +130,8 @@ def gspo_loss(
         )
     lengths_B = mask.sum(-1)
     nonempty_B = lengths_B > 0
-    seq_ratio = torch.exp(sequence_log_ratio(logp, old_logp, mask).clamp(-log_ratio_clamp, log_ratio_clamp))  # (B,)
+    seq_log_ratio = sequence_log_ratio(logp, old_logp, mask, length_normalize)
+    seq_ratio = torch.exp(seq_log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp))  # (B,)
     pg1 = -advantages * seq_ratio
     pg2 = -advantages * seq_ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     seq_losses = torch.maximum(pg1, pg2)  # (B,)
@@ -188,6 +193,17 @@ class GRPO(PolicyLoss):
     fn = staticmethod(grpo_loss)
 
 
+@dataclass(frozen=True)
+class GSPOOptions:
+    length_normalize: bool = True
+    """Normalize the sequence log-ratio by the response length |y_i| (the paper's s_i). False (an ablation) uses
+    the whole response's likelihood ratio, whose spread grows with length."""
+
+    def __post_init__(self):
+        if not isinstance(self.length_normalize, bool):
+            raise LossConfigError("loss_options.length_normalize", self.length_normalize, "must be true or false")
+
+
 @register_policy_loss
 class GSPO(PolicyLoss):
     """GSPO's sequence-level clipped surrogate (arXiv:2507.18071)."""
@@ -195,6 +211,7 @@ class GSPO(PolicyLoss):
     name = "gspo"
     default_clip = (3e-4, 4e-4)
     ratio_level = "sequence"
+    Options = GSPOOptions
     fn = staticmethod(gspo_loss)
 
 

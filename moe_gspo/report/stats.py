@@ -167,11 +167,11 @@ def collapses(values: Sequence[float], fraction: float = 0.5, patience: int = 10
               window: int = 5) -> list[Collapse]:
     """Collapses of a reward series (one value per logged step), on its `window`-step trailing moving average.
 
-    A collapse starts where the smoothed reward s_t drops below fraction * P_t (P_t = max of s up to t, at least
-    `min_peak`, so that noise around a near-zero reward is not a collapse) and s stays below that level for
-    `patience` consecutive values. A dip shorter than `patience` is not a collapse; neither is a drop in the last
-    `patience - 1` values (it cannot have lasted long enough yet). After a collapse that recovers (s back at or
-    above its level), a later drop counts again."""
+    A collapse starts where the smoothed reward s_t drops below fraction * P_t (P_t = max of s up to t) and s stays
+    below that level for `patience` consecutive values or until the series ends: a run that ends collapsed counts,
+    however late the drop came. Only drops from a peak P_t >= `min_peak` count, so that noise around a reward that
+    never rose above min_peak is not a collapse. A dip shorter than `patience` that recovers before the end is not a
+    collapse. After a collapse that recovers (s back at or above its level), a later drop counts again."""
     if not 0 < fraction < 1:
         raise ValueError(f"collapse fraction={fraction} must be in (0, 1)")
     if patience < 1 or window < 1:
@@ -186,7 +186,7 @@ def collapses(values: Sequence[float], fraction: float = 0.5, patience: int = 10
         if peak >= min_peak and s[t] < level:
             above = np.nonzero(s[t:] >= level)[0]
             end = t + int(above[0]) if len(above) else None
-            if (end if end is not None else len(s)) - t >= patience:
+            if end is None or end - t >= patience:  # lasted `patience` values, or to the end of the run
                 out.append(Collapse(t, float(peak), end))
             if end is None:
                 break

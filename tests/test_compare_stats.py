@@ -127,3 +127,37 @@ def test_paired_p_matches_the_t_interval():
         iv = t_interval(d)
         assert (paired_p(d) < 0.05) == (not iv.covers(0.0))
     assert paired_p([1.0]) is None
+
+
+def test_study_summary_contrasts_recomputes_the_committed_vllm_study():
+    """scripts/study_summary.py contrasts on the committed raw data (docs/results/vllm/runs): each contrast's per-seed
+    values are the final rewards (mean of the last 10 steps) of the two variants' runs subtracted seed by seed, its
+    interval the t-interval of those, and its Bonferroni interval is wider by t(1 - 0.05/(2m)) / t(0.975)."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    from moe_gspo.report.stats import t_critical
+
+    runs = ROOT / "docs/results/vllm/runs"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/study_summary.py"), "contrasts", str(runs), "gspo-grpo",
+                          "grpo_r3-grpo", "gspo-grpo/grpo_r3-grpo", "--json", "/dev/stdout"], capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    got = json.loads(out[out.index("{"):])
+
+    def final(variant, seed):
+        rows = [json.loads(x) for x in (runs / variant / f"seed_{seed}" / "metrics.jsonl").read_text().splitlines()]
+        return float(np.mean([r["reward/mean"] for r in rows[-10:]]))
+
+    seeds = range(8)
+    d1 = [final("gspo", s) - final("grpo", s) for s in seeds]
+    d2 = [final("grpo_r3", s) - final("grpo", s) for s in seeds]
+    for spec, want in (("gspo-grpo", d1), ("gspo-grpo/grpo_r3-grpo", [a - b for a, b in zip(d1, d2)])):
+        c = got["contrasts"][spec]
+        assert [c["per_seed"][str(s)] for s in seeds] == pytest.approx(want, abs=1e-12)
+        half = t_critical(7, 0.95) * np.std(want, ddof=1) / np.sqrt(8)
+        assert c["ci95"] == pytest.approx([np.mean(want) - half, np.mean(want) + half], abs=1e-12)
+        wide = (c["bonferroni"][1] - c["bonferroni"][0]) / (c["ci95"][1] - c["ci95"][0])
+        assert wide == pytest.approx(t_critical(7, 1 - 0.05 / 3) / t_critical(7, 0.95), rel=1e-9)
+    assert got["family_size"] == 3 and got["collapsed"]["gspo"] == 0

@@ -1,5 +1,6 @@
 """The policy against transformers' own Qwen3-MoE: logits, routing, gradients, save/load round trips."""
 
+import dataclasses
 import json
 
 import pytest
@@ -165,3 +166,21 @@ def test_missing_tensor_is_named(pair, tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(ConfigError, match="model.layers.1.self_attn.k_norm.weight"):
         moe_gspo.load_policy(tmp_path, moe_gspo.init_parallel(tmp_path))
+
+
+def test_load_policy_builds_on_the_groups_it_is_given_and_changes_no_global_state():
+    """init_parallel sets up the process; load_policy only builds: the caller's RNG state is as it was, and two
+    loads of one config on the same groups give the same weights (the config's seed, not the RNG's history)."""
+    cfg = load_config("configs/tiny_cpu.yaml")
+    groups = moe_gspo.init_parallel(cfg)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    a = moe_gspo.load_policy(cfg, groups)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.rand(5)  # move the caller's RNG: the next build must not depend on it
+    b = moe_gspo.load_policy(cfg, groups)
+    assert a.groups is groups and a.tp == groups.tp.size() == 1
+    sa, sb = a.megatron_state(), b.megatron_state()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    with pytest.raises(ConfigError, match="parallel.tp=2"):
+        moe_gspo.load_policy(cfg, groups, parallel=dataclasses.replace(cfg.parallel, tp=2))

@@ -81,8 +81,30 @@ def test_column_addition_reward_table(response, reward):
     assert task.reward(response, COLUMN) == reward
 
 
+def test_column_addition_checks_scale_the_length_at_the_same_problem():
+    """checks = c: the same prompts and sums (the same seed draws the same problems), the solution then c checks of
+    b + a, so the length is (c + 1) solutions + c separators; only the whole text scores 1."""
+    plain = ColumnAdditionTask(2, 2).examples(100, seed=5)
+    for c in (0, 2, 7):
+        task = ColumnAdditionTask(2, 2, checks=c)
+        long = task.examples(100, seed=5)
+        assert [e.prompt for e in long] == [e.prompt for e in plain]
+        for e, p in zip(long, plain):
+            a, b = e.meta["operands"]
+            parts = e.answer.split("|")
+            assert parts == [p.answer] + [ColumnAdditionTask.solution(b, a)] * c
+            assert all(x.endswith(f";{a + b}") for x in parts)
+            assert len(e.answer) == len(p.answer) * (c + 1) + c  # b + a writes as many characters as a + b
+            assert task.reward(e.answer, e) == 1.0 and task.reward(p.answer, e) == (1.0 if c == 0 else 0.0)
+    lengths = {c: [len(e.answer) for e in ColumnAdditionTask(2, 2, checks=c).examples(200)] for c in (0, 2, 7)}
+    assert 18 <= min(lengths[0]) and max(lengths[0]) <= 21 and 151 <= min(lengths[7]) and max(lengths[7]) <= 175
+    for bad in (-1, 16, 1.5):
+        with pytest.raises(ValueError, match="checks"):
+            ColumnAdditionTask(2, 2, checks=bad)
+
+
 def test_column_addition_lengths_follow_the_digits_knob():
-    """Solutions of d-digit operands are 9d..10d+1 characters (one token each), 36..121 over the knob's range."""
+    """Solutions of d-digit operands are 9d..10d+1 characters (one token each), 9..121 over the knob's range."""
     lengths = {}
     for d in range(ColumnAdditionTask.MIN_DIGITS, ColumnAdditionTask.MAX_DIGITS + 1):
         for ex in ColumnAdditionTask(d, d).examples(200, seed=d):
@@ -90,12 +112,12 @@ def test_column_addition_lengths_follow_the_digits_knob():
             assert ex.prompt == f"{a}+{b}=" and len(str(a)) == len(str(b)) == d
             assert ex.answer.endswith(f";{a + b}") and ex.answer.count(",") == d - 1
             n = len(TOK.encode(ex.completion, strict=True))
-            assert 9 * d <= n <= 10 * d + 1 and 32 <= n <= 128
+            assert 9 * d <= n <= 10 * d + 1 <= 121
             lengths.setdefault(d, []).append(n)
     assert min(lengths[4]) < 41 and max(lengths[12]) > 110  # the knob spans the range
     mixed = {ex.meta["digits"] for ex in ColumnAdditionTask(4, 6).examples(100)}
     assert mixed == {4, 5, 6}
-    for bad in ((3, 5), (4, 13), (6, 5)):
+    for bad in ((0, 5), (4, 13), (6, 5)):
         with pytest.raises(ValueError, match="digits"):
             ColumnAdditionTask(*bad)
     with pytest.raises(Exception, match="max_digits=13"):

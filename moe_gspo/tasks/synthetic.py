@@ -4,6 +4,7 @@
     MultiplicationTask(min_digits=1, max_digits=2)             "12*7="        -> "84"
     CountdownTask(num_numbers=3, max_number=9)                 "3 5 7->56:"   -> "(3+5)*7" (any correct expression)
     ColumnAdditionTask(min_digits=4, max_digits=5)             "4738+2951="   -> "8+1+0=9,3+5+0=8,7+9+0=16,4+2+1=7;7689"
+    ColumnAdditionTask(2, 2, checks=1)                         "38+51="       -> "8+1+0=9,3+5+0=8;89|1+8+0=9,5+3+0=8;89"
 
 Rewards are exact (`moe_gspo.rewards.synthetic`): the answer string for arithmetic, and for countdown any
 + - * / expression that uses each given number exactly once and equals the target. Column addition's answer is the
@@ -115,19 +116,27 @@ class ColumnAdditionTask(Task):
     way to write a correct solution, so the gold answer is that whole text and the reward is exact match (no
     partial credit): a right sum after wrong work, or the sum alone, scores 0, and responses cannot get shorter
     than the work. A solution of d digits is 9d to 10d+1 characters (one token each with the character tokenizer);
-    d is drawn uniformly from min_digits..max_digits, so the knob sets the response length: 36..41 characters at
-    d = 4, 108..121 at d = 12 (the allowed range, keeping every solution within 32..128 tokens).
+    d is drawn uniformly from min_digits..max_digits: 9..11 characters at d = 1, 36..41 at d = 4, 108..121 at
+    d = 12. The digits knob changes length and difficulty together.
+
+    `checks` changes the length alone: after the solution the response writes `checks` checks, each `|` and the
+    worked solution with the operands swapped (b + a: the same columns, the same sums, the same answer). The
+    problem, and so its difficulty, is the same at every value: (checks + 1) (9d..10d+1) + checks characters, e.g.
+    at d = 2: 18..21 with no check, 56..65 with 2, 151..175 with 7.
     """
 
     name = "column_addition"
-    MIN_DIGITS, MAX_DIGITS = 4, 12
+    MIN_DIGITS, MAX_DIGITS = 1, 12
+    MAX_CHECKS = 15
 
-    def __init__(self, min_digits: int = 4, max_digits: int = 5, heldout_fraction: float = 0.1):
+    def __init__(self, min_digits: int = 4, max_digits: int = 5, heldout_fraction: float = 0.1, checks: int = 0):
         _check_digits(self.name, min_digits, max_digits)
         if not self.MIN_DIGITS <= min_digits <= max_digits <= self.MAX_DIGITS:
             raise ValueError(f"{self.name}: min_digits={min_digits}, max_digits={max_digits} must lie in "
-                             f"{self.MIN_DIGITS}..{self.MAX_DIGITS} (solutions of 36..121 characters)")
-        self.min_digits, self.max_digits = min_digits, max_digits
+                             f"{self.MIN_DIGITS}..{self.MAX_DIGITS} (solutions of 9..121 characters)")
+        if not (isinstance(checks, int) and 0 <= checks <= self.MAX_CHECKS):
+            raise ValueError(f"{self.name}: checks={checks!r} must be an int in 0..{self.MAX_CHECKS}")
+        self.min_digits, self.max_digits, self.checks = min_digits, max_digits, checks
         self.heldout_fraction = heldout_fraction
         self.reward_fn = exact_match
 
@@ -145,4 +154,5 @@ class ColumnAdditionTask(Task):
     def _draw(self, rng):
         d = rng.randint(self.min_digits, self.max_digits)
         a, b = (rng.randint(10 ** (d - 1), 10**d - 1) for _ in range(2))
-        return Example(f"{a}+{b}=", self.solution(a, b), {"operands": [a, b], "sum": a + b, "digits": d})
+        answer = "|".join([self.solution(a, b)] + [self.solution(b, a)] * self.checks)
+        return Example(f"{a}+{b}=", answer, {"operands": [a, b], "sum": a + b, "digits": d, "checks": self.checks})

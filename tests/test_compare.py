@@ -343,8 +343,10 @@ def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch, capsys):
     assert out[-1] == f"report: {tmp_path / 'par' / 'report.html'}", out
     head, gr, gs = out[-4:-1]
     assert head.split()[:3] == ["variant", "seeds", "final"] and "minus grpo_r3, paired [95% t]" in head, head
-    assert gr.startswith("grpo_r3") and "baseline" in gr and gr.endswith("/2"), gr
-    assert gs.startswith("gspo ") and gs.endswith("/2") and "[" in gs, gs
+    assert head.split()[-2:] == ["Fisher", "p"], head
+    assert gr.startswith("grpo_r3") and "baseline" in gr and gr.endswith("/2"), gr  # no Fisher p for the baseline
+    assert gs.startswith("gspo ") and gs.split()[-2].endswith("/2") and "[" in gs, gs
+    assert 0 <= float(gs.split()[-1]) <= 1, gs  # Fisher's exact p of the collapse counts against the baseline
     # a second comparison into the same directory is refused unless told to replace or to complete the first
     assert main([*args, "--out", str(tmp_path / "seq"), "--jobs", "1"]) == 2
     assert main([*args, "--out", str(tmp_path / "seq"), "--resume", "--overwrite"]) == 2

@@ -68,15 +68,17 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
         "variant, the mean over seeds with its 95% Student-t interval (mean \u00b1 t<sub>0.975, n\u22121</sub> "
         "\u00b7 s / \u221an over the n seeds' final rewards). A run collapses when its "
         f"{settings.smooth_window}-step moving-average reward falls below {settings.collapse_fraction:g} of its "
-        f"running peak (peaks below {settings.collapse_min_peak:g} count as {settings.collapse_min_peak:g}) and "
-        f"stays below for at least {settings.collapse_patience} steps.</p>")
-    drows = diff_rows(variants, stats)
+        f"running peak and stays below for at least {settings.collapse_patience} steps or until the run ends; only "
+        f"drops from a peak of at least {settings.collapse_min_peak:g} count.</p>")
+    drows = diff_rows(variants, stats, base)
     if drows:
         parts.append(f"<h2>Each variant vs {html.esc(base)}</h2>" + html.table(DIFF_HEADER, drows)
                      + f"<p class='note'>Per seed, the variant's final reward minus {html.esc(base)}'s at the same "
                      "seed (same cold start, same prompts); the interval is the Student-t interval of these "
                      "differences. An interval that covers 0 reads \u201cnot distinguishable at this budget\u201d: "
-                     "more seeds or steps could still separate them.</p>")
+                     "more seeds or steps could still separate them. Collapse counts are compared by Fisher's exact "
+                     "two-sided test. These are per-comparison figures; with several comparisons, a claim needs the "
+                     "family's correction (docs/training.md, one multiple-comparison policy).</p>")
     parts.append("<h2>Clipping, expert volatility and engine mismatch</h2>"
                  + html.table(METRIC_HEADER, metric_rows(variants, base))
                  + "<p class='note'>Each run's mean over its steps (the clip fraction and the flip rate over the "

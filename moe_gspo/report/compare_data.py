@@ -130,10 +130,20 @@ def _interval_cell(iv: Interval) -> str:
     return "\u2014 (1 seed)" if iv.lo is None else f"[{iv.lo:.3g}, {iv.hi:.3g}]"
 
 
-def diff_rows(variants: Sequence[Variant], stats: dict[str, Stats]) -> list[list]:
+def collapse_p(stats: dict[str, Stats], name: str, base: str) -> float:
+    """Fisher's exact two-sided p of variant `name`'s collapsed-run count against the baseline's."""
+    from moe_gspo.report.stats import fisher_exact
+
+    a, b = stats[name].collapses, stats[base].collapses
+    return fisher_exact(sum(bool(e) for e in a), len(a), sum(bool(e) for e in b), len(b))
+
+
+def diff_rows(variants: Sequence[Variant], stats: dict[str, Stats], base: str) -> list[list]:
     """One row per variant other than the baseline, columns as in DIFF_HEADER."""
     return [[v.name, stats[v.name].diff.n, stats[v.name].diff.mean, _interval_cell(stats[v.name].diff),
-             stats[v.name].verdict] for v in variants if stats[v.name].diff is not None]
+             stats[v.name].verdict, f"{sum(bool(e) for e in stats[v.name].collapses)}/{len(stats[v.name].collapses)} "
+             f"vs {sum(bool(e) for e in stats[base].collapses)}/{len(stats[base].collapses)}, p = "
+             f"{collapse_p(stats, v.name, base):.3f}"] for v in variants if stats[v.name].diff is not None]
 
 
 def run_rows(variants: Sequence[Variant], stats: dict[str, Stats], walls: dict[str, float]) -> list[list]:
@@ -323,7 +333,8 @@ SUMMARY_HEADER = ["variant", "seeds", "steps", "reward, step 1 (mean over seeds)
                   "95% t-interval", "runs that collapsed", "mean pg_clipfrac", "clip fraction / baseline's",
                   "mean flip rate", "mean rollout-train mismatch", "mean rollout_probs_diff",
                   "wall time (s, all seeds)"]
-DIFF_HEADER = ["variant", "seeds paired", "mean difference of final reward", "95% t-interval", "verdict"]
+DIFF_HEADER = ["variant", "seeds paired", "mean difference of final reward", "95% t-interval", "verdict",
+               "collapsed runs vs the baseline's, Fisher's exact p"]
 RUN_HEADER = ["variant", "seed", "reward, step 1", "final reward", "collapses",
               "steps with gradient (some group with reward variance)", "wall time (s)"]
 METRIC_HEADER = ["variant", "pg_clipfrac, steps with gradient [95% t]", "clip fraction / baseline's, paired [95% t]",
@@ -373,7 +384,7 @@ def summary_lines(out_dir: str | Path) -> list[str]:
     variants = load_variants(out, list(meta["variants"]), meta.get("seeds"))
     base, stats = variant_stats(variants, settings)
     header = ["variant", "seeds", "final reward [95% t]", "flip rate % [95% t]", "engine mismatch % [95% t]",
-              f"minus {base}, paired [95% t]", "verdict", "collapsed"]
+              f"minus {base}, paired [95% t]", "verdict", "collapsed", "Fisher p"]
     rows = [header]
     for v in variants:
         st = stats[v.name]
@@ -382,6 +393,7 @@ def summary_lines(out_dir: str | Path) -> list[str]:
         rows.append([v.name, str(len(v.runs)), _fmt(st.final), flip, mismatch,
                      "baseline" if v.name == base else _fmt(st.diff, True),
                      st.verdict or ("" if v.name == base else "no paired seeds"),
-                     f"{sum(bool(e) for e in st.collapses)}/{len(st.collapses)}"])
+                     f"{sum(bool(e) for e in st.collapses)}/{len(st.collapses)}",
+                     "" if v.name == base else f"{collapse_p(stats, v.name, base):.3f}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

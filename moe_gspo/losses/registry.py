@@ -83,18 +83,26 @@ def policy_loss_from_config(a) -> PolicyLoss:
 _HYPER = ("clip_low", "clip_high", "loss_agg_mode", "beta", "kl_estimator", "log_ratio_clamp")
 
 
+def loss_with_call_kwargs(name: str, kw: dict) -> tuple[PolicyLoss, dict]:
+    """(loss `name` built from the hyperparameters and options among kw, the rest of kw: the per-call keywords)."""
+    cls = policy_loss_class(name)
+    option_names = {f.name for f in dataclasses.fields(cls.Options)}
+    hyper = {k: v for k, v in kw.items() if k in _HYPER}
+    options = {k: v for k, v in kw.items() if k in option_names}
+    rest = {k: v for k, v in kw.items() if k not in hyper and k not in options}
+    return cls(**hyper, options=options), rest
+
+
 def get_policy_loss(name: str) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
     """The functional form of loss `name`: fn(logp, old_logp, advantages, mask, **kw) builds the loss from the
     hyperparameters among kw (clip_low, clip_high, loss_agg_mode, beta, kl_estimator, log_ratio_clamp, and the
     loss's own options by name) and applies it to the rest (loss_denominator, ref_logp, router_shift_weight,
     rollout_is_weight, cu_seqlens, max_seqlen, check_finite)."""
-    cls = policy_loss_class(name)
-    option_names = {f.name for f in dataclasses.fields(cls.Options)}
+    policy_loss_class(name)  # an unknown name fails here, not at the first call
 
     def fn(logp, old_logp, advantages, mask, **kw):
-        hyper = {k: kw.pop(k) for k in _HYPER if k in kw}
-        options = {k: kw.pop(k) for k in list(kw) if k in option_names}
-        return cls(**hyper, options=options)(logp, old_logp, advantages, mask, **kw)
+        loss, per_call = loss_with_call_kwargs(name, kw)
+        return loss(logp, old_logp, advantages, mask, **per_call)
 
     fn.__name__ = fn.__qualname__ = f"{name}_loss"
     return fn

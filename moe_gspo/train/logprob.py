@@ -25,7 +25,8 @@ import itertools
 import torch
 
 from moe_gspo.kernels import fused_logprob_loss, token_logprobs, token_logprobs_from_logits
-from moe_gspo.losses import get_policy_loss, loss_denominator, policy_loss_class
+from moe_gspo.losses import loss_denominator
+from moe_gspo.losses.registry import loss_with_call_kwargs
 
 
 def _tp_group(policy):
@@ -116,7 +117,7 @@ def fused_policy_loss(hidden, weight, targets, old_logp, advantages, *, cu_seqle
     (default: moe_gspo.losses.loss_denominator of this call's tokens, i.e. its sequences with a response token, or
     its response tokens for token-mean; pass the rollout batch's count for gradient accumulation). impl="fused" computes the LM head's gradient inside the
     kernel (fused_logprob_loss, 6THV); "unfused" is token_logprobs followed by the loss under autograd."""
-    fn = get_policy_loss(loss)
+    loss_fn, call_kw = loss_with_call_kwargs(loss, loss_options)  # built and checked once, called per row group
     if impl not in ("fused", "unfused"):
         raise ValueError(f"fused_policy_loss: unknown impl={impl!r}; valid: fused, unfused")
     T = hidden.shape[0]
@@ -129,15 +130,14 @@ def fused_policy_loss(hidden, weight, targets, old_logp, advantages, *, cu_seqle
         raise ValueError(f"fused_policy_loss: advantages must be [B] = [{cu.numel() - 1}], got "
                          f"{tuple(advantages.shape)}")
     if denominator is None:  # the loss's own count, fixed for the whole call: the kernel hands it parts of the batch
-        mode = loss_options.get("loss_agg_mode") or policy_loss_class(loss).default_agg_mode
-        denominator = int(loss_denominator(valid, mode, cu_seqlens=cu))
-    kw = {"loss_denominator": float(max(denominator, 1)), **loss_options}
+        denominator = int(loss_denominator(valid, loss_fn.loss_agg_mode, cu_seqlens=cu))
+    kw = {"loss_denominator": float(max(denominator, 1)), **call_kw}
     old, adv = old_logp.float(), advantages.float()
     bounds = cu.tolist()
 
     def part(lp, b0, b1):
         t0, t1 = bounds[b0], bounds[b1]
-        return fn(lp, old[t0:t1], adv[b0:b1], valid[t0:t1], cu_seqlens=cu[b0:b1 + 1] - t0, **kw)
+        return loss_fn(lp, old[t0:t1], adv[b0:b1], valid[t0:t1], cu_seqlens=cu[b0:b1 + 1] - t0, **kw)
 
     targets = torch.where(valid, targets, ignore_index)
     if impl == "fused":

@@ -178,7 +178,8 @@ class LossRows:
     router_shift_weight: torch.Tensor | None = None  # per token, from a forward's router scores
 
     def rows(self, sl: slice) -> LossRows:
-        return LossRows(*(None if x is None else x[sl] for x in dataclasses.astuple(self)))
+        """Views of rows `sl` (no copy: dataclasses.astuple would deep-copy every tensor)."""
+        return LossRows(*(None if (x := getattr(self, f.name)) is None else x[sl] for f in dataclasses.fields(self)))
 
 
 def minibatch_rows(ctx: StepContext, pb: PaddedRollout, old: OldPass, adv_B, idx, T: int) -> tuple[LossRows, dict]:

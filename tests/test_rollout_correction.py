@@ -222,6 +222,7 @@ def test_bad_weight_is_a_clear_error():
     (["algorithm.rollout_rs=seq_mean_k1", "algorithm.rollout_rs_threshold=[1.2,0.8]"],
      "algorithm.rollout_rs_threshold"),
     (["algorithm.rollout_rs=seq_sum_k2", "algorithm.rollout_rs_threshold=[0.5,2]"], "algorithm.rollout_rs_threshold"),
+    (["algorithm.rollout_rs_threshold=[2,1]"], "algorithm.rollout_rs_threshold"),  # unused while rollout_rs is off
     (["algorithm.rollout_is=token", "algorithm.use_engine_logprobs=true"], "algorithm.rollout_is"),
     (["algorithm.loss=sapo", "algorithm.loss_options.tau_neg=0"], "algorithm.loss_options.tau_neg"),
     (["algorithm.loss=sapo", "algorithm.loss_options.tau=1"], "algorithm.loss_options.tau"),

@@ -101,6 +101,12 @@ class AlgorithmConfig:
                 rs_threshold_bounds(self.rollout_rs, self.rollout_rs_threshold)
         except ValueError as e:
             raise ConfigError(f"algorithm.{e}") from None
+        if self.rollout_rs == "off" and self.rollout_rs_threshold is not None:  # unused, but checked like any value
+            try:
+                is_threshold_bounds(self.rollout_rs_threshold)
+            except ValueError:
+                raise ConfigError(f"algorithm.rollout_rs_threshold={self.rollout_rs_threshold!r}: give a finite "
+                                  "number > 0 or a pair [lower, upper] with 0 < lower <= upper") from None
         if self.rollout_is != "off" and self.use_engine_logprobs:
             raise ConfigError(f"algorithm.rollout_is={self.rollout_is!r} cannot go with algorithm.use_engine_logprobs="
                               "true: the loss's ratio pi_theta / pi_engine already corrects for the engine (bypass "

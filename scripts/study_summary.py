@@ -4,6 +4,7 @@
     python scripts/study_summary.py paired runs/study_vllm [--json per_seed.json]
     python scripts/study_summary.py contrasts runs/study_routing grpo_top8-grpo_top2 gspo_top2-grpo_top2 \
         "gspo_top2-grpo_top2/gspo_top8-grpo_top8" [--json contrasts.json]
+    python scripts/study_summary.py regime runs/study_offpolicy [--json per_seed.json]
     python scripts/study_summary.py export runs/study_vllm docs/results/vllm/runs
     python scripts/study_summary.py precision --bf16 runs/granularity --fp16 runs/precision_fp16 \
         --bf16-r3 runs/precision_bf16_r3 [--steps 6]
@@ -21,8 +22,13 @@ contrasts: a compare directory's pre-registered contrasts, the one multiple-comp
 gap change between conditions). The m contrasts named are one family: each gets its per-comparison 95% t-interval,
 its p-value and its Bonferroni interval (level 1 - 0.05/m), and a verdict from the Bonferroni interval; collapse
 counts of a and b with Fisher's exact two-sided p, significant below 0.05/m.
-export: a compare directory's raw data for the repository: compare.json and, per run, metrics.jsonl cut to the
-keys the summaries read (reward, accuracy, the routing and engine metrics, clip fraction, lengths), enough for
+regime: a compare directory's mechanisms per variant: clip fraction (and its ratio to grpo's, paired by seed),
+flip rate, engine-trainer routing mismatch and probability gap, the largest importance ratio (median over steps and
+largest), the entropy of the last steps and collapses; the flip rate per layer; per seed the step-1 reward (the
+cold start's strength) and the final reward. --json writes the per-seed values.
+export: a compare directory's (or a volatility study's) raw data for the repository: compare.json and, per run, metrics.jsonl cut to the
+keys the summaries read (reward, accuracy, the routing and engine metrics with the per-layer flip rates, clip
+fraction, largest ratio, entropy, lengths), enough for
 `paired` to give the same table from DEST.
 precision: per condition, run-level means over steps 1..--steps of the routing mismatch and the token-probability
 gap, pooled over the layouts with a routing choice (top-k < experts) and, apart, the layouts without one (top-k =
@@ -229,19 +235,73 @@ def contrasts(out: Path, specs: list[str], out_json: Path | None) -> None:
                                        indent=1))
 
 
+def regime(out: Path, out_json: Path | None) -> None:
+    from moe_gspo.report.compare_data import (CLIP, gradient_steps, layer_profile, load_variants, metric_rows,
+                                              read_meta, run_mean, variant_stats)
+
+    meta, settings = read_meta(out)
+    names = [n for n in meta.get("variants", []) if (out / n).is_dir()]
+    variants = load_variants(out, names)
+    base, stats = variant_stats(variants, settings)
+    print(f"{out}: per variant, seed-level means over each run's steps with gradient (some group with reward "
+          f"variance), 95% t over seeds; the ratio columns are paired with {base} by seed (geometric mean)")
+    print("| variant | clip fraction % | clip fraction / " + base + " | flip rate % | engine routing mismatch % | "
+          "mean abs p gap | ratio_max: median over steps | ratio_max: largest | entropy, last 10 steps | collapsed |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    per = {}
+    for v, row in zip(variants, metric_rows(variants, base)):
+        rmax = [np.asarray(r.series("ratio_max")[1], dtype=float) for r in v.runs]
+        rmax = [y[np.isfinite(y)] for y in rmax]
+        keep = [gradient_steps(r) for r in v.runs]
+        ent = [mean(r.records[-settings.final_window:], "entropy") for r in v.runs]
+        allr = np.concatenate([y for y in rmax if len(y)]) if any(len(y) for y in rmax) else np.zeros(0)
+        st = stats[v.name]
+        nc = sum(bool(e) for e in st.collapses)
+        per[v.name] = {"seeds": v.seeds, "final": st.finals, "step1_reward": [float(r.series("reward/mean")[1][0])
+                                                                          for r in v.runs],
+                       "clipfrac": [run_mean(r, CLIP, True) for r in v.runs],
+                       "flip_rate": [run_mean(r, FLIP, True) for r in v.runs],
+                       "mismatch": [run_mean(r, MISMATCH) for r in v.runs],
+                       "probs_diff": [run_mean(r, PDIFF) for r in v.runs],
+                       "ratio_max": [float(y.max()) if len(y) else None for y in rmax],
+                       "entropy_last": ent, "collapsed": [bool(e) for e in st.collapses],
+                       "collapse_start": [e[0].start if e else None for e in st.collapses],
+                       "steps_with_gradient": [None if k is None else len(k) for k in keep]}
+        print(f"| {v.name} | {cell(per[v.name]['clipfrac'])} | {row[2]} | {cell(per[v.name]['flip_rate'])} | "
+              f"{cell(per[v.name]['mismatch'])} | {cell(per[v.name]['probs_diff'], 1.0, '.5f')} | "
+              f"{np.median(allr) if len(allr) else float('nan'):.3g} | {allr.max() if len(allr) else float('nan'):.3g} | "
+              f"{cell(ent, 1.0, '.3f')} | {nc}/{len(v.runs)} |")
+    print("\nFlip rate per MoE layer, % (each run's mean over its steps with gradient, then the mean over seeds):")
+    for v in variants:
+        layers, m, _, _ = layer_profile(v)
+        if layers:
+            print(f"  {v.name:12s} " + " ".join(f"{100 * x:.2f}" for x in m))
+    print("\nPer seed: step-1 reward (the cold start's strength) and final reward; c marks a collapse:")
+    for v in variants:
+        p = per[v.name]
+        print(f"  {v.name:12s} " + "  ".join(f"s{s}: {a:.2f}->{f:.2f}{'c' if c else ''}" for s, a, f, c in
+                                            zip(p["seeds"], p["step1_reward"], p["final"], p["collapsed"])))
+    if out_json:
+        out_json.write_text(json.dumps(per, indent=1))
+
+
 EXPORT_KEYS = ("step", "reward/mean", "accuracy", "groups/with_variance", "response_length/mean", FLIP, MISMATCH,
-               PDIFF, "rollout_probs_diff_max", "pg_clipfrac", "ppo_kl", "grad_norm")
+               PDIFF, "rollout_probs_diff_max", "pg_clipfrac", "ppo_kl", "grad_norm", "ratio_max", "entropy")
+EXPORT_PREFIXES = (FLIP + "/layer_",)
 
 
 def export(out: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "compare.json").write_text((out / "compare.json").read_text())
+    for meta in ("compare.json", "study.json", "study_table.csv"):  # a comparison's or a volatility study's
+        if (out / meta).is_file():
+            (dest / meta).write_text((out / meta).read_text())
     n = 0
     for f in sorted(out.glob("*/seed_*/metrics.jsonl")):
         rows = [json.loads(line) for line in f.read_text().splitlines()]
         target = dest / f.relative_to(out)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text("".join(json.dumps({k: r[k] for k in EXPORT_KEYS if k in r}) + "\n" for r in rows))
+        target.write_text("".join(json.dumps({k: v for k, v in r.items() if k in EXPORT_KEYS or
+                                              k.startswith(EXPORT_PREFIXES)}) + "\n" for r in rows))
         n += 1
     print(f"{n} runs -> {dest}")
 
@@ -259,6 +319,9 @@ def main() -> None:
     co.add_argument("compare_dir", type=Path)
     co.add_argument("specs", nargs="+", help='"a-b" or "a-b/c-d" (variant names)')
     co.add_argument("--json", type=Path)
+    rg = sub.add_parser("regime")
+    rg.add_argument("compare_dir", type=Path)
+    rg.add_argument("--json", type=Path)
     ex = sub.add_parser("export")
     ex.add_argument("compare_dir", type=Path)
     ex.add_argument("dest", type=Path)
@@ -273,6 +336,8 @@ def main() -> None:
         paired(a.compare_dir, a.json)
     elif a.what == "contrasts":
         contrasts(a.compare_dir, a.specs, a.json)
+    elif a.what == "regime":
+        regime(a.compare_dir, a.json)
     elif a.what == "export":
         export(a.compare_dir, a.dest)
     else:

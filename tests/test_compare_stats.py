@@ -161,3 +161,30 @@ def test_study_summary_contrasts_recomputes_the_committed_vllm_study():
         wide = (c["bonferroni"][1] - c["bonferroni"][0]) / (c["ci95"][1] - c["ci95"][0])
         assert wide == pytest.approx(t_critical(7, 1 - 0.05 / 3) / t_critical(7, 0.95), rel=1e-9)
     assert got["family_size"] == 3 and got["collapsed"]["gspo"] == 0
+
+
+def test_study_summary_regime_recomputes_the_committed_offpolicy_depth_study():
+    """scripts/study_summary.py regime on committed raw data (docs/results/offpolicy_depth/runs): a run's clip
+    fraction and flip rate are means over its steps where some group had reward variance, its ratio_max the largest
+    logged, its step-1 reward the first step's; recomputed here from metrics.jsonl."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    runs = ROOT / "docs/results/offpolicy_depth/runs"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/study_summary.py"), "regime", str(runs), "--json",
+                          "/dev/stdout"], capture_output=True, text=True, timeout=300, check=True).stdout
+    got = json.loads(out[out.index("\n{") + 1:])
+    for variant in ("grpo_mb32", "gspo_mb8"):
+        for seed in range(8):
+            rows = [json.loads(x) for x in (runs / variant / f"seed_{seed}" / "metrics.jsonl").read_text().splitlines()]
+            grad = [r for r in rows if r["groups/with_variance"] > 0]
+            g = got[variant]
+            assert g["clipfrac"][seed] == pytest.approx(np.mean([r["pg_clipfrac"] for r in grad]), rel=1e-12)
+            assert g["flip_rate"][seed] == pytest.approx(np.mean([r["moe/flip_rate"] for r in grad]), rel=1e-12)
+            assert g["ratio_max"][seed] == max(r["ratio_max"] for r in rows)
+            assert g["step1_reward"][seed] == rows[0]["reward/mean"]
+            assert g["steps_with_gradient"][seed] == len(grad)
+    assert sum(got["grpo_mb32"]["collapsed"]) == 1

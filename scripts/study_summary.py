@@ -26,10 +26,10 @@ regime: a compare directory's mechanisms per variant: clip fraction (and its rat
 flip rate, engine-trainer routing mismatch and probability gap, the largest importance ratio (median over steps and
 largest), the entropy of the last steps and collapses; the flip rate per layer; per seed the step-1 reward (the
 cold start's strength) and the final reward. --json writes the per-seed values.
-export: a compare directory's (or a volatility study's) raw data for the repository: compare.json and, per run, metrics.jsonl cut to the
-keys the summaries read (reward, accuracy, the routing and engine metrics with the per-layer flip rates, clip
-fraction, largest ratio, entropy, lengths), enough for
-`paired` to give the same table from DEST.
+export: a compare directory's (or a volatility study's) raw data for the repository: compare.json (study.json)
+and, per run, metrics.jsonl cut to the keys the summaries read (reward, accuracy, the routing and engine metrics
+with the per-layer flip rates, clip fraction, largest ratio, entropy, lengths), enough for `paired`, `regime`,
+`granularity` and `precision` to give the same tables from DEST.
 precision: per condition, run-level means over steps 1..--steps of the routing mismatch and the token-probability
 gap, pooled over the layouts with a routing choice (top-k < experts) and, apart, the layouts without one (top-k =
 experts); then paired ratios between conditions, a run being one (point, seed) present in both.

@@ -1,6 +1,7 @@
 """Seed-level statistics of `moe-gspo study volatility` directories, as in docs/findings.md (granularity, precision).
 
     python scripts/study_summary.py granularity runs/granularity [--json per_seed.json]
+    python scripts/study_summary.py volatility runs/volatility
     python scripts/study_summary.py paired runs/study_vllm [--json per_seed.json]
     python scripts/study_summary.py contrasts runs/study_routing grpo_top8-grpo_top2 gspo_top2-grpo_top2 \
         "gspo_top2-grpo_top2/gspo_top8-grpo_top8" [--json contrasts.json]
@@ -9,6 +10,8 @@
     python scripts/study_summary.py precision --bf16 runs/granularity --fp16 runs/precision_fp16 \
         --bf16-r3 runs/precision_bf16_r3 [--steps 6]
 
+volatility: a volatility study's table (one row per point of its depth, lr and minibatch sweeps), as the study's
+own study_table.csv computes it, from study.json and the runs' metrics.
 granularity: per expert layout and depth, the flip rate after one update (twice the step mean: the study runs 2
 minibatches per rollout batch) with its 95% t-interval over seeds, each run's last-third / first-third layer ratio,
 the engine mismatch, and the 16- over 4-layer ratio paired by seed (geometric mean).
@@ -116,6 +119,21 @@ def granularity(study: Path, out_json: Path | None) -> None:
                 print(f"  experts {e}, top-{k}: {ratio_cell(pairs)}")
     if out_json:
         out_json.write_text(json.dumps({f"E{e}k{k}_L{d}": v for (e, k, d), v in sorted(per.items())}, indent=1))
+
+
+def volatility(study: Path) -> None:
+    from moe_gspo.report.volatility_study import point_stats, table_rows
+
+    meta = json.loads((study / "study.json").read_text())
+    print(f"{study}: flip rate %, mean over steps and seeds {meta['seeds']} (range of the seeds' own means); first and "
+          "last layer, reward and groups with variance: means over the same steps")
+    print("| layers | lr | minibatches | experts | top-k | flip rate % | seeds min - max % | first layer % | "
+          "last layer % | reward | groups with variance |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in table_rows(point_stats(study, meta)):
+        pc = lambda x: "-" if x is None else f"{100 * x:.2f}"  # noqa: E731
+        print(f"| {r[1]} | {r[2]:g} | {r[3]} | {r[4]} | {r[5]} | {pc(r[8])} | {pc(r[9])} - {pc(r[10])} | {pc(r[12])} | "
+              f"{pc(r[13])} | {r[16]:.2f} | {r[17]:.2f} |")
 
 
 def precision(conds: dict[str, Path], steps: int) -> None:
@@ -286,7 +304,8 @@ def regime(out: Path, out_json: Path | None) -> None:
 
 
 EXPORT_KEYS = ("step", "reward/mean", "accuracy", "groups/with_variance", "response_length/mean", FLIP, MISMATCH,
-               PDIFF, "rollout_probs_diff_max", "pg_clipfrac", "ppo_kl", "grad_norm", "ratio_max", "entropy")
+               PDIFF, "rollout_probs_diff_max", "pg_clipfrac", "ppo_kl", "grad_norm", "ratio_max", "entropy",
+               "moe/flip_tokens")
 EXPORT_PREFIXES = (FLIP + "/layer_",)
 
 
@@ -319,6 +338,8 @@ def main() -> None:
     co.add_argument("compare_dir", type=Path)
     co.add_argument("specs", nargs="+", help='"a-b" or "a-b/c-d" (variant names)')
     co.add_argument("--json", type=Path)
+    vo = sub.add_parser("volatility")
+    vo.add_argument("study", type=Path)
     rg = sub.add_parser("regime")
     rg.add_argument("compare_dir", type=Path)
     rg.add_argument("--json", type=Path)
@@ -336,6 +357,8 @@ def main() -> None:
         paired(a.compare_dir, a.json)
     elif a.what == "contrasts":
         contrasts(a.compare_dir, a.specs, a.json)
+    elif a.what == "volatility":
+        volatility(a.study)
     elif a.what == "regime":
         regime(a.compare_dir, a.json)
     elif a.what == "export":

@@ -188,3 +188,27 @@ def test_study_summary_regime_recomputes_the_committed_offpolicy_depth_study():
             assert g["step1_reward"][seed] == rows[0]["reward/mean"]
             assert g["steps_with_gradient"][seed] == len(grad)
     assert sum(got["grpo_mb32"]["collapsed"]) == 1
+
+
+def test_study_summary_volatility_gives_the_study_table_from_the_committed_cut_metrics():
+    """The committed volatility study (docs/results/volatility/runs) keeps only the exported keys of each run; from
+    those, scripts/study_summary.py volatility gives every point's flip rate, seed range, first and last layer and
+    reward as the study's own study_table.csv (written from the full metrics when it ran)."""
+    import csv
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    runs = ROOT / "docs/results/volatility/runs"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/study_summary.py"), "volatility", str(runs)],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    printed = {(r[0], r[1], r[2]): r for r in (ln.strip("| ").split(" | ") for ln in out.splitlines()[3:])}
+    table = list(csv.DictReader((runs / "study_table.csv").open()))
+    assert len(table) == len(printed) == 13
+    for t in table:
+        r = printed[(t["layers"], f"{float(t['lr']):g}", t["minibatches"])]
+        assert r[5] == f"{100 * float(t['flip_rate']):.2f}"
+        assert r[6] == f"{100 * float(t['seed_min']):.2f} - {100 * float(t['seed_max']):.2f}"
+        assert (r[7], r[8]) == (f"{100 * float(t['first_layer']):.2f}", f"{100 * float(t['last_layer']):.2f}")
+        assert r[9] == f"{float(t['reward']):.2f}"

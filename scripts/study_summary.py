@@ -152,7 +152,9 @@ def precision(conds: dict[str, Path], steps: int) -> None:
         for c in conds:
             m = [mean(r, MISMATCH) for r in runs[c].values()]
             p = [mean(r, PDIFF) for r in runs[c].values()]
-            print(f"  {c:8s} routing mismatch % {cell(m, 100, '.3f')}   mean |p gap| {cell(p, 1, '.5f')}")
+            big = [x["rollout_probs_diff_max"] for r in runs[c].values() for x in r if "rollout_probs_diff_max" in x]
+            print(f"  {c:8s} routing mismatch % {cell(m, 100, '.3f')}   mean |p gap| {cell(p, 1, '.3g')}   largest "
+                  f"|p gap| of a token {max(big, default=float('nan')):.3g}")
         first = next(iter(conds))
         for c in list(conds)[1:]:
             for key in (MISMATCH, PDIFF):

@@ -255,7 +255,7 @@ def contrasts(out: Path, specs: list[str], out_json: Path | None) -> None:
                                        indent=1))
 
 
-def regime(out: Path, out_json: Path | None) -> None:
+def regime(out: Path, out_json: Path | None, baseline: str | None = None) -> None:
     from moe_gspo.report.compare_data import (CLIP, gradient_steps, layer_profile, load_variants, metric_rows,
                                               read_meta, run_mean, variant_stats)
 
@@ -263,6 +263,9 @@ def regime(out: Path, out_json: Path | None) -> None:
     names = [n for n in meta.get("variants", []) if (out / n).is_dir()]
     variants = load_variants(out, names)
     base, stats = variant_stats(variants, settings)
+    base = baseline or base
+    if base not in names:
+        raise SystemExit(f"--base {base!r}: variants are {', '.join(names)}")
     print(f"{out}: per variant, seed-level means over each run's steps with gradient (some group with reward "
           f"variance), 95% t over seeds; the ratio columns are paired with {base} by seed (geometric mean)")
     print("| variant | clip fraction % | clip fraction / " + base + " | flip rate % | engine routing mismatch % | "
@@ -345,6 +348,7 @@ def main() -> None:
     rg = sub.add_parser("regime")
     rg.add_argument("compare_dir", type=Path)
     rg.add_argument("--json", type=Path)
+    rg.add_argument("--base", help="the variant the clip-fraction ratios are paired with (default: grpo)")
     ex = sub.add_parser("export")
     ex.add_argument("compare_dir", type=Path)
     ex.add_argument("dest", type=Path)
@@ -362,7 +366,7 @@ def main() -> None:
     elif a.what == "volatility":
         volatility(a.study)
     elif a.what == "regime":
-        regime(a.compare_dir, a.json)
+        regime(a.compare_dir, a.json, a.base)
     elif a.what == "export":
         export(a.compare_dir, a.dest)
     else:

@@ -75,6 +75,9 @@ class Optimizer:
             adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, bf16=dtype == torch.bfloat16,
             params_dtype=dtype, use_distributed_optimizer=self.distributed)
         with cpu_compat.cuda_type_names():
+            # megatron's global groups (the same groups as self.groups): given a pg_collection, megatron builds no
+            # gloo copies, and the DistributedOptimizer's fully reshardable checkpoint gathers its state over the
+            # gloo data-parallel group (it asserts one exists), so dp > 1 checkpoints would fail to save.
             self.optimizer = get_megatron_optimizer(self.config, [self.ddp])
         self.use_fused_adam()
         total_steps = max(int(total_steps), warmup_steps + 1)

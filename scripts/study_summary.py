@@ -122,7 +122,7 @@ def granularity(study: Path, out_json: Path | None) -> None:
 
 
 def volatility(study: Path) -> None:
-    from moe_gspo.report.volatility_study import point_stats, table_rows
+    from moe_gspo.report.volatility_study import TABLE, point_stats, table_rows
 
     meta = json.loads((study / "study.json").read_text())
     print(f"{study}: flip rate %, mean over steps and seeds {meta['seeds']} (range of the seeds' own means); first and "
@@ -130,10 +130,12 @@ def volatility(study: Path) -> None:
     print("| layers | lr | minibatches | experts | top-k | flip rate % | seeds min - max % | first layer % | "
           "last layer % | reward | groups with variance |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in table_rows(point_stats(study, meta)):
-        pc = lambda x: "-" if x is None else f"{100 * x:.2f}"  # noqa: E731
-        print(f"| {r[1]} | {r[2]:g} | {r[3]} | {r[4]} | {r[5]} | {pc(r[8])} | {pc(r[9])} - {pc(r[10])} | {pc(r[12])} | "
-              f"{pc(r[13])} | {r[16]:.2f} | {r[17]:.2f} |")
+    pc = lambda x: "-" if x is None else f"{100 * x:.2f}"  # noqa: E731
+    for row in table_rows(point_stats(study, meta)):
+        r = dict(zip(TABLE, row))
+        print(f"| {r['layers']} | {r['lr']:g} | {r['minibatches']} | {r['experts']} | {r['top_k']} | "
+              f"{pc(r['flip_rate'])} | {pc(r['seed_min'])} - {pc(r['seed_max'])} | {pc(r['first_layer'])} | "
+              f"{pc(r['last_layer'])} | {r['reward']:.2f} | {r['groups_with_variance']:.2f} |")
 
 
 def precision(conds: dict[str, Path], steps: int) -> None:
@@ -273,11 +275,10 @@ def regime(out: Path, out_json: Path | None, baseline: str | None = None) -> Non
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     per = {}
     for v, row in zip(variants, metric_rows(variants, base)):
-        rmax = [np.asarray(r.series("ratio_max")[1], dtype=float) for r in v.runs]
-        rmax = [y[np.isfinite(y)] for y in rmax]
+        rmax = [r.series("ratio_max")[1] for r in v.runs]  # finite values only (Run.series)
         keep = [gradient_steps(r) for r in v.runs]
         ent = [mean(r.records[-settings.final_window:], "entropy") for r in v.runs]
-        allr = np.concatenate([y for y in rmax if len(y)]) if any(len(y) for y in rmax) else np.zeros(0)
+        allr = np.concatenate(rmax) if rmax else np.zeros(0)
         st = stats[v.name]
         nc = sum(bool(e) for e in st.collapses)
         per[v.name] = {"seeds": v.seeds, "final": st.finals, "step1_reward": [float(r.series("reward/mean")[1][0])

@@ -59,6 +59,15 @@ class RolloutEngine(ABC):
                  sampling: SamplingParams | None = None) -> RolloutBatch:
         """n_per_prompt responses for each prompt (token ids), grouped: response i belongs to prompt i // n."""
 
+    def generate_parts(self, parts: list[tuple[list[list[int]], SamplingParams]],
+                       n_per_prompt: int = 1) -> list[RolloutBatch]:
+        """`generate` for each (prompts, sampling) part, in order; engines that batch across parts override it."""
+        return [self.generate(prompts, n_per_prompt, sp) for prompts, sp in parts]
+
+    def param_fraction(self) -> float:
+        """This rank's engine parameters over the whole model's: 1 unless the engine is sharded over ranks."""
+        return 1.0
+
     @abstractmethod
     def update_weights(self, policy) -> None:
         """Load the policy's current weights (a policy with export_hf(), or a transformers model)."""

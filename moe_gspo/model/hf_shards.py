@@ -1,0 +1,128 @@
+"""Which part of each HF-named tensor a trainer rank holds, and that part as a view of the rank's own parameters.
+
+    shards = TrainerShards(mc, tp=2, ep=2)
+    shards.region("model.layers.0.self_attn.q_proj.weight", tp_rank=1, ep_rank=0)   # Region(dim=0, 64, 128)
+    views = shards.local_views(policy.megatron_state(), tp_rank=1, ep_rank=0)      # HF key -> view of the part held
+
+The trainer's layout (megatron-core, expert tensor parallelism 1):
+- q/k/v_proj: megatron splits linear_qkv by whole query groups, so TP rank i holds the q heads, k heads and v heads
+  of its groups: a contiguous block of rows of each of q_proj, k_proj and v_proj;
+- o_proj (linear_proj): the columns of those q heads;
+- embed_tokens / lm_head (word_embeddings / output_layer): a contiguous block of vocabulary rows;
+- experts: whole, on the expert-parallel rank that owns them (expert e on EP rank e // (E / ep));
+- norms and the router: whole, on every rank.
+
+A rollout engine with its own tensor-parallel layout asks for regions of the same HF tensors, so the sync can move
+each piece from a rank that holds it to the engine rank that keeps it without either side building a full tensor
+(moe_gspo.rollout.shard_sync).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+
+from moe_gspo.config import ModelConfig
+from moe_gspo.model.hf_io import hf_sources
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\..*)$")
+
+
+@dataclass(frozen=True)
+class Region:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of an HF tensor; dim None is the whole tensor."""
+
+    dim: int | None
+    start: int = 0
+    stop: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+WHOLE = Region(None)
+
+
+def expert_of(key: str) -> int | None:
+    """The expert index of a per-expert HF key, None for every other key."""
+    m = _EXPERT.match(key)
+    return None if m is None else int(m[2])
+
+
+def hf_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF key -> full shape, in hf_sources order (the order save_pretrained writes)."""
+    H, V, d, inter = mc.hidden_size, mc.vocab_size, mc.head_dim, mc.moe_intermediate_size
+    nq, ng = mc.num_attention_heads, mc.num_key_value_heads
+    out = {}
+    for key, _, _ in hf_sources(mc):
+        if key.endswith(("embed_tokens.weight", "lm_head.weight")):
+            out[key] = (V, H)
+        elif key.endswith("q_proj.weight"):
+            out[key] = (nq * d, H)
+        elif key.endswith(("k_proj.weight", "v_proj.weight")):
+            out[key] = (ng * d, H)
+        elif key.endswith("o_proj.weight"):
+            out[key] = (H, nq * d)
+        elif key.endswith(("q_norm.weight", "k_norm.weight")):
+            out[key] = (d,)
+        elif key.endswith("mlp.gate.weight"):
+            out[key] = (mc.num_experts, H)
+        elif key.endswith(("gate_proj.weight", "up_proj.weight")):
+            out[key] = (inter, H)
+        elif key.endswith("down_proj.weight"):
+            out[key] = (H, inter)
+        else:
+            out[key] = (H,)
+    return out
+
+
+class TrainerShards:
+    """The trainer's TP x EP layout in HF coordinates (see the module docstring)."""
+
+    def __init__(self, mc: ModelConfig, tp: int, ep: int):
+        self.mc, self.tp, self.ep = mc, tp, ep
+        self.e_local = mc.num_experts // ep
+        self.shapes = hf_shapes(mc)
+        self.keys = list(self.shapes)
+
+    def split_dim(self, key: str) -> int | None:
+        """The dimension TP splits this HF tensor along in the trainer, None if no rank holds a part of it only."""
+        if self.tp == 1:
+            return None
+        if key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "embed_tokens.weight",
+                         "lm_head.weight")):
+            return 0
+        if key.endswith("o_proj.weight"):
+            return 1
+        return None
+
+    def region(self, key: str, tp_rank: int, ep_rank: int) -> Region | None:
+        """What the rank at (tp_rank, ep_rank) holds of `key`, or None if it holds none of it."""
+        e = expert_of(key)
+        if e is not None:
+            return WHOLE if e // self.e_local == ep_rank else None
+        dim = self.split_dim(key)
+        if dim is None:
+            return WHOLE
+        per = self.shapes[key][dim] // self.tp
+        return Region(dim, tp_rank * per, (tp_rank + 1) * per)
+
+    def local_views(self, local: dict[str, torch.Tensor], tp_rank: int, ep_rank: int) -> dict[str, torch.Tensor]:
+        """HF key -> the part of it this rank holds (`region`), as a view of the rank's megatron parameters
+        (`local`: MoEPolicy.megatron_state(), per-expert names with local expert indices). Keys the rank holds
+        none of are absent."""
+        mc = self.mc
+        local_mc = dataclasses.replace(mc, num_attention_heads=mc.num_attention_heads // self.tp,
+                                       num_key_value_heads=mc.num_key_value_heads // self.tp,
+                                       num_experts=self.e_local)
+        out = {}
+        for key, src, f in hf_sources(local_mc):
+            m = _EXPERT.match(key)
+            if m is not None:
+                key = f"{m[1]}{ep_rank * self.e_local + int(m[2])}{m[3]}"
+            out[key] = f(local[src].detach())
+        return out

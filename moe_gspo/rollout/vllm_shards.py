@@ -1,0 +1,190 @@
+"""A tensor-parallel vLLM engine's layout in HF coordinates, and the writer that puts received slices in place.
+
+    needs = engine_needs(mc, tp=2, tp_rank=1)               # [(HF key, Region)]: what engine rank 1 of 2 keeps
+    writer = ShardWriter(model, mc, tp=2, tp_rank=1, on_cpu=True)
+    for piece, tensor in plan.run(views): writer.write(piece, tensor)
+    writer.finish()                                         # CPU: experts prepacked, dense GEMMs repacked
+
+vLLM's Qwen3-MoE at tensor-parallel size k, rank j (vllm 0.32; checked against the engine's modules when the
+writer is built, so a vLLM whose layout differs fails there, naming the tensor):
+- embed_tokens / lm_head (VocabParallelEmbedding / ParallelLMHead): the vocabulary padded to a multiple of 64, cut
+  into k equal blocks; rank j keeps rows [j*Vp/k, min((j+1)*Vp/k, V)) and leaves its padding rows alone (vLLM
+  never reads them: padded logits are dropped);
+- qkv_proj (QKVParallelLinear): the q heads [j*nq/k, (j+1)*nq/k) stacked over this rank's kv heads, k then v; with
+  fewer kv heads than ranks each kv head is replicated on k/nkv consecutive ranks;
+- o_proj (RowParallelLinear): the columns of this rank's q heads;
+- experts (FusedMoE, intermediate split): w13 [E, 2*I/k, H] holds rows [j*I/k, (j+1)*I/k) of every expert's
+  gate_proj, then of its up_proj; w2 [E, H, I/k] those columns of down_proj. On the CPU vLLM pads I/k to its
+  kernel's alignment and prepacks both in place, so the experts of a layer are staged unpacked and prepacked once
+  the layer is complete (moe_gspo.rollout.vllm_cpu._ExpertStaging), as at load;
+- norms and the router gate: whole.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from moe_gspo.config import ModelConfig
+from moe_gspo.model.hf_shards import WHOLE, Region, hf_shapes
+
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def check_engine_tp(mc: ModelConfig, tp: int) -> str | None:
+    """Why vLLM cannot shard this model over `tp` ranks (one line), or None."""
+    if mc.num_attention_heads % tp:
+        return f"model.num_attention_heads={mc.num_attention_heads} is not divisible by rollout.engine_tp={tp}"
+    ng = mc.num_key_value_heads
+    if (ng >= tp and ng % tp) or (ng < tp and tp % ng):
+        return (f"model.num_key_value_heads={ng} and rollout.engine_tp={tp}: one must divide the other "
+                "(vLLM splits or replicates whole kv heads)")
+    if mc.moe_intermediate_size % tp:
+        return f"model.moe_intermediate_size={mc.moe_intermediate_size} is not divisible by rollout.engine_tp={tp}"
+    return None
+
+
+def _heads(mc: ModelConfig, tp: int, j: int) -> tuple[int, int, int]:
+    """(q heads per rank, kv heads per rank, this rank's first kv head)."""
+    nq_l, ng = mc.num_attention_heads // tp, mc.num_key_value_heads
+    if ng >= tp:
+        return nq_l, ng // tp, j * (ng // tp)
+    return nq_l, 1, j // (tp // ng)
+
+
+def vocab_rows(vocab: int, tp: int, j: int) -> tuple[int, int]:
+    per = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING // tp
+    return j * per, min((j + 1) * per, vocab)
+
+
+def engine_needs(mc: ModelConfig, tp: int, j: int) -> list[tuple[str, Region]]:
+    """(HF key, region) of every tensor engine rank j of `tp` keeps, in HF key order."""
+    d, inter = mc.head_dim, mc.moe_intermediate_size // tp
+    nq_l, kv_l, kv0 = _heads(mc, tp, j)
+    out = []
+    for key in hf_shapes(mc):
+        if key.endswith(("embed_tokens.weight", "lm_head.weight")):
+            a, b = vocab_rows(mc.vocab_size, tp, j)
+            if a < b:
+                out.append((key, Region(0, a, b)))
+        elif key.endswith("q_proj.weight"):
+            out.append((key, Region(0, j * nq_l * d, (j + 1) * nq_l * d)))
+        elif key.endswith(("k_proj.weight", "v_proj.weight")):
+            out.append((key, Region(0, kv0 * d, (kv0 + kv_l) * d)))
+        elif key.endswith("o_proj.weight"):
+            out.append((key, Region(1, j * nq_l * d, (j + 1) * nq_l * d)))
+        elif key.endswith(("gate_proj.weight", "up_proj.weight")):
+            out.append((key, Region(0, j * inter, (j + 1) * inter)))
+        elif key.endswith("down_proj.weight"):
+            out.append((key, Region(1, j * inter, (j + 1) * inter)))
+        else:
+            out.append((key, WHOLE))
+    return out
+
+
+class ShardWriter:
+    """Writes the slices engine rank j receives into its vLLM model's parameters (see the module docstring)."""
+
+    def __init__(self, model, mc: ModelConfig, tp: int, j: int, on_cpu: bool):
+        self.model, self.mc, self.on_cpu = model, mc, on_cpu
+        self.inter = mc.moe_intermediate_size // tp
+        self.nq_l, self.kv_l, _ = _heads(mc, tp, j)
+        self.layers = model.model.layers
+        self._staging: dict[int, object] = {}
+        self.written = 0
+        self._check(tp, j)
+
+    def _check(self, tp: int, j: int) -> None:
+        d, H = self.mc.head_dim, self.mc.hidden_size
+        attn = self.layers[0].self_attn
+        want = {"qkv_proj": ((self.nq_l + 2 * self.kv_l) * d, H), "o_proj": (H, self.nq_l * d)}
+        for name, shape in want.items():
+            got = tuple(getattr(attn, name).weight.shape)
+            if got != shape:
+                raise RuntimeError(f"vLLM's {name} on engine rank {j} of {tp} is {got}, expected {shape}")
+        emb = self.model.model.embed_tokens.shard_indices
+        a, b = vocab_rows(self.mc.vocab_size, tp, j)
+        if (emb.org_vocab_start_index, emb.org_vocab_end_index) != (a, max(a, b)):
+            raise RuntimeError(f"vLLM's embed_tokens on engine rank {j} of {tp} holds rows "
+                               f"[{emb.org_vocab_start_index}, {emb.org_vocab_end_index}), expected [{a}, {b})")
+        w2 = self._experts(0).w2_weight
+        if w2.shape[1] != H or w2.shape[2] < self.inter:
+            raise RuntimeError(f"vLLM's experts w2 on engine rank {j} of {tp} is {tuple(w2.shape)}, expected "
+                               f"[E, {H}, >= {self.inter}]")
+
+    def _experts(self, layer: int):
+        mod = self.layers[layer].mlp.experts
+        return getattr(mod, "routed_experts", mod)
+
+    @torch.no_grad()
+    def write(self, key: str, region: Region, need: Region, t: torch.Tensor) -> None:
+        """Put `t`, region `region` of HF tensor `key`, where this rank keeps it (`need` is the whole region it
+        keeps of that tensor)."""
+        self.written += 1
+        off = region.start - need.start if (need.dim is not None and need.dim == region.dim) else \
+            (region.start if region.dim is not None else 0)
+        dim = region.dim
+        if key == "model.embed_tokens.weight":
+            return self._put(self.model.model.embed_tokens.weight, dim, off, t)
+        if key == "lm_head.weight":
+            return self._put(self.model.lm_head.weight, dim, off, t)
+        if key == "model.norm.weight":
+            return self._put(self.model.model.norm.weight, dim, off, t)
+        m = _LAYER.match(key)
+        i, rest = int(m[1]), m[2]
+        layer = self.layers[i]
+        d = self.mc.head_dim
+        if rest == "self_attn.q_proj.weight":
+            return self._put(layer.self_attn.qkv_proj.weight, dim, off, t)
+        if rest == "self_attn.k_proj.weight":
+            return self._put(layer.self_attn.qkv_proj.weight, dim, off + self.nq_l * d, t)
+        if rest == "self_attn.v_proj.weight":
+            return self._put(layer.self_attn.qkv_proj.weight, dim, off + (self.nq_l + self.kv_l) * d, t)
+        if rest == "self_attn.o_proj.weight":
+            return self._put(layer.self_attn.o_proj.weight, dim, off, t)
+        if rest == "mlp.gate.weight":
+            return self._put(layer.mlp.gate.weight, dim, off, t)
+        ex = _EXPERT.match(rest)
+        if ex is None:
+            return self._put(layer.get_parameter(rest), dim, off, t)
+        if off or (region.dim is not None and region.length != self.inter):
+            raise RuntimeError(f"{key}: an expert slice arrived in parts ({region}); the trainer holds experts whole")
+        self._expert(i, int(ex[1]), ex[2], t)
+
+    @staticmethod
+    def _put(param: torch.Tensor, dim: int | None, off: int, t: torch.Tensor) -> None:
+        dest = param.data if dim is None and off == 0 and param.shape == t.shape else \
+            param.data.narrow(0 if dim is None else dim, off, t.shape[0 if dim is None else dim])
+        dest.copy_(t)
+
+    def _expert(self, layer: int, e: int, proj: str, t: torch.Tensor) -> None:
+        mod = self._experts(layer)
+        if self.on_cpu:
+            from moe_gspo.rollout.vllm_cpu import _ExpertStaging
+
+            st = self._staging.get(layer)
+            if st is None:
+                st = self._staging[layer] = _ExpertStaging(mod, self.inter)
+            if st.put(e, proj, t):
+                st.commit()
+                del self._staging[layer]
+            return
+        I = self.inter
+        if proj == "gate_proj":
+            mod.w13_weight.data[e, :I].copy_(t)
+        elif proj == "up_proj":
+            mod.w13_weight.data[e, I:2 * I].copy_(t)
+        else:
+            mod.w2_weight.data[e].copy_(t)
+
+    def finish(self) -> None:
+        """After every piece of an update: on the CPU the dense layers' packed GEMM weights are rebuilt."""
+        if self._staging:
+            raise RuntimeError(f"expert slices incomplete for layers {sorted(self._staging)[:4]}")
+        if self.on_cpu:
+            from moe_gspo.rollout.vllm_cpu import _redispatch_dense
+
+            _redispatch_dense(self.model)

@@ -1,0 +1,138 @@
+"""A tensor-parallel vLLM engine inside the trainer's torchrun world: its shared memory, and its weight sync.
+
+    with run_scoped_shm(tp):                 # while the engine is built: shared-memory names unique to this job
+        llm = LLM(..., tensor_parallel_size=tp, distributed_executor_backend="external_launcher")
+    sync = ShardedSync(policy, model, tp, dtype, on_cpu, bucket_bytes)
+    sync.load(policy)                        # collective: each engine rank receives the slices it keeps
+
+Shared memory. vLLM's CPU communicator gives each tensor-parallel group shared-memory segments named from
+VLLM_DIST_IDENT (which, under external_launcher, its worker sets from the init method 'env://', leaving it empty)
+and the group's ranks, e.g. /dev/shm/-tp:0-[0-1]-cpushm_0. A job that dies leaves them behind and the next job on the
+same ranks then fails to start ("create shm in SHMManager failed. errno: 17"); two jobs on one machine would share
+them. So while the engine is built the names get a prefix unique to the job, `moe_gspo-<pid of rank 0>-<start
+time>`, and before that the segments of jobs whose rank-0 process no longer runs are removed.
+
+Sync. The trainer's parameters stay where they are: each rank's part of every HF tensor is a view of its megatron
+parameters (moe_gspo.model.hf_shards), the engine's layout says which region of each tensor each engine rank keeps
+(moe_gspo.rollout.vllm_shards), and a SyncPlan built once moves the pieces (moe_gspo.rollout.shard_sync).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "moe_gspo-"
+_OWNED = re.compile(r"^moe_gspo-(\d+)-")
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_shm(root: Path = SHM_DIR) -> list[str]:
+    """Remove the shared-memory segments of this project's engines whose job (its rank-0 pid) has ended; returns
+    their names."""
+    gone = []
+    if not root.is_dir():
+        return gone
+    for f in root.iterdir():
+        m = _OWNED.match(f.name)
+        if m and not _alive(int(m[1])):
+            try:
+                f.unlink()
+                gone.append(f.name)
+            except FileNotFoundError:  # another rank of this node removed it first
+                pass
+    return gone
+
+
+def job_shm_ident() -> str:
+    """One name prefix for this torchrun job's engine segments, the same on every rank (a broadcast from rank 0)."""
+    ident = [f"{SHM_PREFIX}{os.getpid()}-{time.time_ns() % 10**12}"]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(ident, src=0)
+    return ident[0]
+
+
+@contextmanager
+def run_scoped_shm(tp: int):
+    """While an engine of `tp` > 1 ranks is built on the CPU: stale segments removed, and vLLM's segment names
+    prefixed with this job's identifier (vLLM's own name follows it, less the slashes of its 'env://' identifier)."""
+    if tp <= 1 or torch.cuda.is_available():
+        yield
+        return
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    remove_stale_shm()
+    ident = job_shm_ident()
+    shm = cpu_communicator._CPUSHMDistributed
+    original = shm.__dict__["make_group_name"]
+
+    def make_group_name(communicator) -> str:
+        return ident + original.__func__(communicator).lstrip("/")
+
+    shm.make_group_name = staticmethod(make_group_name)
+    try:
+        yield
+    finally:
+        shm.make_group_name = original
+
+
+class ShardedSync:
+    """The weight sync of one engine rank of a tensor-parallel replica (see the module docstring)."""
+
+    def __init__(self, policy, model, tp: int, dtype: torch.dtype, on_cpu: bool, bucket_bytes: int = 0):
+        from moe_gspo.model.hf_shards import TrainerShards
+        from moe_gspo.rollout.shard_sync import SyncPlan
+        from moe_gspo.rollout.vllm_shards import ShardWriter, engine_needs
+
+        mc = policy.model_config
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world % tp:
+            raise ValueError(f"rollout.engine_tp={tp} does not divide the world size {world}")
+        coords = [None] * world
+        dist.all_gather_object(coords, (policy.tp_rank, policy.ep_rank))
+        self.trainer = TrainerShards(mc, policy.tp, policy.ep)
+        groups = [list(range(r * tp, (r + 1) * tp)) for r in range(world // tp)]
+        self.plan = SyncPlan.build(self.trainer, coords, groups, lambda j: engine_needs(mc, tp, j),
+                                   bucket_bytes or DEFAULT_BUCKET_BYTES, dtype, rank)
+        self.writer = ShardWriter(model, mc, tp, rank % tp, on_cpu)
+        self.device = None if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        mine = engine_needs(mc, tp, rank % tp)
+        total = sum(_numel(s) for s in self.trainer.shapes.values())
+        kept = sum(_numel(s) if r.dim is None else _numel(s) // s[r.dim] * r.length
+                   for (k, r), s in ((kr, self.trainer.shapes[kr[0]]) for kr in mine))
+        self.param_fraction = kept / total
+
+    @torch.no_grad()
+    def load(self, policy) -> int:
+        """Move the policy's current weights into this rank's engine shard (collective). Returns pieces written."""
+        views = self.trainer.local_views(policy.megatron_state(), policy.tp_rank, policy.ep_rank)
+        n = 0
+        for piece, t in self.plan.run(views, self.device):
+            self.writer.write(piece.key, piece.region, piece.need, t)
+            n += 1
+        self.writer.finish()
+        return n
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -47,6 +47,14 @@ class RolloutConfig:
     cuda_graphs: bool = True
     """hf_static on CUDA: run each decode step under torch.compile(mode='reduce-overhead'), i.e. as CUDA graphs.
     Ignored on the CPU and by the other engines."""
+    engine_tp: int = 1
+    """Tensor-parallel size of the rollout engine (rollout.engine=vllm): the world splits into world / engine_tp
+    replicas of engine_tp consecutive ranks, each one vLLM engine that samples the prompts of the data-parallel ranks
+    it holds. The weights move shard to shard after each step; no rank holds the whole model. Independent of the
+    trainer's parallel.tp / parallel.ep. 1: every rank (or TP group of the trainer) has an engine of its own."""
+    engine_ep: bool = False
+    """Expert parallelism inside the rollout engine (vLLM's enable_expert_parallel, with rollout.engine_tp > 1): a
+    GPU path; refused on the CPU, where vLLM's fused-MoE kernel crashes with it."""
     task_args: str = ""
     """Difficulty knobs of a built-in task as 'key=value,key=value' (e.g. 'max_digits=1,num_operands=3')."""
     bad_reward: str = "error"
@@ -56,6 +64,13 @@ class RolloutConfig:
         positive(self, "prompts_per_step", "group_size", "max_new_tokens")
         choice(self, "bad_reward", ("error", "skip"))
         choice(self, "engine_dtype", ("float32", "bfloat16", "float16"))
+        positive(self, "engine_tp")
+        if self.engine_tp > 1 and self.engine != "vllm":
+            raise ConfigError(f"rollout.engine_tp={self.engine_tp} needs rollout.engine=vllm (got {self.engine!r}): "
+                              "only the vLLM engine runs tensor-parallel")
+        if self.engine_ep and self.engine_tp == 1:
+            raise ConfigError("rollout.engine_ep=true needs rollout.engine_tp > 1 (the engine's experts are spread "
+                              "over its tensor-parallel ranks)")
         if self.sync_bucket_bytes < 0:
             raise ConfigError(f"rollout.sync_bucket_bytes={self.sync_bucket_bytes} must be >= 0 (0: tensor by tensor)")
         if not 0 < self.top_p <= 1:

@@ -118,7 +118,9 @@ class TrainerShards:
         mc = self.mc
         local_mc = dataclasses.replace(mc, num_attention_heads=mc.num_attention_heads // self.tp,
                                        num_key_value_heads=mc.num_key_value_heads // self.tp,
-                                       num_experts=self.e_local)
+                                       num_experts=self.e_local,
+                                       # names and shapes only: top-k plays no part, but must fit e_local
+                                       num_experts_per_tok=min(mc.num_experts_per_tok, self.e_local))
         out = {}
         for key, src, f in hf_sources(local_mc):
             m = _EXPERT.match(key)

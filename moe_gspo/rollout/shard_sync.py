@@ -189,6 +189,9 @@ def _rounds(pieces: list[Piece], bucket_bytes: int, elem: int, world: int) -> li
         cur.append(p)
         into[p.dst] += b
         outof[p.src] += b
+        if b > bucket_bytes:  # a piece larger than a bucket travels alone
+            rounds.append(cur)
+            cur, into, outof = [], [0] * world, [0] * world
     if cur:
         rounds.append(cur)
     return rounds

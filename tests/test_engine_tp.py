@@ -76,6 +76,19 @@ def test_plan_gives_every_engine_rank_exactly_its_regions(tp, ep, engine_tp, wor
                                                                                "lm_head.weight")))
 
 
+def test_engine_expert_parallel_layout_moves_no_expert_bytes_from_a_matching_trainer():
+    """vLLM's expert-parallel layout (rollout.engine_ep, GPU) keeps whole experts by expert: from a trainer with
+    parallel.ep equal to the engine's size on the same ranks every expert piece is local, and each rank keeps
+    exactly its own experts."""
+    trainer = TrainerShards(MC, 1, 2)
+    coords = [(0, 0), (0, 1)]
+    plan = SyncPlan.build(trainer, coords, [[0, 1]], lambda j: engine_needs(MC, 2, j, expert_parallel=True), 4096,
+                          torch.float32, 0)
+    experts = [p for p in plan.pieces if ".mlp.experts." in p.key]
+    assert experts and all(p.src == p.dst and p.region.dim is None for p in experts)
+    assert {int(p.key.split(".")[5]) for p in experts if p.dst == 1} == {2, 3}
+
+
 def test_engine_regions_tile_each_tensor():
     """The engine ranks' regions of every split tensor cover it without overlap (kv heads replicated when there
     are fewer than ranks)."""
@@ -181,3 +194,37 @@ def test_engine_tp2_beside_trainer_ep2(tmp_path):
     _, ref_metrics = _worker(tmp_path / "ref", 2, "parallel.ep=2", "rollout.engine_tp=1")
     assert all(r["received_bytes"] > 0 for r in reps)
     _check(reps, metrics, ref_metrics, 0.5)
+
+
+def test_killed_engine_tp_run_resumes_past_its_shared_memory(tmp_path):
+    """A run with a tensor-parallel engine killed mid-run (SIGKILL: nothing of it cleans up) leaves vLLM's shared
+    memory behind; the --resume'd run starts, continues from the newest checkpoint, and removes the dead job's
+    segments."""
+    from moe_gspo.rollout.vllm_tp import SHM_DIR, SHM_PREFIX
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "moe_gspo.cli", "train", "--config", str(ROOT / "configs/train_tiny_cpu.yaml"),
+           "rollout.engine=vllm", "model.head_dim=32", "parallel.tp=2", "rollout.engine_tp=2",
+           "train.cold_start_steps=0", "train.checkpoint_every=1", "logging.progress=false",
+           "logging.tensorboard=false", f"train.out_dir={run}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    before = {p.name for p in SHM_DIR.glob(SHM_PREFIX + "*")}
+    proc = subprocess.Popen(cmd + ["train.steps=50"], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run / "checkpoints").is_dir() or not any((run / "checkpoints").glob("step_*")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+            time.sleep(0.5)
+        left = {p.name for p in SHM_DIR.glob(SHM_PREFIX + "*")} - before
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert left, "the engine had no shared memory while it ran"
+    r = subprocess.run(cmd + ["train.steps=3", "--resume"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr
+    assert not left & {p.name for p in SHM_DIR.glob(SHM_PREFIX + "*")}
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3

@@ -52,6 +52,9 @@ class RolloutConfig:
     replicas of engine_tp consecutive ranks, each one vLLM engine that samples the prompts of the data-parallel ranks
     it holds. The weights move shard to shard after each step; no rank holds the whole model. Independent of the
     trainer's parallel.tp / parallel.ep. 1: every rank (or TP group of the trainer) has an engine of its own."""
+    engine_gpu_memory: float = 0.5
+    """Share of each GPU's memory the vLLM engine may take for its weights and KV cache (vLLM's
+    gpu_memory_utilization); the trainer lives in the rest. Ignored on the CPU."""
     engine_ep: bool = False
     """Expert parallelism inside the rollout engine (vLLM's enable_expert_parallel, with rollout.engine_tp > 1): a
     GPU path; refused on the CPU, where vLLM's fused-MoE kernel crashes with it."""
@@ -65,6 +68,8 @@ class RolloutConfig:
         choice(self, "bad_reward", ("error", "skip"))
         choice(self, "engine_dtype", ("float32", "bfloat16", "float16"))
         positive(self, "engine_tp")
+        if not 0 < self.engine_gpu_memory < 1:
+            raise ConfigError(f"rollout.engine_gpu_memory={self.engine_gpu_memory} must be in (0, 1)")
         if self.engine_tp > 1 and self.engine != "vllm":
             raise ConfigError(f"rollout.engine_tp={self.engine_tp} needs rollout.engine=vllm (got {self.engine!r}): "
                               "only the vLLM engine runs tensor-parallel")

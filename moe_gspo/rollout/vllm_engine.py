@@ -251,8 +251,8 @@ class VLLMEngine(RolloutEngine):
         if self.tp > 1:
             from moe_gspo.rollout.vllm_tp import ShardedSync
 
-            self.sharded = ShardedSync(policy, self._runner.get_model(), self.tp, getattr(torch, dtype), not self.on_cuda,
-                                       bucket_bytes)
+            self.sharded = ShardedSync(policy, self._runner.get_model(), self.tp, getattr(torch, dtype),
+                                       not self.on_cuda, bucket_bytes, bool(expert_parallel))
             self._load_shards(policy)
         else:
             self._load(state)
@@ -262,7 +262,8 @@ class VLLMEngine(RolloutEngine):
         """Computing in rollout.engine_dtype, with routing capture when rollout.return_routing asks for it."""
         return cls(policy, tokenizer=tokenizer, dtype=rollout_cfg.engine_dtype,
                    return_routing=rollout_cfg.return_routing, tp=rollout_cfg.engine_tp,
-                   expert_parallel=rollout_cfg.engine_ep, bucket_bytes=rollout_cfg.sync_bucket_bytes)
+                   expert_parallel=rollout_cfg.engine_ep, bucket_bytes=rollout_cfg.sync_bucket_bytes,
+                   gpu_memory_utilization=rollout_cfg.engine_gpu_memory)
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -18,6 +18,8 @@ writer is built, so a vLLM whose layout differs fails there, naming the tensor):
   kernel's alignment and prepacks both in place, so the experts of a layer are staged unpacked and prepacked once
   the layer is complete (moe_gspo.rollout.vllm_cpu._ExpertStaging), as at load;
 - norms and the router gate: whole.
+With expert parallelism (rollout.engine_ep, a GPU path) vLLM splits the experts by expert instead: rank j keeps
+experts [j*E/k, (j+1)*E/k) whole, so a trainer with parallel.ep = k on the same ranks sends no expert bytes at all.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import re
 import torch
 
 from moe_gspo.config import ModelConfig
-from moe_gspo.model.hf_shards import WHOLE, Region, hf_shapes
+from moe_gspo.model.hf_shards import WHOLE, Region, expert_of, hf_shapes
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -60,13 +62,20 @@ def vocab_rows(vocab: int, tp: int, j: int) -> tuple[int, int]:
     return j * per, min((j + 1) * per, vocab)
 
 
-def engine_needs(mc: ModelConfig, tp: int, j: int) -> list[tuple[str, Region]]:
-    """(HF key, region) of every tensor engine rank j of `tp` keeps, in HF key order."""
+def engine_needs(mc: ModelConfig, tp: int, j: int, expert_parallel: bool = False) -> list[tuple[str, Region]]:
+    """(HF key, region) of every tensor engine rank j of `tp` keeps, in HF key order. With expert_parallel (vLLM's
+    enable_expert_parallel) the experts are split by expert instead: rank j keeps experts [j*E/tp, (j+1)*E/tp)
+    whole, and none of the others."""
     d, inter = mc.head_dim, mc.moe_intermediate_size // tp
     nq_l, kv_l, kv0 = _heads(mc, tp, j)
+    e_local = mc.num_experts // tp
     out = []
     for key in hf_shapes(mc):
-        if key.endswith(("embed_tokens.weight", "lm_head.weight")):
+        e = expert_of(key)
+        if expert_parallel and e is not None:
+            if e // e_local == j:
+                out.append((key, WHOLE))
+        elif key.endswith(("embed_tokens.weight", "lm_head.weight")):
             a, b = vocab_rows(mc.vocab_size, tp, j)
             if a < b:
                 out.append((key, Region(0, a, b)))
@@ -88,9 +97,10 @@ def engine_needs(mc: ModelConfig, tp: int, j: int) -> list[tuple[str, Region]]:
 class ShardWriter:
     """Writes the slices engine rank j receives into its vLLM model's parameters (see the module docstring)."""
 
-    def __init__(self, model, mc: ModelConfig, tp: int, j: int, on_cpu: bool):
+    def __init__(self, model, mc: ModelConfig, tp: int, j: int, on_cpu: bool, expert_parallel: bool = False):
         self.model, self.mc, self.on_cpu = model, mc, on_cpu
-        self.inter = mc.moe_intermediate_size // tp
+        self.inter = mc.moe_intermediate_size // (1 if expert_parallel else tp)
+        self.e_first = j * (mc.num_experts // tp) if expert_parallel else 0  # local expert index = e - e_first
         self.nq_l, self.kv_l, _ = _heads(mc, tp, j)
         self.layers = model.model.layers
         self._staging: dict[int, object] = {}
@@ -152,7 +162,7 @@ class ShardWriter:
             return self._put(layer.get_parameter(rest), dim, off, t)
         if off or (region.dim is not None and region.length != self.inter):
             raise RuntimeError(f"{key}: an expert slice arrived in parts ({region}); the trainer holds experts whole")
-        self._expert(i, int(ex[1]), ex[2], t)
+        self._expert(i, int(ex[1]) - self.e_first, ex[2], t)
 
     @staticmethod
     def _put(param: torch.Tensor, dim: int | None, off: int, t: torch.Tensor) -> None:

@@ -96,7 +96,8 @@ def run_scoped_shm(tp: int):
 class ShardedSync:
     """The weight sync of one engine rank of a tensor-parallel replica (see the module docstring)."""
 
-    def __init__(self, policy, model, tp: int, dtype: torch.dtype, on_cpu: bool, bucket_bytes: int = 0):
+    def __init__(self, policy, model, tp: int, dtype: torch.dtype, on_cpu: bool, bucket_bytes: int = 0,
+                 expert_parallel: bool = False):
         from moe_gspo.model.hf_shards import TrainerShards
         from moe_gspo.rollout.shard_sync import SyncPlan
         from moe_gspo.rollout.vllm_shards import ShardWriter, engine_needs
@@ -109,11 +110,11 @@ class ShardedSync:
         dist.all_gather_object(coords, (policy.tp_rank, policy.ep_rank))
         self.trainer = TrainerShards(mc, policy.tp, policy.ep)
         groups = [list(range(r * tp, (r + 1) * tp)) for r in range(world // tp)]
-        self.plan = SyncPlan.build(self.trainer, coords, groups, lambda j: engine_needs(mc, tp, j),
+        self.plan = SyncPlan.build(self.trainer, coords, groups, lambda j: engine_needs(mc, tp, j, expert_parallel),
                                    bucket_bytes or DEFAULT_BUCKET_BYTES, dtype, rank)
-        self.writer = ShardWriter(model, mc, tp, rank % tp, on_cpu)
+        self.writer = ShardWriter(model, mc, tp, rank % tp, on_cpu, expert_parallel)
         self.device = None if on_cpu else torch.device("cuda", torch.cuda.current_device())
-        mine = engine_needs(mc, tp, rank % tp)
+        mine = engine_needs(mc, tp, rank % tp, expert_parallel)
         total = sum(_numel(s) for s in self.trainer.shapes.values())
         kept = sum(_numel(s) if r.dim is None else _numel(s) // s[r.dim] * r.length
                    for (k, r), s in ((kr, self.trainer.shapes[kr[0]]) for kr in mine))

@@ -196,6 +196,23 @@ def test_engine_tp2_beside_trainer_ep2(tmp_path):
     _check(reps, metrics, ref_metrics, 0.5)
 
 
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                ppid = int(open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(stat))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def test_killed_engine_tp_run_resumes_past_its_shared_memory(tmp_path):
     """A run with a tensor-parallel engine killed mid-run (SIGKILL: nothing of it cleans up) leaves vLLM's shared
     memory behind; the --resume'd run starts, continues from the newest checkpoint, and removes the dead job's
@@ -219,9 +236,20 @@ def test_killed_engine_tp_run_resumes_past_its_shared_memory(tmp_path):
             time.sleep(0.5)
         left = {p.name for p in SHM_DIR.glob(SHM_PREFIX + "*")} - before
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in [proc.pid, *_descendants(proc.pid)]:  # torchrun starts its ranks in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait()
     assert left, "the engine had no shared memory while it ran"
+    from moe_gspo.rollout.vllm_tp import _alive
+
+    rank0 = int(next(iter(left)).split("-")[1])
+    deadline = time.monotonic() + 120
+    while _alive(rank0):  # the killed ranks end (a restart after a crash comes after them)
+        assert time.monotonic() < deadline, f"rank 0 (pid {rank0}) still runs after SIGKILL"
+        time.sleep(0.2)
     r = subprocess.run(cmd + ["train.steps=3", "--resume"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

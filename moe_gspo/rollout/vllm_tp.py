@@ -35,13 +35,17 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def remove_stale_shm(root: Path = SHM_DIR) -> list[str]:

@@ -1,7 +1,17 @@
-"""The golden curve: per-step metrics of a short tiny RL run, stored so that a later commit that changes what
+"""The golden curves: per-step metrics of short tiny RL runs, stored so that a later commit that changes what
 training computes fails tests/test_golden.py instead of drifting unnoticed.
 
-    python tests/golden/make.py            # rewrite tests/golden/train_tiny_gspo.json from today's code
+    python tests/golden/make.py                 # rewrite every tests/golden/train_tiny_*.json from today's code
+    python tests/golden/make.py grpo_r3_tis     # rewrite one of them (names: GOLDENS below)
+
+Each golden is configs/train_tiny_cpu.yaml with the shared OVERRIDES and its own:
+    gspo          10 GSPO steps, row micro-batches (the default path)
+    grpo_r3_tis   GRPO with R3 (the engine's routing replayed) and token-level truncated IS against a bf16 engine,
+                  so that the rollout correction's weights differ from 1
+    packed        GSPO with packed micro-batches of at most 48 tokens: several forwards per minibatch and per
+                  old-log-prob pass
+    gspo_bypass_rs  GSPO with the bf16 engine's log-probs as pi_old (bypass) and rejection by seq_mean_k1, which
+                  compares the engine's log-probs with the current policy's inside the loss
 
 Refresh only on purpose (a change meant to alter training), and say why in the commit message.
 """
@@ -16,18 +26,29 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CONFIG = ROOT / "configs" / "train_tiny_cpu.yaml"
-OUT = HERE / "train_tiny_gspo.json"
 OVERRIDES = ["train.steps=10", "train.cold_start_steps=60", "train.checkpoint_every=0", "logging.progress=false",
              "logging.tensorboard=false"]
+GOLDENS: dict[str, list[str]] = {
+    "gspo": [],
+    "grpo_r3_tis": ["train.steps=6", "algorithm.loss=grpo", "algorithm.routing_replay=r3", "algorithm.rollout_is=token",
+                    "algorithm.rollout_is_threshold=1.01", "rollout.engine_dtype=bfloat16"],
+    "packed": ["train.steps=6", "train.max_tokens_per_micro_batch=48", "model.attention=sdpa"],
+    "gspo_bypass_rs": ["train.steps=6", "algorithm.use_engine_logprobs=true", "algorithm.rollout_rs=seq_mean_k1",
+                       "algorithm.rollout_rs_threshold=[0.99,1.01]", "rollout.engine_dtype=bfloat16"],
+}
 SKIP_PREFIXES = ("time/", "perf/")
 
 
-def golden_run(overrides: list[str] = ()) -> list[dict[str, float]]:
-    """Per-step metrics (timings left out) of the golden run, with extra overrides after the fixed ones."""
+def path(name: str) -> Path:
+    return HERE / f"train_tiny_{name}.json"
+
+
+def golden_run(name: str = "gspo") -> list[dict[str, float]]:
+    """Per-step metrics (timings left out) of golden run `name`."""
     from moe_gspo.config import load_config
     from moe_gspo.train.loop import train
 
-    cfg = load_config(CONFIG, [*OVERRIDES, *overrides])
+    cfg = load_config(CONFIG, [*OVERRIDES, *GOLDENS[name]])
     with tempfile.TemporaryDirectory() as d:
         train(cfg, run_dir=d)
         rows = [json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines()]
@@ -35,8 +56,9 @@ def golden_run(overrides: list[str] = ()) -> list[dict[str, float]]:
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
-    rows = golden_run()
-    out.write_text(json.dumps({"config": str(CONFIG.relative_to(ROOT)), "overrides": OVERRIDES, "steps": rows},
-                              indent=1, sort_keys=True) + "\n")
-    print(f"wrote {out}: {len(rows)} steps")
+    for name in sys.argv[1:] or list(GOLDENS):
+        rows = golden_run(name)
+        path(name).write_text(json.dumps({"config": str(CONFIG.relative_to(ROOT)),
+                                          "overrides": [*OVERRIDES, *GOLDENS[name]], "steps": rows},
+                                         indent=1, sort_keys=True) + "\n")
+        print(f"wrote {path(name)}: {len(rows)} steps")

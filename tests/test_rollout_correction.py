@@ -224,6 +224,8 @@ def test_bad_weight_is_a_clear_error():
     (["algorithm.rollout_rs=seq_sum_k2", "algorithm.rollout_rs_threshold=[0.5,2]"], "algorithm.rollout_rs_threshold"),
     (["algorithm.rollout_rs_threshold=[2,1]"], "algorithm.rollout_rs_threshold"),  # unused while rollout_rs is off
     (["algorithm.rollout_is=token", "algorithm.use_engine_logprobs=true"], "algorithm.rollout_is"),
+    (["algorithm.loss=grpo", "algorithm.use_engine_logprobs=true"], "algorithm.use_engine_logprobs"),
+    (["algorithm.loss=cispo", "algorithm.use_engine_logprobs=true"], "algorithm.use_engine_logprobs"),
     (["algorithm.loss=sapo", "algorithm.loss_options.tau_neg=0"], "algorithm.loss_options.tau_neg"),
     (["algorithm.loss=sapo", "algorithm.loss_options.tau=1"], "algorithm.loss_options.tau"),
     (["algorithm.loss=gspo", "algorithm.loss_options.tau_pos=1"], "algorithm.loss_options.tau_pos"),
@@ -296,22 +298,23 @@ def test_trainer_loss_call_applies_rejection_then_weights(bypass, loss):
     (decoupled) or from the detached current ones (bypass, where pi_old is the engine)."""
     from types import SimpleNamespace
 
-    from moe_gspo.train.step import LossRows, rollout_correction, rows_loss
+    from moe_gspo.train.step import LossRows, rows_loss
 
     logp, old, adv, mask, _ = _inputs(3)
     g = torch.Generator().manual_seed(9)
     engine = old + 0.08 * torch.randn(old.shape, generator=g, dtype=D)
     ovs = [f"algorithm.loss={loss}", "algorithm.rollout_rs=token_k2", "algorithm.rollout_rs_threshold=0.003"]
-    ovs += ["algorithm.use_engine_logprobs=true"] if bypass else ["algorithm.rollout_is=token",
-                                                                  "algorithm.rollout_is_threshold=1.05"]
+    ovs += ["algorithm.use_engine_logprobs=true", "algorithm.bypass_token_ratios=true"] if bypass else \
+        ["algorithm.rollout_is=token", "algorithm.rollout_is_threshold=1.05"]
     cfg = load_config(None, ovs)
-    ctx = SimpleNamespace(cfg=cfg, loss=cfg.algorithm.policy_loss())
+    ctx = SimpleNamespace(cfg=cfg, loss=cfg.algorithm.policy_loss(), correction=cfg.algorithm.rollout_correction())
     pi_old = engine if bypass else old
     if bypass:  # the loss call compares the current log-probs with the engine's
         got, m = rows_loss(ctx, LossRows(pi_old, adv, mask, engine_logp=engine), logp, 7.0)
     else:  # computed once per minibatch from pi_old, before any loss call
-        keep, w, m = rollout_correction(cfg.algorithm, old, engine, mask)
-        got, _ = rows_loss(ctx, LossRows(pi_old, adv, keep, rollout_is_weight=w), logp, 7.0)
+        c = ctx.correction(old, engine, mask)
+        m = c.metrics
+        got, _ = rows_loss(ctx, LossRows(pi_old, adv, c.mask, rollout_is_weight=c.weight), logp, 7.0)
     (g_got,) = torch.autograd.grad(got, logp)
 
     lr = rollout_log_ratio(logp if bypass else old, engine, mask)
@@ -322,3 +325,37 @@ def test_trainer_loss_call_applies_rejection_then_weights(bypass, loss):
     (g_want,) = torch.autograd.grad(want, logp)
     assert 0 < float(m["rollout_corr/rs_masked_frac"]) < 1
     assert torch.equal(got, want) and torch.equal(g_got, g_want)
+
+
+def test_bypass_with_a_per_token_ratio_is_refused_at_load_unless_accepted():
+    """algorithm.use_engine_logprobs with a per-token-ratio loss fails at load, one line naming the field and the
+    opt-in; a sequence-ratio loss, or the opt-in, loads, and the correction object says bypass."""
+    with pytest.raises(ConfigError, match=r": algorithm.use_engine_logprobs=True with algorithm.loss=.grpo.: .*"
+                                          r"algorithm.bypass_token_ratios=true$"):
+        load_config(None, ["algorithm.loss=grpo", "algorithm.use_engine_logprobs=true"])
+    for ovs in (["algorithm.loss=grpo", "algorithm.bypass_token_ratios=true"], ["algorithm.loss=gspo"],
+                ["algorithm.loss=gspo_token"]):
+        corr = load_config(None, ovs + ["algorithm.use_engine_logprobs=true"]).algorithm.rollout_correction()
+        assert corr.bypass and not corr.active and not corr.per_loss_call
+        old, engine = torch.zeros(1, 3), torch.ones(1, 3)
+        assert corr.pi_old(old, engine) is engine
+
+
+def test_the_correction_object_carries_the_config_and_applies_rejection_then_weights():
+    from moe_gspo.losses import RolloutCorrection
+
+    a = load_config(None, ["algorithm.rollout_is=sequence", "algorithm.rollout_is_threshold=[0.5,2]",
+                           "algorithm.rollout_rs=token_k2", "algorithm.rollout_rs_threshold=0.003"]).algorithm
+    corr = a.rollout_correction()
+    assert corr == RolloutCorrection("sequence", (0.5, 2.0), "token_k2", 0.003, bypass=False)
+    assert corr.active and corr.per_minibatch and not corr.per_loss_call
+    assert load_config(None, []).algorithm.rollout_correction() == RolloutCorrection()
+    _, old, _, mask, _ = _inputs(3)
+    engine = old + 0.08 * torch.randn(old.shape, generator=torch.Generator().manual_seed(9), dtype=D)
+    out = corr(old, engine, mask)
+    lr = rollout_log_ratio(old, engine, mask)
+    keep, m_rs = rollout_rejection_mask(lr, mask, "token_k2", 0.003)
+    w, m_is = rollout_is_weights(lr, keep, "sequence", (0.5, 2.0))
+    assert 0 < float(m_rs["rollout_corr/rs_masked_frac"]) < 1
+    assert torch.equal(out.mask, keep) and torch.equal(out.weight, w) and out.metrics.keys() == {**m_rs, **m_is}.keys()
+    assert corr.pi_old(old, engine) is old

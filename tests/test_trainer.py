@@ -228,27 +228,83 @@ def test_lr_schedule_follows_megatron_warmup_and_cosine(tmp_path):
     assert lrs == pytest.approx([1e-3, cos(4), 1e-4], rel=1e-9)
 
 
-def test_gspo_with_engine_logprobs_skips_the_old_logprob_pass(tmp_path, monkeypatch):
+@pytest.mark.parametrize("track_flips", [False, True])
+def test_gspo_with_engine_logprobs_trains_on_the_engines_logprobs_as_pi_old(tmp_path, monkeypatch, track_flips):
+    """Bypass mode: every update's pi_old is, value for value, the log-prob the engine sampled each response token
+    with (a bf16 engine, so they differ from the trainer's). The old-log-prob pass runs only when something else
+    needs it (here the flip tracker), and then its own log-probs are not pi_old."""
     import moe_gspo.train.loop as trainer
+    import moe_gspo.train.step as step
 
-    calls = []
-    real = trainer.old_logprob_pass
-    monkeypatch.setattr(trainer, "old_logprob_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    passes, updates, rollouts = [], [], []
+    real_pass, real_update, real_rollout = step.old_logprob_pass, trainer.update_minibatch, trainer.Run.rollout
+    monkeypatch.setattr(step, "old_logprob_pass", lambda *a, **k: passes.append(real_pass(*a, **k)) or passes[-1])
+    monkeypatch.setattr(trainer, "update_minibatch", lambda ctx, pb, old, *a: updates.append((pb, old.old_logp)) or
+                        real_update(ctx, pb, old, *a))
+    monkeypatch.setattr(trainer.Run, "rollout", lambda self, st: rollouts.append(real_rollout(self, st)) or
+                        rollouts[-1])
     cfg = tiny_cfg("train.steps=1", "algorithm.loss=gspo", "algorithm.use_engine_logprobs=true",
-                   "algorithm.track_flips=false")
+                   f"algorithm.track_flips={str(track_flips).lower()}", "rollout.engine_dtype=bfloat16")
     m = trainer.train(cfg, run_dir=tmp_path)
-    assert not calls and "pg_clipfrac" in m and "rollout_probs_diff_mean" not in m
+    assert "pg_clipfrac" in m and len(updates) == cfg.train.minibatches and len(rollouts) == 1
+    batch = rollouts[0][0]
+    for pb, pi_old in updates:
+        for b, (p, lp) in enumerate(zip(batch.prompt_ids, batch.logprobs)):  # what the engine sampled with
+            assert torch.equal(pi_old[b, len(p):len(p) + len(lp)], lp.float())
+            assert not pi_old[b, :len(p)].any() and not pi_old[b, len(p) + len(lp):].any()
+    assert len(passes) == int(track_flips)
+    if track_flips:  # the pass ran (for the tracker) and measured the engine's mismatch, not pi_old
+        resp = updates[0][0].response_mask
+        gap = (passes[0].old_logp - updates[0][1])[resp].abs()
+        assert float(gap.max()) > 1e-4 and m["rollout_probs_diff_max"] > 0
+    else:
+        assert "rollout_probs_diff_mean" not in m
 
 
-def test_kl_to_the_reference_policy_is_logged_and_costs_nothing_when_off(tmp_path, monkeypatch):
+def _k3_reference(response_mask, logp_ref, logp_new) -> float:
+    """KL(pi || pi_ref) by Schulman's k3, exp(d) - d - 1 with d = logp_ref - logp, averaged as the loss
+    aggregates (seq-mean-token-mean, one rank): the independent check of the logged kl_loss."""
+    d = (logp_ref - logp_new).double()
+    k3 = torch.where(response_mask, d.exp() - d - 1, 0.0)
+    n = response_mask.sum(-1)
+    keep = n > 0
+    return float((k3.sum(-1)[keep] / n[keep]).mean())
+
+
+def test_kl_to_the_reference_policy_equals_k3_against_the_frozen_weights_and_costs_nothing_when_off(
+        tmp_path, monkeypatch):
+    """With kl_beta > 0 the logged kl_loss of a step is the k3 KL between the policy being trained and the frozen
+    reference, recomputed here from both policies' log-probs on the minibatch: 0 before the first optimizer step
+    (pi == pi_ref), then > 0 once lr 0.01 moved the weights."""
+    import moe_gspo.train.loop as trainer
     from moe_gspo.model.policy import MoEPolicy
-    from moe_gspo.train.loop import train
+    from moe_gspo.tasks import task_from_config
+    from moe_gspo.train.logprob import batch_logprobs
 
-    train(tiny_cfg("algorithm.kl_beta=0.1", "algorithm.kl_estimator=k3", "train.lr=0.01"), run_dir=tmp_path / "kl")
-    recs = records(tmp_path / "kl")
-    assert all("kl_loss" in r and 0 <= r["kl_loss"] < 1 for r in recs)  # k3 >= 0; zero while pi == pi_ref
+    seen = []
+    real = trainer.update_minibatch
+
+    def recording(ctx, pb, old, adv, sids, idx):
+        with torch.no_grad():  # the minibatch's metrics are those of its forwards, before its optimizer step
+            ids, t = pb.input_ids[idx], ctx.cfg.rollout.temperature
+            new = batch_logprobs(ctx.policy, ids, None, "eager", t, want_entropy=False)[0]
+            ref = batch_logprobs(ctx.reference, ids, None, "eager", t, want_entropy=False)[0]
+        m = real(ctx, pb, old, adv, sids, idx)
+        seen.append((m["kl_loss"], _k3_reference(pb.response_mask[idx], ref, new)))
+        return m
+
+    monkeypatch.setattr(trainer, "update_minibatch", recording)
+    train_cfg = tiny_cfg("algorithm.kl_beta=0.1", "algorithm.kl_estimator=k3", "train.lr=0.01",
+                         "algorithm.track_flips=false")
+    # rewards with variance in every group: the policy gradient, not round-off, moves the policy off pi_ref
+    trainer.train(train_cfg, run_dir=tmp_path / "kl", task=_ParityTask(task_from_config(train_cfg.rollout)))
+    assert len(seen) == train_cfg.train.steps * train_cfg.train.minibatches
+    assert seen[0] == (0.0, 0.0)  # before the first optimizer step pi is pi_ref
+    for logged, want in seen[1:]:
+        assert want > 1e-4 and logged == pytest.approx(want, rel=1e-4)
+    monkeypatch.setattr(trainer, "update_minibatch", real)
     monkeypatch.setattr(MoEPolicy, "frozen_copy", lambda self: pytest.fail("built a reference with kl_beta=0"))
-    m = train(tiny_cfg("train.steps=1"), run_dir=tmp_path / "nokl")
+    m = trainer.train(tiny_cfg("train.steps=1"), run_dir=tmp_path / "nokl")
     assert "kl_loss" not in m
 
 

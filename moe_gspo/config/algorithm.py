@@ -38,7 +38,15 @@ class AlgorithmConfig:
     routing_replay: str = "off"
     """Routing Replay mode: 'off', 'r2' (old policy's training routing) or 'r3' (rollout engine's routing)."""
     use_engine_logprobs: bool = False
-    """Use the rollout engine's log-probs as pi_old instead of recomputing them (sound for GSPO only)."""
+    """Use the rollout engine's log-probs as pi_old instead of recomputing them ("bypass" mode): sound for a loss
+    whose importance ratio covers a whole response (gspo, gspo_token); refused at load for a per-token ratio
+    unless algorithm.bypass_token_ratios is set."""
+    bypass_token_ratios: bool = False
+    """Accept algorithm.use_engine_logprobs with a loss whose importance ratio is per token (grpo, gmpo, sapo,
+    cispo). Every token's ratio pi_theta / pi_engine then carries the engine-vs-trainer numeric mismatch (bf16
+    kernels, other experts), which the clip treats as policy change; a sequence ratio averages it over the
+    response. Set it to take that knowingly (verl's bypass mode with a token-level loss), e.g. with an fp32 engine
+    whose mismatch is round-off, or with algorithm.rollout_rs rejecting the tokens that stray."""
     track_flips: bool = True
     """Measure the expert-flip rate after each gradient step."""
     loss_agg_mode: str | None = None
@@ -74,11 +82,11 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.router_shift_floor={self.router_shift_floor} must be in (0, 1]")
         loss = self.policy_loss()  # the loss checks its own clip range, aggregation, KL and options
         self.loss_agg_mode = loss.loss_agg_mode  # None takes the loss's own default
-        self._check_rollout_correction()
         if (loss.needs_router_shift or self.router_shift) and self.use_engine_logprobs:
             raise ConfigError(f"algorithm.use_engine_logprobs=true cannot go with the router shift (algorithm.loss="
                               f"{self.loss!r}, algorithm.router_shift={self.router_shift}): it needs the old router "
                               "scores that the training engine's old-log-prob pass records")
+        self.rollout_correction(loss)  # checks the correction's fields and bypass against the loss's ratio
 
     def policy_loss(self):
         """The configured loss (moe_gspo.losses.PolicyLoss); its hyperparameter errors as ConfigError naming the
@@ -90,25 +98,13 @@ class AlgorithmConfig:
         except LossConfigError as e:
             raise ConfigError(f"algorithm.{e.field}={e.value!r}: {e.why}") from None
 
-    def _check_rollout_correction(self):
-        from moe_gspo.losses.rollout_correction import IS_LEVELS, RS_MODES, is_threshold_bounds, rs_threshold_bounds
+    def rollout_correction(self, loss=None):
+        """The configured rollout correction (moe_gspo.losses.RolloutCorrection; `loss`, the configured loss when
+        given, checks bypass mode against its ratio level); its errors as ConfigError naming the algorithm field."""
+        from moe_gspo.losses import rollout_correction_from_config
 
-        choice(self, "rollout_is", ("off",) + IS_LEVELS)
-        choice(self, "rollout_rs", ("off",) + RS_MODES)
+        loss = loss if loss is not None else self.policy_loss()
         try:
-            is_threshold_bounds(self.rollout_is_threshold)
-            if self.rollout_rs != "off":
-                rs_threshold_bounds(self.rollout_rs, self.rollout_rs_threshold)
+            return rollout_correction_from_config(self, loss)
         except ValueError as e:
             raise ConfigError(f"algorithm.{e}") from None
-        if self.rollout_rs == "off" and self.rollout_rs_threshold is not None:  # unused, but checked like any value
-            try:
-                is_threshold_bounds(self.rollout_rs_threshold)
-            except ValueError:
-                raise ConfigError(f"algorithm.rollout_rs_threshold={self.rollout_rs_threshold!r}: give a finite "
-                                  "number > 0 or a pair [lower, upper] with 0 < lower <= upper") from None
-        if self.rollout_is != "off" and self.use_engine_logprobs:
-            raise ConfigError(f"algorithm.rollout_is={self.rollout_is!r} cannot go with algorithm.use_engine_logprobs="
-                              "true: the loss's ratio pi_theta / pi_engine already corrects for the engine (bypass "
-                              "mode takes algorithm.rollout_rs only)")
-

@@ -11,6 +11,8 @@ registered by name, and the rollout-mismatch correction (truncated IS, IcePop, r
     w, m = rollout_is_weights(trainer_logp - engine_logp, mask, level="token", threshold=2.0)      # TIS
     keep, m = rollout_rejection_mask(trainer_logp - engine_logp, mask, mode="token_k3", threshold=0.01)
     loss, metrics = build_policy_loss("grpo")(logp, old_logp, adv, mask & keep, rollout_is_weight=w)
+    corr = rollout_correction_from_config(cfg.algorithm, gspo)   # both, as the trainer applies them
+    out = corr(trainer_logp, engine_logp, mask)                   # Correction(mask, weight, metrics)
 
 A new loss is a PolicyLoss subclass (its defaults, an Options dataclass, its math) under @register_policy_loss; the
 config then reads it by name (algorithm.loss) with its options (algorithm.loss_options).
@@ -50,6 +52,9 @@ from moe_gspo.losses.registry import (
 from moe_gspo.losses.rollout_correction import (
     IS_LEVELS,
     RS_MODES,
+    Correction,
+    RolloutCorrection,
+    rollout_correction_from_config,
     rollout_is_weights,
     rollout_log_ratio,
     rollout_rejection_mask,
@@ -60,6 +65,7 @@ from moe_gspo.losses.sapo_cispo import cispo_loss, sapo_loss
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGG_MODES", "DEFAULT_AGG_MODE", "LossConfigError", "NoOptions", "PolicyLoss",
     "build_policy_loss", "policy_loss_class", "policy_loss_from_config", "IS_LEVELS", "RS_MODES", "cispo_loss",
+    "Correction", "RolloutCorrection", "rollout_correction_from_config",
     "rollout_is_weights", "rollout_log_ratio", "rollout_rejection_mask", "sapo_loss", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
     "agg_loss", "agg_seq_loss", "get_advantage_estimator", "get_policy_loss", "gmpo_loss",
     "group_stats", "grpo_loss", "gspo_loss", "gspo_token_loss", "KL_ESTIMATORS", "kl_k3", "kl_penalty",

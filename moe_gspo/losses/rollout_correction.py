@@ -26,8 +26,14 @@ k2 and k3 take one upper bound U and keep a token (a whole response for seq_*) w
 ratio bounds (lower, upper) (a single number u means (1/u, u)) and keeps log(lower) <= statistic <= log(upper);
 seq_mean_k1 is thus a band on the geometric mean of 1/rho ("Geo-RS"), symmetric for symmetric bounds.
 
-The trainer applies both to any registered loss: the weight scales each token's gradient (registry.py), the
-rejected tokens leave the loss's mask. Metrics (0-dim detached tensors over this call's response tokens):
+The trainer applies both to any registered loss through one RolloutCorrection object built from the config
+(`rollout_correction_from_config`, checked at load): the weight scales each token's gradient (registry.py), the
+rejected tokens leave the loss's mask.
+
+    corr = rollout_correction_from_config(cfg.algorithm, loss)   # ValueError "<field>=<value>: why" when bad
+    pi_old = corr.pi_old(old_logp_BT, engine_logp_BT)             # the engine's in bypass mode
+    out = corr(trainer_logp_BT, engine_logp_BT, mask_BT)          # Correction(mask, weight or None, metrics)
+ Metrics (0-dim detached tensors over this call's response tokens):
     rollout_corr/is_mean, is_max, is_min       the applied weights
     rollout_corr/is_ess                        effective sample size (sum w)^2 / (n sum w^2), in [0, 1]
     rollout_corr/is_truncated_frac             tokens whose weight TIS lowered to C
@@ -39,6 +45,7 @@ rejected tokens leave the loss's mask. Metrics (0-dim detached tensors over this
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -181,3 +188,100 @@ def rollout_rejection_mask(log_ratio_BT: Tensor, mask_BT: Tensor, mode: str,
         "rs_stat_max": torch.where(valid.any(), torch.where(valid, per, -math.inf).amax(), zero),
     }
     return keep, {PREFIX + k: v.detach().float() for k, v in metrics.items()}
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What the rollout correction does to some rows: their loss mask without the rejected tokens, the per-token
+    importance weight (None without IS) and the metrics (0-dim detached tensors)."""
+
+    mask: Tensor  # (b, T) bool
+    weight: Tensor | None  # (b, T) detached, or None
+    metrics: dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """The rollout correction a run applies, built once from the config, and where pi_old comes from.
+
+    decoupled (bypass=False): pi_old is the training engine's old-log-prob pass; rho = pi_old / pi_engine is
+        known before the updates, so the trainer computes it once per minibatch and the rejected tokens also leave
+        the minibatch's denominator.
+    bypass (bypass=True, algorithm.use_engine_logprobs): pi_old is the engine's log-probs, so the loss's own
+        ratio pi_theta / pi_engine carries the engine correction; rho = pi_theta / pi_engine with pi_theta the
+        detached current log-probs, computed in every loss call (`per_loss_call`); rejection only (IS would
+        count the correction twice).
+    """
+
+    is_level: str = "off"  # "off" or an IS_LEVELS entry
+    is_threshold: float | tuple[float, float] = 2.0
+    rs_mode: str = "off"  # "off" or an RS_MODES entry
+    rs_threshold: float | tuple[float, float] | None = None
+    bypass: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Whether any token is weighted or rejected."""
+        return self.is_level != "off" or self.rs_mode != "off"
+
+    @property
+    def per_minibatch(self) -> bool:
+        """rho from pi_old, computed once per minibatch before the updates (decoupled mode)."""
+        return self.active and not self.bypass
+
+    @property
+    def per_loss_call(self) -> bool:
+        """rho from the current log-probs, computed in every loss call (bypass mode with rejection)."""
+        return self.active and self.bypass
+
+    def pi_old(self, old_logp_BT: Tensor, engine_logp_BT: Tensor) -> Tensor:
+        """The log-probs the loss takes as pi_old: the engine's in bypass mode, the old-log-prob pass's else."""
+        return engine_logp_BT if self.bypass else old_logp_BT
+
+    def __call__(self, trainer_logp_bT: Tensor, engine_logp_bT: Tensor, mask_bT: Tensor) -> Correction:
+        """Rejection, then importance weights over the tokens that stay, of rows whose trainer-side log-probs are
+        trainer_logp_bT (detached here) and engine log-probs engine_logp_bT; mask_bT: their response tokens."""
+        log_ratio = rollout_log_ratio(trainer_logp_bT, engine_logp_bT, mask_bT)
+        metrics, weight, mask = {}, None, mask_bT
+        if self.rs_mode != "off":
+            mask, m = rollout_rejection_mask(log_ratio, mask, self.rs_mode, self.rs_threshold)
+            metrics.update(m)
+        if self.is_level != "off":
+            weight, m = rollout_is_weights(log_ratio, mask, self.is_level, self.is_threshold)
+            metrics.update(m)
+        return Correction(mask, weight, metrics)
+
+
+def rollout_correction_from_config(a, loss=None) -> RolloutCorrection:
+    """The correction an AlgorithmConfig asks for (rollout_is, rollout_rs and their thresholds;
+    use_engine_logprobs for bypass), with `loss` (the run's PolicyLoss) to check bypass against its ratio level.
+
+    Raises ValueError "<field>=<value>: why" naming the algorithm field at fault."""
+    if a.rollout_is not in ("off",) + IS_LEVELS:
+        raise ValueError(f"rollout_is={a.rollout_is!r} is not one of {['off', *IS_LEVELS]}")
+    if a.rollout_rs not in ("off",) + RS_MODES:
+        raise ValueError(f"rollout_rs={a.rollout_rs!r} is not one of {['off', *RS_MODES]}")
+    is_threshold_bounds(a.rollout_is_threshold)
+    if a.rollout_rs != "off":
+        rs_threshold_bounds(a.rollout_rs, a.rollout_rs_threshold)
+    elif a.rollout_rs_threshold is not None:  # unused, but checked like any value
+        try:
+            is_threshold_bounds(a.rollout_rs_threshold)
+        except ValueError:
+            raise ValueError(f"rollout_rs_threshold={a.rollout_rs_threshold!r}: give a finite number > 0 or a pair "
+                             "[lower, upper] with 0 < lower <= upper") from None
+    if a.use_engine_logprobs and a.rollout_is != "off":
+        raise ValueError(f"rollout_is={a.rollout_is!r} cannot go with algorithm.use_engine_logprobs=true: the "
+                         "loss's ratio pi_theta / pi_engine already corrects for the engine (bypass mode takes "
+                         "algorithm.rollout_rs only)")
+    if a.use_engine_logprobs and loss is not None and loss.ratio_level == "token" and not a.bypass_token_ratios:
+        raise ValueError(f"use_engine_logprobs=True with algorithm.loss={loss.name!r}: its ratio is per token, so "
+                         "every token's ratio carries the engine-vs-trainer numeric mismatch (a sequence ratio, as "
+                         "gspo's, averages it over the response); use a sequence-ratio loss, recompute pi_old "
+                         "(use_engine_logprobs=false), or accept it with algorithm.bypass_token_ratios=true")
+
+    def pair(t):
+        return tuple(float(x) for x in t) if isinstance(t, (list, tuple)) else t
+
+    return RolloutCorrection(a.rollout_is, pair(a.rollout_is_threshold), a.rollout_rs, pair(a.rollout_rs_threshold),
+                             bool(a.use_engine_logprobs))

@@ -26,7 +26,7 @@ from moe_gspo.config import Config, ConfigError, to_dict
 from moe_gspo.losses import get_advantage_estimator
 from moe_gspo.model.policy import MoEPolicy
 from moe_gspo.parallel.state import ParallelInfo, max_over_ranks
-from moe_gspo.rollout import RolloutEngine, SamplingParams, engine_from_config, rollout_probs_diff
+from moe_gspo.rollout import RolloutEngine, SamplingParams, engine_from_config
 from moe_gspo.rollout.placement import EnginePlacement
 from moe_gspo.rewards import score_responses
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
@@ -34,7 +34,7 @@ from moe_gspo.tasks import CharTokenizer, Task, task_from_config
 from moe_gspo.train import data
 from moe_gspo.train.checkpoint import Checkpoints
 from moe_gspo.train.metrics import MetricMean, MetricsWriter, Progress, StepTimer, reduce_across_ranks
-from moe_gspo.train.step import (OldPass, StepContext, cold_start, old_logprob_pass, record_engine_routing,
+from moe_gspo.train.step import (OldPass, StepContext, cold_start, pi_old_pass, record_engine_routing,
                                  update_minibatch)
 
 
@@ -106,11 +106,6 @@ class Run:
         _check_run_dir(run_dir, resume, overwrite)
         tok = data.build_tokenizer(cfg)
         data.check_names(cfg)  # fail before building anything
-        loss = cfg.algorithm.policy_loss()
-        if cfg.algorithm.use_engine_logprobs and loss.ratio_level == "token":
-            print(f"warning: algorithm.use_engine_logprobs with {loss.name}: every token ratio then carries the "
-                  "engine vs trainer numeric mismatch (sound for a sequence ratio like gspo's, not for token ratios)",
-                  file=sys.stderr)
         validate_sizes(cfg.parallel, data.world_size(), cfg.model.num_experts, cfg.model.num_key_value_heads,
                        None if cfg.model.init_from else cfg.model.vocab_size)
         data.check_layout(cfg, data.world_size() // cfg.parallel.tp)
@@ -219,20 +214,9 @@ class Run:
         return pb.to(self.policy.device), batch.sample_ids
 
     def old_logprobs(self, pb, sids) -> tuple[OldPass, dict[str, float]]:
-        """(the old-log-prob pass's OldPass, engine-vs-training log-prob metrics); in bypass mode
-        (algorithm.use_engine_logprobs) its pi_old is the engine's.
-
-        With algorithm.use_engine_logprobs and nothing else needing the old policy's forward (no R2, no flip
-        tracking, no KL, no router shift), the training-engine pass is skipped."""
-        ctx = self.ctx
-        if (self.cfg.algorithm.use_engine_logprobs and ctx.tracker is None and ctx.replay.mode != "r2"
-                and ctx.reference is None and not ctx.router_shift):
-            return OldPass(pb.engine_logprobs), {}
-        old = old_logprob_pass(ctx, pb, sids)
-        diff = rollout_probs_diff(pb.engine_logprobs, old.old_logp, pb.response_mask)
-        if self.cfg.algorithm.use_engine_logprobs:
-            old = dataclasses.replace(old, old_logp=pb.engine_logprobs)
-        return old, diff
+        """(OldPass with pi_old as the rollout correction names it, engine-vs-training log-prob metrics):
+        moe_gspo.train.step.pi_old_pass."""
+        return pi_old_pass(self.ctx, pb, sids)
 
     def minibatches(self, step: int) -> list[torch.Tensor]:
         """The local responses shuffled (seeded by step) and cut into train.minibatches equal parts."""

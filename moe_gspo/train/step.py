@@ -1,7 +1,7 @@
 """The compute of one RL step, after the rollout: old log-probs, then one optimizer step per minibatch.
 
-    ctx = StepContext(policy, optim, cfg, replay, tracker, groups)  # the loss and the micro-batching, built once
-    old = old_logprob_pass(ctx, pb, sample_ids)              # no grad: OldPass (pi_old, pi_ref, old router scores)
+    ctx = StepContext(policy, optim, cfg, replay, tracker, groups)  # loss, correction, micro-batching, built once
+    old, diff = pi_old_pass(ctx, pb, sample_ids)             # no grad: OldPass (pi_old, pi_ref, old router scores)
     for idx in minibatches: metrics += update_minibatch(ctx, pb, old, adv, sample_ids, idx)
 
 An update is a plain sequence: the minibatch's loss inputs (LossRows: pi_old, pi_ref, the engine's log-probs, the
@@ -18,11 +18,12 @@ With the router shift (a loss that needs it, or algorithm.router_shift), the old
 experts and router scores (OldPass.router), and each update forward scores the same experts under the current
 router; their shift gives every response token the weight that rescales its importance ratio (docs/losses.md).
 
-With the rollout correction (algorithm.rollout_is / rollout_rs), the loss gets the importance weights of the rollout
-ratio rho = pi_trainer / pi_engine as a detached per-token gradient multiplier, and loses the tokens the rejection
-mode rejects from its mask. pi_trainer is the old-log-prob pass (decoupled mode: computed once per minibatch) or,
-with algorithm.use_engine_logprobs (the engine as pi_old, "bypass"), the detached current log-probs of the update
-(computed in the loss call, once per token).
+With the rollout correction (algorithm.rollout_is / rollout_rs; ctx.correction, a RolloutCorrection built once
+from the config), the loss gets the importance weights of the rollout ratio rho = pi_trainer / pi_engine as a
+detached per-token gradient multiplier, and loses the tokens the rejection mode rejects from its mask. pi_trainer
+is the old-log-prob pass (decoupled mode: computed once per minibatch) or, with algorithm.use_engine_logprobs (the
+engine as pi_old, "bypass"), the detached current log-probs of the update (computed in the loss call, once per
+token). The correction also says where pi_old comes from (pi_old_pass).
 
 Global denominators (docs/losses.md): the count D of a minibatch is summed over data-parallel ranks once, and
 every micro-batch's loss is divided by D / dp and summed, so gradient accumulation over micro-batches and the
@@ -39,12 +40,12 @@ import torch
 import torch.distributed as dist
 
 from moe_gspo.config import Config
-from moe_gspo.losses import (PolicyLoss, loss_denominator, rollout_is_weights, rollout_log_ratio,
-                             rollout_rejection_mask, router_shift_metrics, router_shift_ratio, router_shift_weight)
+from moe_gspo.losses import (PolicyLoss, RolloutCorrection, loss_denominator, router_shift_metrics, router_shift_ratio,
+                             router_shift_weight)
 from moe_gspo.model.policy import MoEPolicy
 from moe_gspo.model.routing_capture import RoutingCapture
 from moe_gspo.parallel.state import comm_device, max_over_ranks
-from moe_gspo.rollout.batch import PaddedRollout
+from moe_gspo.rollout.batch import PaddedRollout, rollout_probs_diff
 from moe_gspo.routing import SCORE_DTYPES, ExpertFlipTracker, OldRouterScores, RoutingReplayCache
 from moe_gspo.train.logprob import batch_logprobs, hidden_loss
 from moe_gspo.train.micro import MicroBatch, micro_batches
@@ -73,6 +74,7 @@ class StepContext:
     groups: object | None = None  # megatron's ProcessGroupCollection (its .dp averages gradients); None: one rank
     reference: MoEPolicy | None = None  # frozen pi_ref for the KL penalty (algorithm.kl_beta > 0)
     loss: PolicyLoss = field(init=False)
+    correction: RolloutCorrection = field(init=False)  # rollout correction, and where pi_old comes from
     router_shift: bool = field(init=False)  # importance ratios get the router-shift weight
     update_batches: object = field(init=False)
     logprob_batches: object = field(init=False)
@@ -81,6 +83,7 @@ class StepContext:
     def __post_init__(self):
         tc, a = self.cfg.train, self.cfg.algorithm
         self.loss = a.policy_loss()
+        self.correction = a.rollout_correction(self.loss)
         self.router_shift = self.loss.needs_router_shift or a.router_shift
         self.update_batches = micro_batches(tc)
         self.logprob_batches = micro_batches(tc, logprob_pass=True)
@@ -157,6 +160,24 @@ def old_logprob_pass(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tens
     return OldPass(old_logp, ref_logp, router)
 
 
+def needs_old_pass(ctx: StepContext) -> bool:
+    """Whether the step runs the old-log-prob pass: for pi_old (decoupled mode), or in bypass mode for what else
+    it records (R2's routing, the flip tracker's reference, pi_ref, the old router scores)."""
+    return (not ctx.correction.bypass or ctx.tracker is not None or ctx.replay.mode == "r2"
+            or ctx.reference is not None or ctx.router_shift)
+
+
+def pi_old_pass(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tensor) -> tuple[OldPass, dict[str, float]]:
+    """(OldPass with the pi_old the correction names, engine-vs-training log-prob metrics): the old-log-prob pass,
+    whose pi_old the engine's log-probs replace in bypass mode, where the pass is skipped when nothing else needs
+    it (no metrics then)."""
+    if not needs_old_pass(ctx):
+        return OldPass(pb.engine_logprobs), {}
+    old = old_logprob_pass(ctx, pb, sample_ids)
+    diff = rollout_probs_diff(pb.engine_logprobs, old.old_logp, pb.response_mask)
+    return dataclasses.replace(old, old_logp=ctx.correction.pi_old(old.old_logp, pb.engine_logprobs)), diff
+
+
 def global_count(mask_BT: torch.Tensor, mode: str, ctx: StepContext) -> torch.Tensor:
     """loss_denominator summed over data-parallel ranks, divided by dp (DDP averages gradients)."""
     d = loss_denominator(mask_BT, mode).double().to(comm_device())
@@ -185,19 +206,19 @@ class LossRows:
 def minibatch_rows(ctx: StepContext, pb: PaddedRollout, old: OldPass, adv_B, idx, T: int) -> tuple[LossRows, dict]:
     """(LossRows of the responses idx trimmed to T columns, the decoupled rollout correction's metrics): the
     correction is computed here, once for the minibatch, unless it compares with the current policy (bypass)."""
-    a = ctx.cfg.algorithm
+    corr = ctx.correction
     mask = pb.response_mask[idx][:, :T]
     ref = old.ref_logp[idx][:, :T] if ctx.loss.beta > 0 and old.ref_logp is not None else None
     if ctx.loss.beta > 0 and ref is None:
         raise RuntimeError("algorithm.kl_beta > 0 but the step has no reference log-probs")
     rows = LossRows(old.old_logp[idx][:, :T], adv_B[idx], mask, ref)
-    if not _corrects(a):
+    if not corr.active:
         return rows, {}
     engine = pb.engine_logprobs[idx][:, :T]
-    if a.use_engine_logprobs:
+    if corr.per_loss_call:
         return dataclasses.replace(rows, engine_logp=engine), {}
-    mask, weight, metrics = rollout_correction(a, rows.old_logp, engine, mask)
-    return dataclasses.replace(rows, mask=mask, rollout_is_weight=weight), metrics
+    c = corr(rows.old_logp, engine, mask)
+    return dataclasses.replace(rows, mask=c.mask, rollout_is_weight=c.weight), c.metrics
 
 
 def rows_loss(ctx: StepContext, rows: LossRows, logp_bT: torch.Tensor, denom) -> tuple[torch.Tensor, dict]:
@@ -207,7 +228,8 @@ def rows_loss(ctx: StepContext, rows: LossRows, logp_bT: torch.Tensor, denom) ->
     corr_m = {}
     mask = rows.mask
     if rows.engine_logp is not None:
-        mask, _, corr_m = rollout_correction(ctx.cfg.algorithm, logp_bT, rows.engine_logp, mask)
+        c = ctx.correction(logp_bT, rows.engine_logp, mask)
+        mask, corr_m = c.mask, c.metrics
     loss, m = ctx.loss(logp_bT, rows.old_logp, rows.advantages, mask, loss_denominator=denom, ref_logp=rows.ref_logp,
                        router_shift_weight=rows.router_shift_weight, rollout_is_weight=rows.rollout_is_weight)
     return loss, {**m, **corr_m}
@@ -309,25 +331,6 @@ def minibatch_metrics(ctx: StepContext, rows: LossRows, logp, gamma, response, d
     if gamma is not None:  # over this minibatch's response tokens (the loop averages minibatches, then ranks)
         out.update({k: float(v) for k, v in router_shift_metrics(gamma[response], floor).items()})
     return out
-
-
-def _corrects(a) -> bool:
-    return a.rollout_is != "off" or a.rollout_rs != "off"
-
-
-def rollout_correction(a, trainer_bT, engine_bT, mask_bT) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-    """(mask without the rejected tokens, importance weight or None, metrics) of algorithm.rollout_is /
-    rollout_rs for rows whose trainer-side log-probs are trainer_bT (detached here) and engine log-probs engine_bT.
-    The weights' metrics describe the tokens that stay."""
-    log_ratio = rollout_log_ratio(trainer_bT, engine_bT, mask_bT)
-    metrics, weight = {}, None
-    if a.rollout_rs != "off":
-        mask_bT, m = rollout_rejection_mask(log_ratio, mask_bT, a.rollout_rs, a.rollout_rs_threshold)
-        metrics.update(m)
-    if a.rollout_is != "off":
-        weight, m = rollout_is_weights(log_ratio, mask_bT, a.rollout_is, a.rollout_is_threshold)
-        metrics.update(m)
-    return mask_bT, weight, metrics
 
 
 def _router_shift_ratio(old_router: OldRouterScores, cap: RoutingCapture, old_src, shape_BT) -> torch.Tensor:

@@ -25,8 +25,8 @@ LENGTHS = [11, 7, 9, 11]
 PROMPT = 3
 CORRECTION = ["algorithm.rollout_is=token", "algorithm.rollout_is_threshold=1.03", "algorithm.rollout_rs=token_k2",
               "algorithm.rollout_rs_threshold=0.002"]
-BYPASS = ["algorithm.use_engine_logprobs=true", "algorithm.rollout_rs=seq_mean_k1",
-          "algorithm.rollout_rs_threshold=[0.99,1.01]"]
+BYPASS = ["algorithm.use_engine_logprobs=true", "algorithm.bypass_token_ratios=true",
+          "algorithm.rollout_rs=seq_mean_k1", "algorithm.rollout_rs_threshold=[0.99,1.01]"]
 
 
 def main():
@@ -70,7 +70,7 @@ def main():
                       ("fused", CORRECTION + ["train.loss_impl=fused"]),
                       ("bypass", BYPASS + ["train.loss_impl=fused"])):
         ctx = StepContext(policy, ctx.optim, load_config(None, base + ovs), replay, None, policy.groups)
-        pi_old = pb.engine_logprobs if ctx.cfg.algorithm.use_engine_logprobs else old
+        pi_old = ctx.correction.pi_old(old, pb.engine_logprobs)
         m = update_minibatch(ctx, pb, OldPass(pi_old), adv, sids, torch.arange(per))
         keys = sorted(k for k in m if k == "pg_loss" or k.startswith("rollout_corr/"))
         vals = torch.tensor([m[k] for k in keys], dtype=torch.float64)

@@ -90,10 +90,21 @@ def test_compiled_routing_capture_and_replay_equal_eager(pair):
 
 
 def test_compile_survives_loading_a_checkpoint(tmp_path):
+    """A compiled policy loaded from an HF checkpoint computes the logits of the eager policy loaded from it (and not
+    those of a fresh initialization: the loaded weights reach the compiled module)."""
     make_hf_checkpoint(tmp_path / "hf")
     source = ModelConfig(init_from=str(tmp_path / "hf"), compile=True)
     policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
     assert policy.model_config.compile and policy.model_config.hidden_size == 32
+    eager_source = dataclasses.replace(source, compile=False)
+    eager = moe_gspo.load_policy(eager_source, moe_gspo.init_parallel(eager_source))
+    fresh = moe_gspo.load_policy(MC, moe_gspo.init_parallel(MC))
+    x, _ = batch(2)
+    with torch.no_grad():
+        logits, want, other = policy(x), eager(x), fresh(x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    torch.testing.assert_close(logits, want, **TOL)
+    assert (want - other).abs().max() > 0.1
 
 
 def test_compile_with_model_parallelism_is_refused():

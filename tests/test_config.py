@@ -69,14 +69,25 @@ def test_off_stays_a_string():
 def test_layer_spec_is_chosen_by_the_config_alone():
     """model.spec defaults to the local spec whatever is installed; its attention default follows the spec; 'te' where
     TE cannot run is one ConfigError naming the field and what is missing, raised when the layer spec is built."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from moe_gspo.model.experts import GroupedGemmExperts
+    from moe_gspo.model.layers import Qwen3Router, RMSNorm, SDPAttention, TorchLoopExperts
     from moe_gspo.model.spec import layer_spec, te_missing
 
     local = load_config("configs/tiny_cpu.yaml").model
-    assert local.spec == "local" and local.attention == "sdpa"
+    assert local.spec == "local" and local.attention == "sdpa" and local.experts == "grouped"
+    sub = layer_spec(local).submodules  # the local spec with this package's router, norms, attention, experts
+    attn = sub.self_attention.submodules
+    assert sub.input_layernorm is RMSNorm and sub.pre_mlp_layernorm is RMSNorm
+    assert attn.q_layernorm is RMSNorm and attn.k_layernorm is RMSNorm and attn.core_attention is SDPAttention
+    assert sub.mlp.submodules.router is Qwen3Router and sub.mlp.submodules.experts.module is GroupedGemmExperts
+    other = layer_spec(load_config("configs/tiny_cpu.yaml", ["model.attention=megatron", "model.experts=torch"]).model)
+    assert other.submodules.self_attention.submodules.core_attention is DotProductAttention
+    assert other.submodules.mlp.submodules.experts.module is TorchLoopExperts
     te = load_config("configs/tiny_cpu.yaml", ["model.spec=te", "model.experts=grouped"]).model
     assert te.attention == "te"
     if te_missing() is None:
         pytest.skip("Transformer Engine runs here: the refusal cannot be shown")
     with pytest.raises(ConfigError, match=r"model.spec='te' needs Transformer Engine on CUDA: "):
         layer_spec(te)
-    assert layer_spec(local) is not None

@@ -142,16 +142,18 @@ class SyncPlan:
                     out.setdefault(p.dst, []).append(p)
                 elif p.dst == me:
                     inc.setdefault(p.src, []).append(p)
-            for dst, ps in out.items():
-                buf = torch.cat([self._slice(views, p, held).reshape(-1).to(self.dtype) for p in ps])
+            for dst, ps in out.items():  # packed and cast to the engine's dtype in one pass per piece
+                buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype)
+                for p, flat in zip(ps, buf.split([q.numel for q in ps])):
+                    flat.view(p.shape).copy_(self._slice(views, p, held))
                 ops.append(dist.P2POp(dist.isend, buf.to(device) if device is not None else buf, dst))
             for src, ps in inc.items():
                 buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype, device=device)
                 ops.append(dist.P2POp(dist.irecv, buf, src))
                 recvs.append((ps, buf))
             works = dist.batch_isend_irecv(ops) if ops else []
-            for p in local:
-                yield p, self._slice(views, p, held).to(self.dtype)
+            for p in local:  # a view of the trainer's own tensor: the writer's copy casts it
+                yield p, self._slice(views, p, held)
             for w in works:
                 w.wait()
             for ps, buf in recvs:

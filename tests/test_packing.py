@@ -122,7 +122,7 @@ def test_planner_balances_ranks(monkeypatch):
     """A rank that plans fewer forwards than another splits its fullest ones where the halves are closest."""
     import moe_gspo.train.micro as micro
 
-    monkeypatch.setattr(micro, "max_over_ranks", lambda n: 4)  # another rank plans 4 forwards
+    monkeypatch.setattr(micro, "max_over_ranks", lambda n, group: 4)  # another rank plans 4 forwards
     plan = micro.PackedMicroBatches(BUDGET).plan([5, 6, 7, 2])  # 20 tokens: one forward alone
     assert [(m.rows.start, m.rows.stop) for m in plan] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     plan = micro.PackedMicroBatches(BUDGET).plan([9, 1, 1, 1, 6, 2, 2])  # 22 tokens: 11 | 11, then each half

@@ -4,7 +4,9 @@
     info = parallel_info(groups)                                                       # this rank's place
 
 `groups` is megatron-core's ProcessGroupCollection (tp, ep, dp, ...): built once, then handed to the policy, the
-optimizer, the kernels and the trainer, which read their groups from it.
+optimizer, the kernels and the trainer, which read their groups from it. Every collective here takes its group
+explicitly (`trainer_group(groups)` spans the ranks that train): a job whose world also holds ranks that do not
+train (rollout engines) never waits on them.
 
 Sizes are checked before any group or model is built; every error names the field and the world size.
 """
@@ -57,30 +59,41 @@ def validate_sizes(pc: ParallelConfig, world: int, num_experts: int, num_kv_head
         raise ConfigError(f"model.vocab_size={vocab_size} is not divisible by parallel.tp={pc.tp}")
 
 
-def comm_device() -> torch.device:
-    """Where tensors handed to torch.distributed collectives live: the current GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where tensors handed to collectives over `group` live: the current GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def max_over_ranks(n: int) -> int:
-    """max of an int over every rank (n itself outside a multi-rank job). Used to give every rank the same padded
-    length: megatron's token dispatcher exchanges equal-sized blocks between expert-parallel ranks, and those
-    ranks belong to different data-parallel replicas, which pad their own rollouts."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def trainer_group(groups) -> dist.ProcessGroup | None:
+    """The group of every rank that trains, from megatron's ProcessGroupCollection: tensor x data x context
+    parallel (pipeline parallelism is 1 here), so every trainer rank and no other; None for groups=None (one
+    process)."""
+    return None if groups is None else groups.tp_dp_cp
+
+
+def _single(group: dist.ProcessGroup | None) -> bool:
+    return group is None or not dist.is_initialized() or dist.get_world_size(group) == 1
+
+
+def max_over_ranks(n: int, group: dist.ProcessGroup | None) -> int:
+    """max of an int over the ranks of `group` (n itself for None: one process). Used to give every trainer rank
+    the same padded length: megatron's token dispatcher exchanges equal-sized blocks between expert-parallel
+    ranks, and those ranks belong to different data-parallel replicas, which pad their own rollouts."""
+    if _single(group):
         return int(n)
-    t = torch.tensor([int(n)], dtype=torch.long, device=comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([int(n)], dtype=torch.long, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
 
 
-def max_over_ranks_each(values: list[int]) -> list[int]:
-    """Element-wise max of equal-length int lists over every rank (the list itself outside a multi-rank job)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
+def max_over_ranks_each(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
+    """Element-wise max of equal-length int lists over the ranks of `group` (the list itself for None)."""
+    if _single(group) or not values:
         return [int(v) for v in values]
-    t = torch.tensor([int(v) for v in values], dtype=torch.long, device=comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([int(v) for v in values], dtype=torch.long, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
 
@@ -122,7 +135,9 @@ def init_model_parallel(pc: ParallelConfig, num_experts: int, seed: int = 0, num
     from moe_gspo.parallel import cpu_compat
 
     cpu_compat.apply()
-    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    # an initialized default group is the trainer's world (a job that splits its ranks into roles initializes it
+    # on the trainer ranks alone); before that, torchrun's
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     validate_sizes(pc, world, num_experts, num_kv_heads, vocab_size)
     init_distributed(pc.backend)
     if ps.model_parallel_is_initialized():
@@ -137,9 +152,11 @@ def init_model_parallel(pc: ParallelConfig, num_experts: int, seed: int = 0, num
 
 
 def parallel_info(groups) -> ParallelInfo:
-    """This rank's place in the mesh of `groups` (a ProcessGroupCollection)."""
+    """This rank's place in the mesh of `groups` (a ProcessGroupCollection); world and rank count the trainer's
+    ranks (trainer_group)."""
+    everyone = trainer_group(groups)
     return ParallelInfo(
-        world=dist.get_world_size(), rank=dist.get_rank(),
+        world=everyone.size(), rank=everyone.rank(),
         tp=groups.tp.size(), tp_rank=groups.tp.rank(), ep=groups.ep.size(), ep_rank=groups.ep.rank(),
         dp=groups.dp.size(), dp_rank=groups.dp.rank(),
     )

@@ -209,7 +209,8 @@ class Run:
     def pad(self, batch, valid):
         """(PaddedRollout on the policy's device with skipped samples masked out, sample ids)."""
         longest = max(p.numel() + r.numel() for p, r in zip(batch.prompt_ids, batch.response_ids))
-        pb = batch.to_padded(pad_id=self.tok.pad_id, max_len=max_over_ranks(longest))  # one T on every rank
+        pb = batch.to_padded(pad_id=self.tok.pad_id,  # one T on every trainer rank
+                             max_len=max_over_ranks(longest, self.ctx.trainer_group))
         pb.response_mask &= valid[:, None]  # skipped samples carry no loss
         return pb.to(self.policy.device), batch.sample_ids
 
@@ -238,7 +239,7 @@ class Run:
     def log(self, step: int, m: dict[str, float], tokens: int) -> dict[str, float]:
         times = self.timer.pop()
         m = {**m, "lr": self.ctx.optim.lr, **times}
-        m = reduce_across_ranks(m)
+        m = reduce_across_ranks(m, self.ctx.trainer_group)
         tokens_all = tokens * self.layout.dp
         m["perf/tokens_per_s"] = tokens_all / max(m["time/step"], 1e-9)
         if (step + 1) % self.cfg.logging.every == 0 or step + 1 == self.cfg.train.steps:

@@ -1,7 +1,7 @@
 """Step metrics: averaging over micro-batches, minibatches and ranks; JSONL, tensorboard and a progress bar.
 
-Keys ending in `_max` / `_min` are reduced with max / min, everything else is averaged. Only global rank 0
-writes. Timing keys (`time/*`, `tokens_per_s`) are the only ones that differ between identical runs.
+Keys ending in `_max` / `_min` are reduced with max / min, everything else is averaged, over the ranks of the
+group the trainer passes (its own ranks, never a rollout engine's). Only the trainer's rank 0 writes. Timing keys (`time/*`, `tokens_per_s`) are the only ones that differ between identical runs.
 """
 
 from __future__ import annotations
@@ -46,14 +46,15 @@ class MetricMean:
         return {k: (v / self._n[k] if _kind(k) == "mean" else v) for k, v in self._v.items()}
 
 
-def reduce_across_ranks(m: dict[str, float]) -> dict[str, float]:
-    """Average (or max/min) every key over the ranks that report it (a rank may lack a key, e.g. no mismatch)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def reduce_across_ranks(m: dict[str, float], group: dist.ProcessGroup | None) -> dict[str, float]:
+    """Average (or max/min) every key over the ranks of `group` that report it (a rank may lack a key, e.g. no
+    mismatch); m itself for group None (one process)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return dict(m)
-    all_keys: list = [None] * dist.get_world_size()
-    dist.all_gather_object(all_keys, sorted(m))
+    all_keys: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(all_keys, sorted(m), group=group)
     keys = sorted(set().union(*all_keys))
-    dev = comm_device()
+    dev = comm_device(group)
     out = {}
     for kind, op, fill in (("mean", dist.ReduceOp.SUM, 0.0), ("max", dist.ReduceOp.MAX, -math.inf),
                            ("min", dist.ReduceOp.MIN, math.inf)):
@@ -61,10 +62,10 @@ def reduce_across_ranks(m: dict[str, float]) -> dict[str, float]:
         if not ks:
             continue
         t = torch.tensor([m.get(k, fill) for k in ks], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=op, group=group)
         if kind == "mean":
             n = torch.tensor([float(k in m) for k in ks], dtype=torch.float64, device=dev)
-            dist.all_reduce(n)
+            dist.all_reduce(n, group=group)
             t /= n
         out.update(zip(ks, t.tolist()))
     return out

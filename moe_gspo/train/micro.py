@@ -1,12 +1,13 @@
 """How a batch of right-padded rows is cut into the forwards of one pass: rows, or packed token budgets.
 
     plan = RowMicroBatches(8).plan(lengths)             # [MicroBatch(rows=slice(0, 8)), ...]
-    plan = PackedMicroBatches(2048).plan(lengths)        # whole rows, at most 2048 tokens per forward, packed
+    plan = PackedMicroBatches(2048, group).plan(lengths)  # whole rows, at most 2048 tokens per forward, packed
     for mb in plan: policy(ids[mb.rows], lengths=mb.lengths, ...)   # mb.lengths is None for row micro-batches
 
 Micro-batches are consecutive rows (so the per-row state of a step, kept in row order, is sliced, never gathered).
-Packed plans are balanced over ranks: every rank runs the same number of forwards, because expert parallelism
-exchanges tokens between ranks inside every MoE layer of every forward. A rank with fewer forwards than another
+Packed plans are balanced over the ranks of `group` (the trainer's, moe_gspo.parallel.state.trainer_group; None
+for one process): every rank runs the same number of forwards, because expert parallelism exchanges tokens between
+ranks inside every MoE layer of every forward. A rank with fewer forwards than another
 splits its fullest micro-batches (every rank holds as many rows as the others, so it always can). Forward i
 is then padded to the largest token count any rank packs into its forward i (`pack_to`): megatron's all-gather
 token dispatcher gathers equal-sized blocks from the expert-parallel ranks.
@@ -47,10 +48,10 @@ class RowMicroBatches:
 
 class PackedMicroBatches:
     """Consecutive whole rows, at most `budget` tokens per forward, packed (no padding computed); the same number
-    of forwards on every rank (a collective when there are several)."""
+    of forwards on every rank of `group` (a collective over it when it has several)."""
 
-    def __init__(self, budget: int, field: str = "train.max_tokens_per_micro_batch"):
-        self.budget, self.field = budget, field
+    def __init__(self, budget: int, group=None, field: str = "train.max_tokens_per_micro_batch"):
+        self.budget, self.group, self.field = budget, group, field
 
     def plan(self, lengths: list[int]) -> list[MicroBatch]:
         lengths = [int(n) for n in lengths]
@@ -67,14 +68,14 @@ class PackedMicroBatches:
             total += n
         if lengths:
             bounds.append(len(lengths))
-        want = max_over_ranks(len(bounds) - 1)
+        want = max_over_ranks(len(bounds) - 1, self.group)
         while len(bounds) - 1 < want and _split_fullest(bounds, lengths):
             pass
         if len(bounds) - 1 < want:
             raise RuntimeError(f"packed micro-batches: this rank holds {len(lengths)} rows, fewer than the "
                                f"{want} forwards another rank runs; ranks must hold as many rows as each other")
         spans = list(zip(bounds[:-1], bounds[1:]))
-        sizes = max_over_ranks_each([sum(lengths[a:b]) for a, b in spans])
+        sizes = max_over_ranks_each([sum(lengths[a:b]) for a, b in spans], self.group)
         return [MicroBatch(slice(a, b), lengths[a:b], size) for (a, b), size in zip(spans, sizes)]
 
 
@@ -100,11 +101,12 @@ def _split_fullest(bounds: list[int], lengths: list[int]) -> bool:
     return True
 
 
-def micro_batches(train_cfg, logprob_pass: bool = False):
-    """The strategy train.max_tokens_per_micro_batch selects: packed token budgets, or row micro-batches of
-    train.micro_batch_size (train.logprob_micro_batch_size for the no-grad log-prob pass, when set)."""
+def micro_batches(train_cfg, group, logprob_pass: bool = False):
+    """The strategy train.max_tokens_per_micro_batch selects: packed token budgets balanced over `group` (the
+    trainer's; None for one process), or row micro-batches of train.micro_batch_size
+    (train.logprob_micro_batch_size for the no-grad log-prob pass, when set)."""
     if train_cfg.max_tokens_per_micro_batch:
-        return PackedMicroBatches(train_cfg.max_tokens_per_micro_batch)
+        return PackedMicroBatches(train_cfg.max_tokens_per_micro_batch, group)
     rows = train_cfg.micro_batch_size
     if logprob_pass and train_cfg.logprob_micro_batch_size:
         rows = train_cfg.logprob_micro_batch_size

@@ -44,7 +44,7 @@ from moe_gspo.losses import (PolicyLoss, RolloutCorrection, loss_denominator, ro
                              router_shift_weight)
 from moe_gspo.model.policy import MoEPolicy
 from moe_gspo.model.routing_capture import RoutingCapture
-from moe_gspo.parallel.state import comm_device, max_over_ranks
+from moe_gspo.parallel.state import comm_device, max_over_ranks, trainer_group
 from moe_gspo.rollout.batch import PaddedRollout, rollout_probs_diff
 from moe_gspo.routing import SCORE_DTYPES, ExpertFlipTracker, OldRouterScores, RoutingReplayCache
 from moe_gspo.train.logprob import batch_logprobs, hidden_loss
@@ -85,13 +85,18 @@ class StepContext:
         self.loss = a.policy_loss()
         self.correction = a.rollout_correction(self.loss)
         self.router_shift = self.loss.needs_router_shift or a.router_shift
-        self.update_batches = micro_batches(tc)
-        self.logprob_batches = micro_batches(tc, logprob_pass=True)
+        self.update_batches = micro_batches(tc, self.trainer_group)
+        self.logprob_batches = micro_batches(tc, self.trainer_group, logprob_pass=True)
         self.fused = tc.loss_impl == "fused"
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return None if self.groups is None else self.groups.dp
+
+    @property
+    def trainer_group(self) -> dist.ProcessGroup | None:
+        """Every rank that trains (moe_gspo.parallel.state.trainer_group); None for one process."""
+        return trainer_group(self.groups)
 
     @property
     def dp(self) -> int:
@@ -180,7 +185,7 @@ def pi_old_pass(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tensor) -
 
 def global_count(mask_BT: torch.Tensor, mode: str, ctx: StepContext) -> torch.Tensor:
     """loss_denominator summed over data-parallel ranks, divided by dp (DDP averages gradients)."""
-    d = loss_denominator(mask_BT, mode).double().to(comm_device())
+    d = loss_denominator(mask_BT, mode).double().to(comm_device(ctx.dp_group))
     if ctx.dp > 1:
         dist.all_reduce(d, group=ctx.dp_group)
     return d / ctx.dp
@@ -292,7 +297,7 @@ def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, sample_ids, idx:
     ids = pb.input_ids[idx]
     lengths = _lengths(pb.attention_mask[idx])
     # trim the padding the whole minibatch shares, to the same length on every rank (see max_over_ranks)
-    T = max_over_ranks(max(lengths))
+    T = max_over_ranks(max(lengths), ctx.trainer_group)
     ids, sids = ids[:, :T], sample_ids[idx]
     rows, corr_m = minibatch_rows(ctx, pb, old, adv_B, idx, T)
     response = pb.response_mask[idx][:, :T]

@@ -69,7 +69,7 @@ def run_update(policy, cfg, impl, noise, seed=0):
     ctx = StepContext(policy, RecordingOptim(policy), cfg,
                       RoutingReplayCache(cfg.algorithm.routing_replay, mc.num_hidden_layers, mc.num_experts_per_tok,
                                          mc.num_experts),
-                      ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts))
+                      ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts), policy.groups)
     pb, g = batch(cfg, seed=seed)
     sids = pb.sample_ids
     first = old_logprob_pass(ctx, pb, sids)

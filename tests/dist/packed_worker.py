@@ -70,7 +70,7 @@ def run(policy, cfg, pb, adv):
     replay = RoutingReplayCache(cfg.algorithm.routing_replay, mc.num_hidden_layers, mc.num_experts_per_tok,
                                 mc.num_experts)
     tracker = ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts)
-    ctx = StepContext(policy, SummedOptim(policy), cfg, replay, tracker)
+    ctx = StepContext(policy, SummedOptim(policy), cfg, replay, tracker, policy.groups)
     sids = pb.sample_ids
     if replay.mode == "r3":
         lengths = pb.attention_mask.sum(-1).tolist()

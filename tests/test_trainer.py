@@ -115,6 +115,12 @@ class _EmptyingEngine:
     def update_weights(self, policy):
         self.inner.update_weights(policy)
 
+    def param_fraction(self):
+        return self.inner.param_fraction()
+
+    def generate_parts(self, parts, n_per_prompt=1):
+        return [self.generate(prompts, n_per_prompt, sp) for prompts, sp in parts]
+
     def generate(self, prompts, n, sp):
         import dataclasses
 

@@ -10,7 +10,7 @@ What is checked, from the source (parsed, not imported, so no engine is loaded):
   of a base defined in moe_gspo (a class with a base from elsewhere, e.g. nn.Module, is given the benefit of the
   doubt for names it does not define); a list that follows, as in (`StepContext.update_batches`,
   `logprob_batches`), names attributes of the same class;
-- paths with a slash (`moe_gspo/train/step.py`, `configs/x.yaml`) and bare `*.py` file names.
+- paths with a slash (`moe_gspo/train/step.py`, `configs/qwen3_30b_a3b_ep8.yaml`) and bare `*.py` file names.
 Names rooted elsewhere (torch, megatron, vllm, a local variable) are not checked.
 """
 

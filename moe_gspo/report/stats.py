@@ -9,7 +9,11 @@
 The interval is the Student-t interval of a mean: mean +- t_{(1+level)/2, n-1} * s / sqrt(n), s the sample standard
 deviation (ddof=1). It assumes the n seed-level values are independent draws of a roughly normal quantity; with
 3-5 seeds it is wide, which is the honest answer at that budget. One seed gives no interval (lo = hi = None).
-Pure numpy; no I/O.
+Quantiles, p-values and power come from scipy.stats (t, ttest_1samp, fisher_exact, nct, binom); no I/O.
+
+    paired_power(0.1, sd=0.2, n=8, alpha=0.05 / 4)          # power of a paired t-test at a Bonferroni level
+    seeds_for_power(0.1, sd=0.2, alpha=0.05 / 4)            # the fewest seeds giving 80% power there
+    fisher_power(0.5, 0.1, n=8)                             # power of Fisher's test on collapse counts
 """
 
 from __future__ import annotations
@@ -19,45 +23,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-
-def t_two_sided_cdf(t: float, df: int) -> float:
-    """P(|T| <= t) for Student's t with integer df >= 1 (closed forms in theta = atan(t / sqrt(df)),
-    Abramowitz & Stegun 26.7.3-4: a finite series in cos(theta))."""
-    if df < 1:
-        raise ValueError(f"df={df} must be >= 1")
-    t = abs(float(t))
-    theta = math.atan(t / math.sqrt(df))
-    s, c2 = math.sin(theta), math.cos(theta) ** 2
-    if df % 2 == 0:  # sin(theta) * (1 + c2/2 + 1*3/(2*4) c2^2 + ... up to c2^((df-2)/2))
-        term, acc = 1.0, 1.0
-        for k in range(1, df // 2):
-            term *= c2 * (2 * k - 1) / (2 * k)
-            acc += term
-        return s * acc
-    # odd: 2/pi * (theta + sin(theta) cos(theta) (1 + 2/3 c2 + 2*4/(3*5) c2^2 + ... up to c2^((df-3)/2)))
-    if df == 1:
-        return 2.0 * theta / math.pi
-    term, acc = 1.0, 1.0
-    for k in range(1, (df - 1) // 2):
-        term *= c2 * (2 * k) / (2 * k + 1)
-        acc += term
-    return 2.0 / math.pi * (theta + s * math.sqrt(c2) * acc)
+from scipy import stats as st
 
 
 def t_critical(df: int, level: float = 0.95) -> float:
-    """The t such that P(|T| <= t) = level for Student's t with df degrees of freedom (bisection to 1e-12)."""
+    """The t such that P(|T| <= t) = level for Student's t with df degrees of freedom."""
     if not 0 < level < 1:
         raise ValueError(f"level={level} must be in (0, 1)")
-    lo, hi = 0.0, 1.0
-    while t_two_sided_cdf(hi, df) < level:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_two_sided_cdf(mid, df) < level else (lo, mid)
-        if hi - lo < 1e-12:
-            break
-    return (lo + hi) / 2
+    if df < 1:
+        raise ValueError(f"df={df} must be >= 1")
+    return float(st.t.ppf((1 + level) / 2, df))
 
 
 @dataclass(frozen=True)
@@ -93,26 +68,50 @@ def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:
 
 
 def fisher_exact(hits_a: int, n_a: int, hits_b: int, n_b: int) -> float:
-    """Two-sided p-value of Fisher's exact test on the 2x2 table [[hits_a, n_a - hits_a], [hits_b, n_b - hits_b]]
-    (e.g. collapsed runs out of seeds, two variants): the probability, under the hypergeometric law of the first
-    cell given both margins, of a table no more probable than the one observed."""
+    """Two-sided p-value of Fisher's exact test (scipy.stats.fisher_exact) on the 2x2 table
+    [[hits_a, n_a - hits_a], [hits_b, n_b - hits_b]] (e.g. collapsed runs out of seeds, two variants): the
+    probability, under the hypergeometric law of the first cell given both margins, of a table no more probable
+    than the one observed."""
     if not (0 <= hits_a <= n_a and 0 <= hits_b <= n_b) or n_a + n_b == 0:
         raise ValueError(f"fisher_exact: bad counts {hits_a}/{n_a}, {hits_b}/{n_b}")
-    hits, total = hits_a + hits_b, n_a + n_b
-    denom = math.comb(total, hits)
-    probs = {k: math.comb(n_a, k) * math.comb(n_b, hits - k) / denom
-             for k in range(max(0, hits - n_b), min(hits, n_a) + 1)}
-    observed = probs[hits_a]
-    return min(1.0, sum(p for p in probs.values() if p <= observed * (1 + 1e-9)))
+    return float(st.fisher_exact([[hits_a, n_a - hits_a], [hits_b, n_b - hits_b]]).pvalue)
 
 
 def paired_p(diffs: Sequence[float]) -> float | None:
-    """Two-sided p-value of the paired t-test that the mean of `diffs` is 0 (None below 2 values or no spread)."""
+    """Two-sided p-value of the paired t-test that the mean of `diffs` is 0 (scipy.stats.ttest_1samp on the
+    per-pair differences, which is ttest_rel on the pairs); None below 2 values or with no spread."""
     x = np.asarray(diffs, dtype=float)
     if len(x) < 2 or float(x.std(ddof=1)) == 0:
         return None
-    t = float(x.mean()) / (float(x.std(ddof=1)) / math.sqrt(len(x)))
-    return 1.0 - t_two_sided_cdf(t, len(x) - 1)
+    return float(st.ttest_1samp(x, 0.0).pvalue)
+
+
+def paired_power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
+    """Power of the two-sided paired t-test at level `alpha` with n pairs, when the true mean difference is
+    `effect` and the per-pair differences have standard deviation `sd`: P(|T| > t_{1-alpha/2, n-1}) with T
+    noncentral t (n - 1 degrees of freedom, noncentrality effect / sd * sqrt(n); scipy.stats.nct)."""
+    if n < 2 or sd <= 0:
+        raise ValueError(f"paired_power: n={n} must be >= 2 and sd={sd} > 0")
+    df, nc = n - 1, effect / sd * math.sqrt(n)
+    crit = st.t.ppf(1 - alpha / 2, df)
+    return float(st.nct.sf(crit, df, nc) + st.nct.cdf(-crit, df, nc))
+
+
+def seeds_for_power(effect: float, sd: float, alpha: float = 0.05, power: float = 0.8, most: int = 10_000) -> int:
+    """The fewest paired seeds whose paired_power(effect, sd, n, alpha) reaches `power`."""
+    for n in range(2, most + 1):
+        if paired_power(effect, sd, n, alpha) >= power:
+            return n
+    raise ValueError(f"seeds_for_power: more than {most} seeds for effect {effect} at sd {sd}, alpha {alpha}")
+
+
+def fisher_power(rate_a: float, rate_b: float, n: int, alpha: float = 0.05) -> float:
+    """Power of Fisher's two-sided exact test at level `alpha` comparing two counts out of n runs each (e.g.
+    collapses), when each run of arm a collapses with probability rate_a and of arm b with rate_b, independently:
+    the binomial probability of every pair of counts whose table has p < alpha (exact, (n + 1)^2 tables)."""
+    k = np.arange(n + 1)
+    pa, pb = st.binom.pmf(k, n, rate_a), st.binom.pmf(k, n, rate_b)
+    return float(sum(pa[i] * pb[j] for i in k for j in k if fisher_exact(int(i), n, int(j), n) < alpha))
 
 
 def band(rows: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:

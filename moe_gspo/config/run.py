@@ -116,6 +116,11 @@ class TrainConfig:
     DistributedOptimizer); no effect when dp = 1."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 disables)."""
+    router_lr_scale: float = 1.0
+    """Multiplies the RL learning rate (peak train.lr and train.min_lr, so the whole schedule) of the MoE router
+    (gate) weights only, through their own megatron optimizer param group; every other parameter keeps train.lr.
+    Raises or lowers routing volatility (how many experts flip per update) at a fixed step size for the rest of the
+    model. The cold start is not affected. Must be > 0; logged as `router_lr` when != 1."""
     minibatches: int = 4
     """Optimizer steps per rollout batch (the paper uses 4)."""
     micro_batch_size: int = 8
@@ -179,6 +184,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
         if self.adam_eps <= 0:
             raise ConfigError(f"train.adam_eps={self.adam_eps} must be > 0")
+        if not self.router_lr_scale > 0 or self.router_lr_scale == float("inf"):
+            raise ConfigError(f"train.router_lr_scale={self.router_lr_scale} must be a finite number > 0")
 
 
 @dataclass

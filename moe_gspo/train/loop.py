@@ -238,7 +238,8 @@ class Run:
 
     def log(self, step: int, m: dict[str, float], tokens: int) -> dict[str, float]:
         times = self.timer.pop()
-        m = {**m, "lr": self.ctx.optim.lr, **times}
+        router_lr = self.ctx.optim.router_lr  # None unless train.router_lr_scale != 1
+        m = {**m, "lr": self.ctx.optim.lr, **({"router_lr": router_lr} if router_lr is not None else {}), **times}
         m = reduce_across_ranks(m, self.ctx.trainer_group)
         tokens_all = tokens * self.layout.dp
         m["perf/tokens_per_s"] = tokens_all / max(m["time/step"], 1e-9)

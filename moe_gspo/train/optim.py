@@ -14,6 +14,10 @@ parameters as they are when it is built.
   DistributedOptimizer, which shards them and the Adam state over data-parallel ranks when dp > 1 and
   `train.distributed_optimizer`). Gradient clipping is megatron's: one global L2 norm over dense and expert
   parameters that counts TP-replicated weights once and sums TP and EP shards.
+- `train.router_lr_scale` s != 1: the router (gate) weights form their own megatron param group (a `ParamKey` on
+  their names, added to megatron's standard weight-decay overrides) whose peak and final rates are s * train.lr and
+  s * train.min_lr; the scheduler's warmup and decay then move that group's rate in proportion, so at every step the
+  router's rate is s times everyone else's. The cold start's optimizer (`lr` given) uses one rate for all.
 - `OptimizerParamScheduler`: linear warmup over `train.lr_warmup_steps` optimizer steps, then 'constant', 'linear'
   or 'cosine' decay to `train.min_lr` at `total_steps`.
 """
@@ -28,11 +32,16 @@ from megatron.core.optimizer import (
     DistributedOptimizer,
     Float16OptimizerWithFloat16Params,
     OptimizerConfig,
+    ParamKey,
     get_megatron_optimizer,
+    get_standard_config_overrides,
 )
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, ParamGroupOverride
 
 from moe_gspo.parallel import cpu_compat
+
+# megatron's TopKRouter parameters (the gate weight) in the DDP-wrapped GPTModel's parameter names
+ROUTER_PARAMS = "*.mlp.router.*"
 
 
 def wrap_ddp(policy, distributed: bool = True) -> DistributedDataParallel:
@@ -63,7 +72,7 @@ class Optimizer:
 
     def __init__(self, ddp: DistributedDataParallel, policy, lr: float, *, weight_decay: float = 0.0, grad_clip: float = 1.0,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, warmup_steps: int = 0,
-                 decay: str = "constant", min_lr: float = 0.0, total_steps: int = 1):
+                 decay: str = "constant", min_lr: float = 0.0, total_steps: int = 1, router_lr_scale: float = 1.0):
         cpu_compat.apply()
         self.ddp, self.policy = ddp, policy
         self.groups = policy.groups
@@ -78,7 +87,8 @@ class Optimizer:
             # megatron's global groups (the same groups as self.groups): given a pg_collection, megatron builds no
             # gloo copies, and the DistributedOptimizer's fully reshardable checkpoint gathers its state over the
             # gloo data-parallel group (it asserts one exists), so dp > 1 checkpoints would fail to save.
-            self.optimizer = get_megatron_optimizer(self.config, [self.ddp])
+            self.optimizer = get_megatron_optimizer(self.config, [self.ddp],
+                                                    config_overrides=router_overrides(self.config, router_lr_scale))
         self.use_fused_adam()
         total_steps = max(int(total_steps), warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
@@ -95,7 +105,7 @@ class Optimizer:
         if lr is not None:
             return cls(ddp, policy, lr, **common)
         return cls(ddp, policy, tc.lr, warmup_steps=tc.lr_warmup_steps, decay=tc.lr_decay, min_lr=tc.min_lr,
-                   **common)
+                   router_lr_scale=tc.router_lr_scale, **common)
 
     def use_fused_adam(self) -> None:
         """Step torch's Adam with its fused kernel where megatron falls back to torch's Adam on CPU parameters
@@ -117,6 +127,13 @@ class Optimizer:
     def lr(self) -> float:
         """The learning rate the next step uses."""
         return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def router_lr(self) -> float | None:
+        """The router's learning rate for the next step when it has a group of its own (router_lr_scale != 1): the
+        one group whose peak rate is overridden. None otherwise."""
+        own = [g["lr"] for g in self.optimizer.param_groups if not g["default_config"]]
+        return float(own[0]) if own else None
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
@@ -206,6 +223,18 @@ class Optimizer:
 
 
 ADAM_KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def router_overrides(config: OptimizerConfig, scale: float) -> dict[ParamKey, ParamGroupOverride] | None:
+    """megatron's param-group overrides giving the router weights `scale` times the rate of everything else
+    (megatron's standard ones, no weight decay on biases and 1-D parameters, kept); None (megatron's defaults)
+    at scale 1, so that the param groups are exactly those of a run without the knob."""
+    if scale == 1.0:
+        return None
+    overrides = get_standard_config_overrides(config)
+    overrides[ParamKey(name=ROUTER_PARAMS)] = ParamGroupOverride(max_lr=config.lr * scale,
+                                                                 min_lr=config.min_lr * scale)
+    return overrides
 
 
 def mark_tp_replicated_experts(policy) -> list[torch.nn.Parameter]:

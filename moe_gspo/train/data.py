@@ -74,9 +74,15 @@ def check_layout(cfg: Config, dp: int) -> Layout:
 
 
 def world_size() -> int:
-    """torchrun's WORLD_SIZE (1 outside torchrun), before torch.distributed is initialized."""
+    """The trainer's world: the default group's size once torch.distributed is initialized (a job split into
+    trainer and engine ranks initializes it on the trainer ranks alone), before that torchrun's WORLD_SIZE (1
+    outside torchrun)."""
     import os
 
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 

@@ -44,12 +44,24 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
 
     A run directory that holds a previous run (metrics or checkpoints) is continued with resume=True (from its
     newest complete checkpoint), replaced with overwrite=True, and otherwise refused."""
-    run = Run.setup(cfg, run_dir, task, engine, init_state, resume, label, overwrite)
+    roles = None
+    if cfg.rollout.placement == "separate":  # the job's last rollout.engine_ranks ranks only sample
+        from moe_gspo.rollout.bridge import split_job
+        from moe_gspo.train.separate import serve
+
+        if engine is not None or init_state is not None:
+            raise ConfigError("rollout.placement=separate builds its engines on their own ranks from the trainer's "
+                              "weights: it takes no engine or init_state from the caller")
+        roles = split_job(cfg.rollout)
+        if roles.is_engine:
+            serve(cfg, roles)
+            return {}
+    run = Run.setup(cfg, run_dir, task, engine, init_state, resume, label, overwrite, roles)
     m: dict[str, float] = {}
     for step in range(run.start, cfg.train.steps):
         t = run.timer
         with t("step"):
-            with t("rollout"):
+            with t("rollout"):  # separate placement: waiting for the batch the engine ranks sampled
                 batch, examples, texts = run.rollout(step)  # prompts x G responses, engine log-probs + routing
                 adv, valid, reward_m = run.score(batch, examples, texts, step)  # rewards -> group advantages
                 pb, sids = run.pad(batch, valid)  # (B, T) training tensors on the policy's device
@@ -61,7 +73,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
                 train_m = MetricMean()
                 for idx in run.minibatches(step):  # one optimizer step per minibatch
                     train_m.add(update_minibatch(run.ctx, pb, old, adv, sids, idx))
-            with t("sync"):
+            with t("sync"):  # separate placement: the push of the next version, when a later batch needs it
                 run.engine.update_weights(run.policy)
                 run.replay.clear()
         m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics(), **run.engine_metrics()},
@@ -93,11 +105,12 @@ class Run:
     progress: Progress
     ckpts: Checkpoints
     timer: StepTimer
-    placement: EnginePlacement
+    placement: EnginePlacement | None  # None with rollout.placement=separate (engine is an EngineClient)
     start: int = 0
+    async_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last received batch's
 
     @classmethod
-    def setup(cls, cfg, run_dir, task, engine, init_state, resume, label, overwrite=False) -> Run:
+    def setup(cls, cfg, run_dir, task, engine, init_state, resume, label, overwrite=False, roles=None) -> Run:
         from moe_gspo.model.load import init_parallel, load_policy
         from moe_gspo.parallel.state import parallel_info, validate_sizes
         from moe_gspo.train.optim import Optimizer, wrap_ddp
@@ -109,7 +122,7 @@ class Run:
         validate_sizes(cfg.parallel, data.world_size(), cfg.model.num_experts, cfg.model.num_key_value_heads,
                        None if cfg.model.init_from else cfg.model.vocab_size)
         data.check_layout(cfg, data.world_size() // cfg.parallel.tp)
-        if data.world_size() % cfg.rollout.engine_tp:
+        if roles is None and data.world_size() % cfg.rollout.engine_tp:
             raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} does not divide the world size "
                               f"{data.world_size()}")
         task = task or task_from_config(cfg.rollout)
@@ -147,11 +160,18 @@ class Run:
         if start:
             ckpts.load(start, ctx)
             _say(info, f"resumed from {ckpts.root / ckpts.name(start)}")
-        if engine is None:
+        placement = None
+        if roles is not None:  # the engines live on their own ranks: build them from this version
+            from moe_gspo.train.separate import EngineClient
+
+            engine = EngineClient(roles, cfg, info.dp_rank, info.dp, start)
+            engine.begin(policy)
+        elif engine is None:
             engine = engine_from_config(cfg.rollout, policy, tokenizer=tok)  # holds the current weights
         else:
             engine.update_weights(policy)
-        placement = EnginePlacement.build(cfg.rollout.engine_tp, info.dp_rank, groups.tp)
+        if roles is None:
+            placement = EnginePlacement.build(cfg.rollout.engine_tp, info.dp_rank, groups.tp)
         logc = cfg.logging
         writer = MetricsWriter(run_dir, logc.jsonl, logc.tensorboard, active=info.rank == 0)
         writer.truncate_after(start)  # a fresh run (start 0) replaces old metrics; a resumed one rewrites after start
@@ -161,22 +181,18 @@ class Run:
 
     # ---------------------------------------------------------------- the steps of the loop
     def prompts(self, step: int, dp_rank: int):
-        """(examples, prompt ids, SamplingParams) of data-parallel rank dp_rank at this step: a function of the
-        seed, the step and dp_rank only, so any rank can build the prompts its engine replica samples."""
-        cfg = self.cfg
-        examples = data.step_examples(self.task, cfg.train.seed, step, dp_rank, self.layout.prompts_local)
-        prompts = data.encode_prompts(examples, self.tok, cfg.rollout.max_new_tokens,
-                                      cfg.model.max_position_embeddings)
-        sp = SamplingParams.from_config(cfg.rollout, seed=data.hash_seed(cfg.train.seed, step, dp_rank, 1) % 2**31)
-        sp.return_routing = sp.return_routing or cfg.algorithm.routing_replay == "r3"
-        return examples, prompts, sp
+        """step_prompts of this run."""
+        return step_prompts(self.cfg, self.task, self.tok, self.layout, step, dp_rank)
 
     def rollout(self, step: int):
         cfg = self.cfg
         examples = self.prompts(step, self.info.dp_rank)[0]
-        parts = {d: self.prompts(step, d)[1:] for d in self.placement.serves}
-        # sampled once per engine replica and delivered to the ranks that train on it (moe_gspo.rollout.placement)
-        batch = self.placement.generate(self.engine, parts, cfg.rollout.group_size, self.info.dp_rank)
+        if self.placement is None:  # sampled on an engine rank (moe_gspo.train.separate)
+            batch, self.async_metrics = self.engine.receive(step)
+        else:
+            parts = {d: self.prompts(step, d)[1:] for d in self.placement.serves}
+            # sampled once per engine replica and delivered to the ranks that train on it (rollout.placement)
+            batch = self.placement.generate(self.engine, parts, cfg.rollout.group_size, self.info.dp_rank)
         # sample ids from the step, not the engine's counter, so that a resumed run names samples identically
         n = len(batch)
         batch = dataclasses.replace(batch, sample_ids=torch.arange(step * n, (step + 1) * n))
@@ -227,7 +243,8 @@ class Run:
 
     def engine_metrics(self) -> dict[str, float]:
         """The engine's tensor-parallel size and the share of the model's parameters this rank's engine keeps."""
-        return {"engine/tp": float(self.cfg.rollout.engine_tp), "engine/param_fraction": self.engine.param_fraction()}
+        return {"engine/tp": float(self.cfg.rollout.engine_tp), "engine/param_fraction": self.engine.param_fraction(),
+                **self.async_metrics}
 
     def flip_metrics(self) -> dict[str, float]:
         if self.tracker is None:
@@ -261,6 +278,18 @@ class Run:
         self.progress.close()
         self.writer.close()
         release_ddp(self.ctx.optim.ddp)
+        if self.placement is None:
+            self.engine.close()  # meets the engine ranks a last time
+
+
+def step_prompts(cfg: Config, task: Task, tok, layout: data.Layout, step: int, dp_rank: int):
+    """(examples, prompt ids, SamplingParams) of data-parallel rank dp_rank at this step: a function of the seed,
+    the step and dp_rank only, so any rank (an engine replica, an engine rank) can build the prompts it samples."""
+    examples = data.step_examples(task, cfg.train.seed, step, dp_rank, layout.prompts_local)
+    prompts = data.encode_prompts(examples, tok, cfg.rollout.max_new_tokens, cfg.model.max_position_embeddings)
+    sp = SamplingParams.from_config(cfg.rollout, seed=data.hash_seed(cfg.train.seed, step, dp_rank, 1) % 2**31)
+    sp.return_routing = sp.return_routing or cfg.algorithm.routing_replay == "r3"
+    return examples, prompts, sp
 
 
 def _check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:

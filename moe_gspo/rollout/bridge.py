@@ -1,0 +1,276 @@
+"""Trainer ranks and engine ranks in one torchrun job (rollout.placement=separate): the split of the job, and what
+moves between the two sides.
+
+    roles = split_job(cfg.rollout)                  # before anything else touches torch.distributed
+    # trainer ranks: the default group is the trainer's world (megatron's groups live inside it)
+    # engine ranks: the default group is the engines' world (what vLLM's external_launcher would use)
+    WeightPush(roles, mc, dtype, bucket_bytes).push(policy, version)         # trainer ranks, all of them
+    RemotePolicy(roles, mc, dtype, bucket_bytes).stream_hf()                # engine ranks: what an engine loads
+    BatchLink(roles).send(msg, trainer_rank, step) / .recv(engine_rank, step)
+
+The job's last `rollout.engine_ranks` ranks host engines; the others train. Every rank opens a client of the job's
+TCP store (torchrun's) and initializes torch.distributed on a prefix of it holding its own side only, so that no
+trainer collective can wait on an engine rank, and the reverse. Two gloo groups span the sides:
+- `data`: every rank of the job; carries the start-up handshake and the sampled batches (engine -> trainer,
+  point to point, sent without waiting so that the engine goes on generating);
+- `weights`: trainer rank 0 and the engine ranks; carries each new policy version, broadcast from trainer rank 0
+  in flat buckets of the engine's dtype, in the order of the HF checkpoint's tensors (both sides derive the bucket
+  plan from the model config; a version number leads every push, checked on receipt).
+Every operation on them waits at most rollout.bridge_timeout_s; a peer that dies or stalls ends the job with one
+line naming this rank, the peer and what was waited for (BridgeError).
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moe_gspo.config import ConfigError, UserError
+
+
+class BridgeError(UserError):
+    """An operation between trainer and engine ranks failed or timed out: a peer died, or stalled for longer than
+    rollout.bridge_timeout_s."""
+
+
+@dataclass
+class Roles:
+    """This rank's side of a job split into trainer and engine ranks."""
+
+    rank: int  # in the job
+    world: int  # the job's size
+    trainers: list[int]  # job ranks that train (0 .. T-1)
+    engines: list[int]  # job ranks that host engines (T .. world-1)
+    data: object = field(repr=False)  # ProcessGroupGloo over the whole job
+    weights: object | None = field(repr=False)  # ProcessGroupGloo of trainer rank 0 and the engine ranks
+    timeout_s: float = 600.0
+
+    @property
+    def is_engine(self) -> bool:
+        return self.rank >= len(self.trainers)
+
+    @property
+    def engine_index(self) -> int:
+        return self.rank - len(self.trainers)
+
+    def close(self) -> None:
+        """Meet every rank of the job once more (nothing of either side is still in flight), then drop the
+        bridge groups."""
+        wait(self.data.barrier(), "the end of the job", "every rank", self)
+        self.data = self.weights = None
+
+
+def split_job(rc) -> Roles:
+    """Initialize torch.distributed on this rank's side of a torchrun job and open the bridge groups (every rank of
+    the job calls it once, before anything else uses torch.distributed)."""
+    if not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ):
+        raise ConfigError("rollout.placement=separate needs a torchrun job (ranks for the trainer and "
+                          f"rollout.engine_ranks={rc.engine_ranks} for the engines): launch with torchrun or "
+                          "scripts/launch.sh")
+    if dist.is_initialized():
+        raise ConfigError("rollout.placement=separate splits the torchrun job itself: torch.distributed is already "
+                          "initialized in this process (launch with torchrun / scripts/launch.sh)")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    n = rc.engine_ranks
+    if n >= world:
+        raise ConfigError(f"rollout.engine_ranks={n} leaves no trainer rank in a job of {world} ranks")
+    timeout = datetime.timedelta(seconds=rc.bridge_timeout_s)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    # a restarted attempt (torchrun --max-restarts) finds the dead attempt's keys under another prefix
+    store = dist.PrefixStore(f"moe_gspo/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    trainers, engines = list(range(world - n)), list(range(world - n, world))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    side, side_rank, side_size = (("engine", rank - len(trainers), n) if rank in engines
+                                  else ("trainer", rank, len(trainers)))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, store=dist.PrefixStore(side, store), rank=side_rank, world_size=side_size,
+                            timeout=datetime.timedelta(minutes=10))
+    data = dist.ProcessGroupGloo(dist.PrefixStore("bridge_data", store), rank, world, timeout)
+    weights = None
+    members = [0, *engines]
+    if rank in members:
+        weights = dist.ProcessGroupGloo(dist.PrefixStore("bridge_weights", store), members.index(rank),
+                                        len(members), timeout)
+    return Roles(rank, world, trainers, engines, data, weights, rc.bridge_timeout_s)
+
+
+def wait(work, what: str, peer: str, roles: Roles) -> None:
+    """Wait for one bridge operation; a dead or stalled peer becomes a BridgeError naming both ranks."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BridgeError(f"{what} with {peer} failed after at most rollout.bridge_timeout_s={roles.timeout_s:g} s "
+                          f"(a rank died or stalled): {cause[:300]}") from None
+
+
+# ------------------------------------------------------------------------------------------------- handshake
+def exchange(roles: Roles, values: list[int]) -> list[list[int]]:
+    """Every rank's `values` (same length everywhere), gathered on every rank of the job."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    out = [[torch.empty_like(mine) for _ in range(roles.world)]]
+    wait(roles.data.allgather(out, [mine]), "the start-up handshake", "every rank", roles)
+    return [t.tolist() for t in out[0]]
+
+
+# ------------------------------------------------------------------------------------------------- batches
+class BatchLink:
+    """Sampled batches from engine ranks to trainer ranks over the data group: a length, then the bytes of
+    torch.save of a dict of tensors, lists, strings and numbers, read back with torch.load(weights_only=True)."""
+
+    def __init__(self, roles: Roles):
+        self.roles = roles
+        self.pending: list[tuple[object, torch.Tensor, torch.Tensor, int]] = []  # (work, buffers kept, dst)
+
+    def send(self, msg: dict, dst: int, step: int) -> None:
+        """Post msg to job rank dst without waiting for it (the buffers are kept until flush())."""
+        buf = io.BytesIO()
+        torch.save(msg, buf)
+        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        for t, tag in ((size, 2 * step), (payload, 2 * step + 1)):
+            self.pending.append((self.roles.data.send([t], dst, tag), size, payload, dst))
+
+    def flush(self) -> None:
+        """Wait until every posted batch has been received."""
+        for work, _, _, dst in self.pending:
+            wait(work, "a batch sent", f"trainer rank {dst}", self.roles)
+        self.pending.clear()
+
+    def recv(self, src: int, step: int) -> dict:
+        size = torch.zeros(1, dtype=torch.int64)
+        wait(self.roles.data.recv([size], src, 2 * step), f"the batch of step {step}", f"engine rank {src}",
+             self.roles)
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        wait(self.roles.data.recv([payload], src, 2 * step + 1), f"the batch of step {step}",
+             f"engine rank {src}", self.roles)
+        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+
+
+# ------------------------------------------------------------------------------------------------- weights
+def bucket_plan(shapes: dict[str, tuple[int, ...]], bucket_bytes: int, itemsize: int) -> list[list[str]]:
+    """Consecutive HF keys in buckets of at most bucket_bytes (a larger tensor alone in its own)."""
+    plan: list[list[str]] = []
+    size = 0
+    for key, shape in shapes.items():
+        nbytes = itemsize * _numel(shape)
+        if not plan or size + nbytes > bucket_bytes:
+            plan.append([])
+            size = 0
+        plan[-1].append(key)
+        size += nbytes
+    return plan
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+class WeightPush:
+    """Trainer side: every trainer rank reads the policy's HF-named state (a TP/EP policy gathers on reading, a
+    collective of the trainer's groups); trainer rank 0 broadcasts it to the engine ranks bucket by bucket."""
+
+    def __init__(self, roles: Roles, mc, dtype: torch.dtype, bucket_bytes: int):
+        from moe_gspo.model.hf_shards import hf_shapes
+
+        self.roles, self.dtype = roles, dtype
+        self.shapes = hf_shapes(mc)
+        self.plan = bucket_plan(self.shapes, bucket_bytes, torch.empty((), dtype=dtype).element_size())
+        self.seconds = 0.0  # the last push, waiting included
+        self.wait_s = 0.0  # the part of it spent waiting for the engine ranks to take it (they were generating)
+        self.bytes = 0
+
+    def push(self, policy, version: int) -> None:
+        t0 = time.perf_counter()
+        root = self.roles.weights is not None
+        if root:
+            wait(self.roles.weights.broadcast(torch.tensor([version], dtype=torch.int64), 0),
+                 f"the push of policy version {version}", "the engine ranks", self.roles)
+        self.wait_s = time.perf_counter() - t0
+        _, state = policy.stream_hf()
+        sent = 0
+        for keys in self.plan:
+            parts = []
+            for k in keys:
+                t = state[k]
+                if tuple(t.shape) != tuple(self.shapes[k]):
+                    raise ValueError(f"{k}: exported shape {tuple(t.shape)} != {self.shapes[k]}")
+                parts.append(t.detach().reshape(-1).to("cpu", self.dtype))
+            if root:
+                flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+                wait(self.roles.weights.broadcast(flat, 0), f"the push of policy version {version}",
+                     "the engine ranks", self.roles)
+                sent += flat.numel() * flat.element_size()
+        self.seconds, self.bytes = time.perf_counter() - t0, sent
+
+
+class ReceivedState(Mapping):
+    """Engine side: one pushed policy version as an HF-named state, received bucket by bucket as its keys are read
+    (once each, in order: what the engines' weight loaders do)."""
+
+    def __init__(self, roles: Roles, shapes: dict[str, tuple[int, ...]], plan: list[list[str]], dtype):
+        self.roles, self.shapes, self.plan, self.dtype = roles, shapes, plan, dtype
+        self._next = 0
+        self._views: dict[str, torch.Tensor] = {}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._views:
+            if self._next >= len(self.plan) or key != self.plan[self._next][0]:
+                raise KeyError(f"{key}: a pushed state is read once, in the order of its buckets")
+            keys = self.plan[self._next]
+            self._next += 1
+            flat = torch.empty(sum(_numel(self.shapes[k]) for k in keys), dtype=self.dtype)
+            wait(self.roles.weights.broadcast(flat, 0), "a policy version", "trainer rank 0", self.roles)
+            self._views = dict(zip(keys, (p.view(self.shapes[k]) for p, k in
+                                          zip(flat.split([_numel(self.shapes[k]) for k in keys]), keys))))
+        return self._views.pop(key)
+
+
+class RemotePolicy:
+    """What an engine on an engine rank builds from and updates from: the policy's config and, at each
+    stream_hf(), the next version pushed by trainer rank 0 (checked against the version expected)."""
+
+    def __init__(self, roles: Roles, mc, dtype: torch.dtype, bucket_bytes: int, version: int):
+        from moe_gspo.model.hf_shards import hf_shapes
+
+        self.roles, self.model_config, self.dtype = roles, mc, dtype
+        self.device = torch.device("cpu")
+        self.shapes = hf_shapes(mc)
+        self.plan = bucket_plan(self.shapes, bucket_bytes, torch.empty((), dtype=dtype).element_size())
+        self.version = version  # the version the next stream_hf() receives
+        self.last_wait_s = 0.0  # how long the last stream_hf() waited for trainer rank 0 to begin the push
+
+    def stream_hf(self) -> tuple[dict, Mapping[str, torch.Tensor]]:
+        from moe_gspo.model.hf_io import hf_config_dict
+
+        t0 = time.perf_counter()
+        got = torch.zeros(1, dtype=torch.int64)
+        wait(self.roles.weights.broadcast(got, 0), f"policy version {self.version}", "trainer rank 0", self.roles)
+        self.last_wait_s = time.perf_counter() - t0
+        if int(got) != self.version:
+            raise RuntimeError(f"engine rank {self.roles.rank}: received policy version {int(got)}, expected "
+                               f"{self.version} (the push schedules of trainer and engine disagree)")
+        self.version += 1
+        return hf_config_dict(self.model_config), ReceivedState(self.roles, self.shapes, self.plan, self.dtype)
+
+    def export_hf(self):
+        return self.stream_hf()

@@ -15,13 +15,17 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
-from make import GOLDENS, golden_run, path  # noqa: E402
+from make import GOLDENS, environment, golden_run, path  # noqa: E402
 
 REL, ABS = 1e-5, 1e-7  # far above run-to-run rounding on one machine (0), far below any change to the math
 
 
 @pytest.mark.parametrize("name", list(GOLDENS))
 def test_the_tiny_run_follows_the_golden_curve(name):
+    if not path(name).exists():  # the curves are the CPU's own (tests/golden/make.py: environment)
+        known = sorted({p.name.split(".")[1] for p in path(name).parent.glob("train_tiny_*.json")})
+        pytest.skip(f"no golden curve for this CPU ({environment()}; stored: {', '.join(known)}): "
+                    f"python tests/golden/make.py writes them")
     stored = json.loads(path(name).read_text())["steps"]
     rows = golden_run(name)
     assert len(rows) == len(stored)

@@ -149,3 +149,14 @@ def handle_bad_rewards(rewards: torch.Tensor, errors: list, examples: list[Examp
                         f"batch. Set rollout.bad_reward=skip to drop such samples instead.")
     return valid
 
+
+def step_prompts(cfg: Config, task: Task, tok, layout: Layout, step: int, dp_rank: int):
+    """(examples, prompt ids, SamplingParams) of data-parallel rank dp_rank at this step: a function of the seed,
+    the step and dp_rank only, so any rank (an engine replica, an engine rank) can build the prompts it samples."""
+    from moe_gspo.rollout import SamplingParams
+
+    examples = step_examples(task, cfg.train.seed, step, dp_rank, layout.prompts_local)
+    prompts = encode_prompts(examples, tok, cfg.rollout.max_new_tokens, cfg.model.max_position_embeddings)
+    sp = SamplingParams.from_config(cfg.rollout, seed=hash_seed(cfg.train.seed, step, dp_rank, 1) % 2**31)
+    sp.return_routing = sp.return_routing or cfg.algorithm.routing_replay == "r3"
+    return examples, prompts, sp

@@ -26,7 +26,7 @@ from moe_gspo.config import Config, ConfigError, to_dict
 from moe_gspo.losses import get_advantage_estimator
 from moe_gspo.model.policy import MoEPolicy
 from moe_gspo.parallel.state import ParallelInfo, max_over_ranks
-from moe_gspo.rollout import RolloutEngine, SamplingParams, engine_from_config
+from moe_gspo.rollout import RolloutEngine, engine_from_config
 from moe_gspo.rollout.placement import EnginePlacement
 from moe_gspo.rewards import score_responses
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
@@ -181,8 +181,8 @@ class Run:
 
     # ---------------------------------------------------------------- the steps of the loop
     def prompts(self, step: int, dp_rank: int):
-        """step_prompts of this run."""
-        return step_prompts(self.cfg, self.task, self.tok, self.layout, step, dp_rank)
+        """data.step_prompts of this run."""
+        return data.step_prompts(self.cfg, self.task, self.tok, self.layout, step, dp_rank)
 
     def rollout(self, step: int):
         cfg = self.cfg
@@ -280,16 +280,6 @@ class Run:
         release_ddp(self.ctx.optim.ddp)
         if self.placement is None:
             self.engine.close()  # meets the engine ranks a last time
-
-
-def step_prompts(cfg: Config, task: Task, tok, layout: data.Layout, step: int, dp_rank: int):
-    """(examples, prompt ids, SamplingParams) of data-parallel rank dp_rank at this step: a function of the seed,
-    the step and dp_rank only, so any rank (an engine replica, an engine rank) can build the prompts it samples."""
-    examples = data.step_examples(task, cfg.train.seed, step, dp_rank, layout.prompts_local)
-    prompts = data.encode_prompts(examples, tok, cfg.rollout.max_new_tokens, cfg.model.max_position_embeddings)
-    sp = SamplingParams.from_config(cfg.rollout, seed=data.hash_seed(cfg.train.seed, step, dp_rank, 1) % 2**31)
-    sp.return_routing = sp.return_routing or cfg.algorithm.routing_replay == "r3"
-    return examples, prompts, sp
 
 
 def _check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:

@@ -115,7 +115,6 @@ def serve(cfg: Config, roles: Roles) -> None:
     from moe_gspo.rollout import engine_from_config
     from moe_gspo.tasks import task_from_config
     from moe_gspo.train import data
-    from moe_gspo.train.loop import step_prompts
 
     rows = exchange(roles, [-1, -1, -1])
     trainer_rows = [rows[r] for r in roles.trainers]
@@ -146,7 +145,7 @@ def serve(cfg: Config, roles: Roles) -> None:
                 wait_s += remote.last_wait_s
                 version += 1
             t1 = time.perf_counter()
-            parts = [step_prompts(cfg, task, tok, layout, step, d)[1:] for d in serves]
+            parts = [data.step_prompts(cfg, task, tok, layout, step, d)[1:] for d in serves]
             batches = engine.generate_parts(parts, G)
             gen_s = time.perf_counter() - t1
             for d, b in zip(serves, batches):

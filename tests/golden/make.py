@@ -13,7 +13,9 @@ Each golden is configs/train_tiny_cpu.yaml with the shared OVERRIDES and its own
     gspo_bypass_rs  GSPO with the bf16 engine's log-probs as pi_old (bypass) and rejection by seq_mean_k1, which
                   compares the engine's log-probs with the current policy's inside the loss
 
-Refresh only on purpose (a change meant to alter training), and say why in the commit message.
+The curves are specific to the CPU that computed them (environment()): each is stored per environment as
+train_tiny_<name>.<vendor>-<vector width>.json, and this script writes the current machine's. Refresh only on
+purpose (a change meant to alter training), on every environment stored, and say why in the commit message.
 """
 
 from __future__ import annotations
@@ -39,8 +41,19 @@ GOLDENS: dict[str, list[str]] = {
 SKIP_PREFIXES = ("time/", "perf/")
 
 
-def path(name: str) -> Path:
-    return HERE / f"train_tiny_{name}.json"
+def environment() -> str:
+    """The CPU the curves were computed on, as far as it changes them: the vendor's and the vector width's kernels
+    (oneDNN and MKL take other code paths on them, and sampling amplifies the round-off within a step or two)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    vendor = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("vendor_id")),
+                  "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    width = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+    return f"{vendor}-{width}"
+
+
+def path(name: str, env: str | None = None) -> Path:
+    return HERE / f"train_tiny_{name}.{env or environment()}.json"
 
 
 def golden_run(name: str = "gspo") -> list[dict[str, float]]:
@@ -61,4 +74,4 @@ if __name__ == "__main__":
         path(name).write_text(json.dumps({"config": str(CONFIG.relative_to(ROOT)),
                                           "overrides": [*OVERRIDES, *GOLDENS[name]], "steps": rows},
                                          indent=1, sort_keys=True) + "\n")
-        print(f"wrote {path(name)}: {len(rows)} steps")
+        print(f"wrote {path(name)}: {len(rows)} steps ({environment()})")

@@ -9,6 +9,9 @@
     python scripts/study_summary.py export runs/study_vllm docs/results/vllm/runs
     python scripts/study_summary.py precision --bf16 runs/granularity --fp16 runs/precision_fp16 \
         --bf16-r3 runs/precision_bf16_r3 [--steps 6]
+    python scripts/study_summary.py load runs/study_router_volatility
+    python scripts/study_summary.py power --effect 0.15 --m 3 [--collapse 0.5 0.1] [--sd 0.2] \
+        docs/results/regime/runs docs/results/vllm/runs
 
 volatility: a volatility study's table (one row per point of its depth, lr and minibatch sweeps), as the study's
 own study_table.csv computes it, from study.json and the runs' metrics.
@@ -31,8 +34,17 @@ largest), the entropy of the last steps and collapses; the flip rate per layer; 
 cold start's strength) and the final reward. --json writes the per-seed values.
 export: a compare directory's (or a volatility study's) raw data for the repository: compare.json (study.json)
 and, per run, metrics.jsonl cut to the keys the summaries read (reward, accuracy, the routing and engine metrics
-with the per-layer flip rates, clip fraction, largest ratio, entropy, lengths), enough for `paired`, `regime`,
-`granularity` and `precision` to give the same tables from DEST.
+with the per-layer flip rates and expert load, clip fraction, largest ratio, entropy, lengths, the router's rate),
+enough for `paired`, `regime`, `load`, `granularity` and `precision` to give the same tables from DEST.
+power: the pre-registration's power calculation. The noise it plans with is measured on the committed compare
+directories given: per directory, the standard deviation over seeds of each variant's final reward minus the
+baseline's, paired by seed, and their root mean square over all those contrasts (the planning SD, unless --sd gives
+one); beside it the run-to-run floor, the SD of gspo_token minus gspo (identical first steps) where both ran. Then,
+for a true mean difference --effect in final reward, the paired t-test's power at the Bonferroni level 0.05/m for 8,
+16, 24 and 32 seeds and the fewest seeds giving 80%; with --collapse P_A P_B, the power of Fisher's test on collapse
+counts at those collapse probabilities, at the same level and seed counts.
+load: a compare directory's expert load per variant beside its flip rate (the comparison report's table):
+the largest expert share times E and the entropy of the shares over ln E, whole model and per layer.
 precision: per condition, run-level means over steps 1..--steps of the routing mismatch and the token-probability
 gap, pooled over the layouts with a routing choice (top-k < experts) and, apart, the layouts without one (top-k =
 experts); then paired ratios between conditions, a run being one (point, seed) present in both.
@@ -48,7 +60,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_gspo.report.stats import fisher_exact, paired_p, t_critical, t_interval
+from moe_gspo.report.stats import (fisher_exact, fisher_power, paired_p, paired_power, seeds_for_power, t_critical,
+                                   t_interval)
 
 FLIP, MISMATCH, PDIFF = "moe/flip_rate", "moe/rollout_train_mismatch", "rollout_probs_diff_mean"
 POINT = re.compile(r"L(\d+)_lr[^_]+_mb(\d+)(?:_E(\d+)k(\d+))?$")
@@ -309,10 +322,65 @@ def regime(out: Path, out_json: Path | None, baseline: str | None = None) -> Non
         out_json.write_text(json.dumps(per, indent=1))
 
 
+def paired_sds(out: Path) -> tuple[dict[str, float], float | None]:
+    """({variant: SD over seeds of its final reward minus the baseline's}, SD of gspo_token - gspo or None)."""
+    from moe_gspo.report.compare_data import load_variants, read_meta, variant_stats
+
+    meta, settings = read_meta(out)
+    variants = load_variants(out, [n for n in meta.get("variants", []) if (out / n).is_dir()])
+    base, stats = variant_stats(variants, settings)
+    finals = {v.name: dict(zip(v.seeds, stats[v.name].finals)) for v in variants}
+
+    def sd(a: str, b: str) -> float:
+        return float(np.std([finals[a][s_] - finals[b][s_] for s_ in finals[a] if s_ in finals[b]], ddof=1))
+
+    floor = sd("gspo_token", "gspo") if {"gspo", "gspo_token"} <= finals.keys() else None
+    return {n: sd(n, base) for n in finals if n != base}, floor
+
+
+def load(out: Path) -> None:
+    from moe_gspo.report.compare_data import LOAD_HEADER, load_rows, load_variants, read_meta
+
+    meta, _ = read_meta(out)
+    variants = load_variants(out, [n for n in meta.get("variants", []) if (out / n).is_dir()])
+    print(f"{out}: per variant, each run's mean over its steps with gradient, 95% t over seeds; per layer: the mean "
+          "over seeds (layer 0 first)")
+    print("| " + " | ".join(LOAD_HEADER) + " |")
+    print("|" + " --- |" * len(LOAD_HEADER))
+    for row in load_rows(variants):
+        print("| " + " | ".join(row) + " |")
+
+
+def power(dirs: list[Path], effect: float, m: int, sd: float | None, collapse: list[float] | None) -> None:
+    alpha = 0.05 / m
+    all_sds = []
+    for d in dirs:
+        sds, floor = paired_sds(d)
+        all_sds += list(sds.values())
+        print(f"{d}: SD of the paired difference of final rewards, per variant minus the baseline: "
+              + ", ".join(f"{n} {v:.3f}" for n, v in sds.items())
+              + ("" if floor is None else f"; run-to-run floor (gspo_token - gspo) {floor:.3f}"))
+    measured = float(np.sqrt(np.mean(np.square(all_sds)))) if all_sds else None
+    if measured is not None:
+        print(f"root mean square over {len(all_sds)} contrasts: {measured:.3f}")
+    plan = sd if sd is not None else measured
+    if plan is None:
+        raise SystemExit("power: give --sd or at least one compare directory")
+    ns = (8, 16, 24, 32)
+    print(f"planning SD {plan:.3f}{' (--sd)' if sd is not None else ''}; effect {effect:+.3f} in final reward; "
+          f"m = {m}, two-sided paired t at alpha = 0.05/{m} = {alpha:.4f}")
+    print("  power at " + ", ".join(f"{n} seeds {paired_power(effect, plan, n, alpha):.2f}" for n in ns)
+          + f"; 80% needs {seeds_for_power(effect, plan, alpha)} seeds")
+    if collapse:
+        a, b = collapse
+        print(f"  Fisher's test on collapse counts, probabilities {a:g} against {b:g}: power at "
+              + ", ".join(f"{n} seeds {fisher_power(a, b, n, alpha):.2f}" for n in ns))
+
+
 EXPORT_KEYS = ("step", "reward/mean", "accuracy", "groups/with_variance", "response_length/mean", FLIP, MISMATCH,
                PDIFF, "rollout_probs_diff_max", "pg_clipfrac", "ppo_kl", "grad_norm", "ratio_max", "entropy",
-               "moe/flip_tokens")
-EXPORT_PREFIXES = (FLIP + "/layer_",)
+               "moe/flip_tokens", "router_lr", "moe/load_max_over_mean", "moe/load_entropy")
+EXPORT_PREFIXES = (FLIP + "/layer_", "moe/load/layer_", "moe/load_max_over_mean/layer_", "moe/load_entropy/layer_")
 
 
 def export(out: Path, dest: Path) -> None:
@@ -353,6 +421,15 @@ def main() -> None:
     ex = sub.add_parser("export")
     ex.add_argument("compare_dir", type=Path)
     ex.add_argument("dest", type=Path)
+    ld = sub.add_parser("load")
+    ld.add_argument("compare_dir", type=Path)
+    pw = sub.add_parser("power")
+    pw.add_argument("compare_dirs", type=Path, nargs="*", help="committed compare directories to measure the SD on")
+    pw.add_argument("--effect", type=float, required=True, help="the true mean difference in final reward to detect")
+    pw.add_argument("--m", type=int, default=1, help="contrasts in the family (Bonferroni level 0.05/m)")
+    pw.add_argument("--sd", type=float, help="plan with this SD of the paired difference instead of the measured")
+    pw.add_argument("--collapse", type=float, nargs=2, metavar=("P_A", "P_B"),
+                    help="collapse probabilities of the two arms, for Fisher's test's power")
     p = sub.add_parser("precision")
     for name in ("bf16", "fp16", "bf16-r3", "fp16-r3", "fp32"):
         p.add_argument(f"--{name}", type=Path, help="a study directory with that engine (first given: the reference)")
@@ -368,6 +445,10 @@ def main() -> None:
         volatility(a.study)
     elif a.what == "regime":
         regime(a.compare_dir, a.json, a.base)
+    elif a.what == "load":
+        load(a.compare_dir)
+    elif a.what == "power":
+        power(a.compare_dirs, a.effect, a.m, a.sd, a.collapse)
     elif a.what == "export":
         export(a.compare_dir, a.dest)
     else:

@@ -426,3 +426,35 @@ def test_compare_cli_errors(tmp_path, capsys):
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("moe-gspo compare: error: ") and msg in err[0], err
+
+
+def test_report_shows_the_expert_load_beside_the_flip_rate(tmp_path):
+    """Runs that log the tracker's expert load get an 'Expert load' table: per variant the flip rate, the load
+    max/mean and entropy (each run's mean over steps with gradient, then the mean over seeds) and the per-layer
+    means; runs without load metrics get no such section."""
+    from moe_gspo.report.compare import write_compare_report
+    from moe_gspo.report.compare_data import load_rows, load_variants
+
+    for s, shift in ((0, 0.0), (1, 0.2)):
+        d = tmp_path / "grpo" / f"seed_{s}"
+        _fake_run(d, clip=0.002, flip=0.05, rewards=[0.5] * 4)
+        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        for i, r in enumerate(rows):
+            r["groups/with_variance"] = 0.0 if i == 0 else 1.0  # step 1 has no gradient: left out of the means
+            per_layer = [1.5 + shift + i + layer for layer in range(2)] if i else [100.0, 100.0]
+            r.update({f"moe/load_max_over_mean/layer_{j}": v for j, v in enumerate(per_layer)},
+                     **{f"moe/load_entropy/layer_{j}": 0.9 - 0.1 * j for j in range(2)})
+            r["moe/load_max_over_mean"], r["moe/load_entropy"] = sum(per_layer) / 2, 0.85
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "compare.json").write_text(json.dumps({"variants": {"grpo": []}, "seeds": [0, 1]}))
+    (row,) = load_rows(load_variants(tmp_path, ["grpo"], [0, 1]))
+    # seed 0, steps 2-4: whole-model 3, 4, 5 -> 4.0 (layer 0: 3.5, layer 1: 4.5); seed 1: each + 0.2
+    assert row[0] == "grpo" and row[1].startswith("5.00")
+    assert row[2].startswith("4.1 [") and row[3] == "0.85 [0.85, 0.85]"
+    assert row[4] == "3.600 4.600" and row[5] == "0.900 0.800"
+    text = _text(write_compare_report(tmp_path, ["grpo"]))
+    assert "Expert load" in text and "3.600 4.600" in text
+    for f in (tmp_path / "grpo").glob("seed_*/metrics.jsonl"):
+        f.write_text("".join(json.dumps({k: v for k, v in json.loads(x).items() if "load" not in k}) + "\n"
+                             for x in f.read_text().splitlines()))
+    assert "Expert load" not in _text(write_compare_report(tmp_path, ["grpo"]))

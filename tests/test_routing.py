@@ -169,6 +169,37 @@ def test_tracker_hand_built_rates_and_churn():
     assert tr.metrics()["moe/flip_rate"] == pytest.approx(1 / 8)
 
 
+def test_tracker_expert_load_from_the_old_routing():
+    """Per layer, each expert's share of the old routing's top-k slots on the observed (masked) tokens, the largest
+    share times E, and the entropy of the shares over ln E, against counts and scipy.stats.entropy computed here from
+    the same routing; the live routing does not enter."""
+    import numpy as np
+    from scipy.stats import entropy
+
+    L, k, E, B, T = 3, 2, 5, 2, 6
+    g = torch.Generator().manual_seed(4)
+    ref = random_topk(B * T, L, k, E, g)
+    ref[:, 0] = torch.tensor([0, 1])  # layer 0: every token on experts 0 and 1
+    mask = torch.rand(B * T, generator=g) > 0.3
+    tr = ExpertFlipTracker(L, E)
+    tr.set_reference([0, 1], ref, mask)
+    tr.observe([0, 1], random_topk(B * T, L, k, E, g), mask)
+    m = tr.metrics()
+    ratios, ents = [], []
+    for layer in range(L):
+        counts = np.bincount(ref[mask, layer].reshape(-1).numpy(), minlength=E)
+        share = counts / counts.sum()
+        assert [m[f"moe/load/layer_{layer}/expert_{e}"] for e in range(E)] == pytest.approx(share.tolist())
+        ratios.append(share.max() * E)
+        ents.append(entropy(share) / np.log(E))
+        assert m[f"moe/load_max_over_mean/layer_{layer}"] == pytest.approx(ratios[-1])
+        assert m[f"moe/load_entropy/layer_{layer}"] == pytest.approx(ents[-1])
+    assert m["moe/load_max_over_mean/layer_0"] == pytest.approx(E / 2)  # two experts hold every slot
+    assert m["moe/load_entropy/layer_0"] == pytest.approx(np.log(2) / np.log(E))
+    assert m["moe/load_max_over_mean"] == pytest.approx(np.mean(ratios))
+    assert m["moe/load_entropy"] == pytest.approx(np.mean(ents))
+
+
 def test_tracker_mask_order_and_mismatch():
     L, k, E, B, T = 3, 2, 8, 4, 5
     g = torch.Generator().manual_seed(5)

@@ -64,6 +64,14 @@ class ModelConfig:
     RowParallelLinear per expert). 'grouped' is the default: on CPU it is the fastest at the few hundred tokens per
     forward of RL micro-batches, while 'torch' is about 5% faster per step at thousands of tokens per forward
     (docs/performance.md); on a GPU without TE it is not yet measured against the others."""
+    moe_router_load_balancing_type: str = "none"
+    """megatron's load-balancing loss on the router, added to the training loss of every forward with gradient:
+    'none', 'aux_loss' (the Switch Transformer loss E * sum_e f_e P_e over the forward's tokens: f_e the fraction
+    of routed slots on expert e, P_e its mean router probability) or 'seq_aux_loss' (the same per sequence,
+    averaged). Its weight is model.moe_aux_loss_coeff. The routing itself is unchanged (replay included)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (megatron's moe_aux_loss_coeff; e.g. 1e-3). 0 with type 'none'; > 0
+    with any other type."""
     compile: bool = False
     """Run the decoder through torch.compile (inductor: fused C++ kernels on the CPU) instead of eagerly. Each new
     input shape compiles on its first forward and backward (about a minute at configs/tiny_cpu.yaml, one thread).
@@ -86,6 +94,13 @@ class ModelConfig:
             self.attention = "te" if self.spec == "te" else "sdpa"
         choice(self, "attention", ("te",) if self.spec == "te" else ("sdpa", "megatron"))
         choice(self, "experts", ("grouped", "torch", "megatron"))
+        choice(self, "moe_router_load_balancing_type", ("none", "aux_loss", "seq_aux_loss"))
+        if not 0 <= self.moe_aux_loss_coeff < float("inf"):
+            raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be a finite number >= 0")
+        if (self.moe_router_load_balancing_type == "none") != (self.moe_aux_loss_coeff == 0):
+            raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} with "
+                              f"model.moe_router_load_balancing_type='{self.moe_router_load_balancing_type}': a "
+                              f"load-balancing loss needs both a type other than 'none' and a coefficient > 0")
         if self.spec == "te":  # what the TE spec cannot honour is refused, never ignored
             if self.experts == "torch":
                 raise ConfigError("model.experts='torch' is a local-spec module; with model.spec='te' use 'grouped' "

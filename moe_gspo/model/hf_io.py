@@ -55,8 +55,8 @@ def fsync_dir(path: Path) -> None:
 
 def model_config_from_hf(path: Path, overrides: ModelConfig | None = None) -> ModelConfig:
     """Read config.json; refuse other architectures and MoE features this policy does not implement. The
-    architecture comes from config.json; how to run it (params_dtype, spec, attention, experts, compile) from
-    `overrides`."""
+    architecture comes from config.json; how to run it (params_dtype, spec, attention, experts, compile) and
+    how to train it (the load-balancing loss) from `overrides`."""
     f = path / "config.json"
     if not f.is_file():
         raise ConfigError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
@@ -84,7 +84,8 @@ def model_config_from_hf(path: Path, overrides: ModelConfig | None = None) -> Mo
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             initializer_range=c.get("initializer_range", 0.02), params_dtype=base.params_dtype,
             spec=base.spec, attention=base.attention, experts=base.experts, compile=base.compile,
-            init_from=str(path))
+            moe_router_load_balancing_type=base.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=base.moe_aux_loss_coeff, init_from=str(path))
     except KeyError as e:
         raise ConfigError(f"{f}: missing field {e.args[0]!r}") from None
 

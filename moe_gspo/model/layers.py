@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide, get_pg_size
@@ -192,6 +193,8 @@ class Qwen3Router(TopKRouter):
             w_NK = torch.softmax(logits_NE, dim=-1).gather(1, idx_NK)
         probs_NE = torch.zeros_like(logits_NE).scatter(1, idx_NK, w_NK)
         routing_map_NE = torch.zeros_like(logits_NE, dtype=torch.bool).scatter(1, idx_NK, True)
+        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+            probs_NE = self.load_balancing_loss(logits, logits_NE, probs_NE, padding_mask)
         if ctx is not None:
             score_idx_NK = ctx.score_experts(layer, idx_NK)
             scores_NK = None
@@ -199,6 +202,18 @@ class Qwen3Router(TopKRouter):
                 scores_NK = torch.log_softmax(logits_NE.detach(), dim=-1).gather(1, score_idx_NK)
             ctx.record(layer, idx_NK, w_NK, None if replayed is None else live_idx_NK, scores_NK)
         return probs_NE, routing_map_NE
+
+
+    def load_balancing_loss(self, logits, logits_NE, probs_NE, padding_mask):
+        """megatron's load-balancing losses (model.moe_router_load_balancing_type) on the live router scores,
+        attached to the probabilities the way TopKRouter.routing attaches them: their gradient joins the backward
+        of whatever loss the probabilities feed."""
+        s, b = logits.shape[:2]  # (s, b, E) sequence-major
+        mask_N = None if padding_mask is None else padding_mask.reshape(-1)
+        rmap, scores = compute_routing_scores_for_aux_loss(logits_NE, self.topk, self.score_function,
+                                                           padding_mask=mask_N)
+        probs_NE = self._apply_aux_loss(probs_NE, scores, rmap, with_padding_mask=mask_N is not None)
+        return self._apply_seq_aux_loss(probs_NE, scores, rmap, s, b, with_padding_mask=mask_N is not None)
 
 
 class TorchLoopExperts(SequentialMLP):

@@ -58,8 +58,8 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig
         moe_router_dtype="fp32",
         moe_router_score_function="softmax",
         moe_router_pre_softmax=False,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type=mc.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=mc.moe_aux_loss_coeff,
         moe_token_dispatcher_type=pc.dispatcher,
         moe_grouped_gemm=mc.spec == "te" and mc.experts == "grouped",  # TE's grouped GEMM; the local spec's is ours
         tensor_model_parallel_size=pc.tp,

@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from moe_gspo.report import html
-from moe_gspo.report.compare_data import (ACC, CLIP, DIFF_HEADER, METRIC_HEADER, MISMATCH, PDIFF, REWARD, RUN_HEADER,
-                                          SUMMARY_HEADER, diff_rows, identical_variants, load_variants, metric_rows,
-                                          read_meta, run_rows, run_walls, settings_tables, summary_rows,
-                                          variant_stats)
+from moe_gspo.report.compare_data import (ACC, CLIP, DIFF_HEADER, LOAD_HEADER, LOAD_RATIO, METRIC_HEADER, MISMATCH,
+                                          PDIFF, REWARD, RUN_HEADER, SUMMARY_HEADER, diff_rows, identical_variants,
+                                          load_rows, load_variants, metric_rows, read_meta, run_rows, run_walls,
+                                          settings_tables, summary_rows, variant_stats)
 from moe_gspo.report.compare_figures import mean_curves, seed_panels, volatility_section
 from moe_gspo.report.stats import smooth
 
@@ -87,6 +87,14 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                  "seeds and its 95% Student-t interval. The clip-fraction ratio is taken per seed "
                  f"against {html.esc(base)} and averaged on the log scale (geometric mean; the interval is exp of "
                  "the t-interval of the log-ratios).</p>")
+    if any(len(r.series(LOAD_RATIO)[0]) for v in variants for r in v.runs):
+        parts.append("<h2>Expert load</h2>" + html.table(LOAD_HEADER, load_rows(variants))
+                     + "<p class='note'>The old policy's routing of the response tokens each step trained on: per "
+                     "MoE layer, each expert's share of the routed top-k slots; max/mean is the largest share times "
+                     "the number of experts E (1 = balanced), the entropy is that of the shares in nats over ln E "
+                     "(1 = balanced, 0 = one expert). A run's value is its mean over steps with gradient; per "
+                     "variant, the mean over seeds with its 95% Student-t interval (the whole-model columns average "
+                     "the layers). The flip rate is repeated from the table above.</p>")
     parts.append("<h2>Runs</h2>" + html.table(RUN_HEADER, run_rows(variants, stats, walls)))
     same = identical_variants(variants, REWARD)
     if same:

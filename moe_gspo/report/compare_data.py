@@ -22,6 +22,9 @@ from moe_gspo.report.volatility import LAYER
 
 REWARD, ACC, CLIP, CLIP_LO, FLIP = "reward/mean", "accuracy", "pg_clipfrac", "pg_clipfrac_lower", "moe/flip_rate"
 MISMATCH, PDIFF, VARIANCE = "moe/rollout_train_mismatch", "rollout_probs_diff_mean", "groups/with_variance"
+LOAD_RATIO, LOAD_ENTROPY = "moe/load_max_over_mean", "moe/load_entropy"  # moe_gspo/routing/tracker.py
+LOAD_HEADER = ["variant", "flip rate % [95% t]", "load max/mean [95% t]", "load entropy / ln E [95% t]",
+               "max/mean per layer", "entropy / ln E per layer"]
 
 
 @dataclass
@@ -205,6 +208,23 @@ def metric_rows(variants: Sequence[Variant], base: str) -> list[list]:
                      _cell(_iv([run_mean(r, FLIP, True) for r in v.runs])),
                      _cell(_iv([run_mean(r, MISMATCH) for r in v.runs])),
                      _cell(_iv([run_mean(r, PDIFF) for r in v.runs]))])
+    return rows
+
+
+def load_rows(variants: Sequence[Variant]) -> list[list]:
+    """Per variant (columns as in LOAD_HEADER): the flip rate beside the expert load, each a run's mean over its
+    steps with gradient, then the mean over seeds with its 95% t-interval; per MoE layer the mean over seeds of the
+    same run means. Load max/mean and entropy are the tracker's: the largest expert share of a layer's routed slots
+    times E, and the entropy of the shares over ln E (1 = balanced), averaged over layers."""
+    rows = []
+    for v in variants:
+        per_layer = []
+        for key in (LOAD_RATIO, LOAD_ENTROPY):
+            layers, m, _, _ = layer_profile(v, key + "/layer_")
+            per_layer.append(" ".join(f"{x:.3f}" for x in m) if layers else "\u2014")
+        rows.append([v.name, _pct(_iv([run_mean(r, FLIP, True) for r in v.runs])),
+                     _cell(_iv([run_mean(r, LOAD_RATIO, True) for r in v.runs])),
+                     _cell(_iv([run_mean(r, LOAD_ENTROPY, True) for r in v.runs])), *per_layer])
     return rows
 
 

@@ -18,9 +18,20 @@ Metrics (fractions):
     moe/churn_out/expert_{e}      slots expert e lost / slots it held in the reference
     moe/rollout_train_mismatch    engine routing vs training old routing, flipped slots / compared slots
     moe/flip_tokens               (token, layer) pairs observed, divided by L: tokens observed
+
+Expert load: the old policy's routing of the response tokens the update trained on (the reference routing of the
+observed tokens), per MoE layer; `share` is an expert's fraction of the layer's routed top-k slots (it sums to 1
+over the experts):
+    moe/load/layer_{i}/expert_{e}     share of expert e in layer i
+    moe/load_max_over_mean/layer_{i}  the largest share times E (1: balanced; E: every slot on one expert; with
+                                      top-k > 1 a token's k slots go to k distinct experts, so at most E / k)
+    moe/load_entropy/layer_{i}        entropy of the shares in nats divided by ln E (1: balanced, 0: one expert)
+    moe/load_max_over_mean, moe/load_entropy   their means over the layers
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -139,7 +150,8 @@ class ExpertFlipTracker:
         L, E, k, c = self.num_layers, self.num_experts, acc["k"], acc["counts"]
         # one host transfer of the (3, L) and (3, E) marginals and the mismatch pair; the ratios are host math
         flat = torch.cat([c.sum(2).view(-1), c.sum(1).view(-1), acc["mismatch"][None],
-                          acc["mismatch_slots"][None]]).tolist()
+                          acc["mismatch_slots"][None], c[2].view(-1)]).tolist()
+        load_LE, flat = flat[-L * E:], flat[:-L * E]
         flips, load_l = flat[:L], flat[2 * L:3 * L]
         gained_e, lost_e, load_e = flat[3 * L:3 * L + E], flat[3 * L + E:3 * L + 2 * E], flat[3 * L + 2 * E:3 * L + 3 * E]
         mismatch, mismatch_slots = flat[-2:]
@@ -150,6 +162,7 @@ class ExpertFlipTracker:
             out.update({f"moe/churn_in/expert_{e}": g / max(n, 1) for e, (g, n) in enumerate(zip(gained_e, load_e))})
             out.update({f"moe/churn_out/expert_{e}": g / max(n, 1) for e, (g, n) in enumerate(zip(lost_e, load_e))})
             out["moe/flip_tokens"] = sum(load_l) / k / L
+            out.update(load_metrics(torch.tensor(load_LE, dtype=torch.float64).view(L, E)))
         if mismatch_slots > 0:
             out["moe/rollout_train_mismatch"] = mismatch / mismatch_slots
         return out
@@ -176,3 +189,27 @@ class ExpertFlipTracker:
         if mask.shape != (idx.shape[0],):
             raise ValueError(f"{where}: mask must be ({idx.shape[0]},), got {tuple(mask.shape)}")
         return mask.to(device=idx.device, dtype=torch.bool)
+
+
+def load_metrics(slots_LE: torch.Tensor) -> dict[str, float]:
+    """The expert-load metrics of the module docstring from routed-slot counts per (layer, expert), (L, E); layers
+    with no slots are left out."""
+    L, E = slots_LE.shape
+    out: dict[str, float] = {}
+    ratios, entropies = [], []
+    for i in range(L):
+        total = float(slots_LE[i].sum())
+        if total <= 0:
+            continue
+        share = slots_LE[i] / total  # (E,)
+        ratio = float(share.max()) * E
+        entropy = float(torch.special.entr(share).sum()) / math.log(E) if E > 1 else 1.0
+        out.update({f"moe/load/layer_{i}/expert_{e}": float(x) for e, x in enumerate(share.tolist())})
+        out[f"moe/load_max_over_mean/layer_{i}"] = ratio
+        out[f"moe/load_entropy/layer_{i}"] = entropy
+        ratios.append(ratio)
+        entropies.append(entropy)
+    if ratios:
+        out["moe/load_max_over_mean"] = sum(ratios) / len(ratios)
+        out["moe/load_entropy"] = sum(entropies) / len(entropies)
+    return out

@@ -1,0 +1,128 @@
+"""Restart collapsed runs of a `moe-gspo compare` directory from a checkpoint before their collapse, in several arms.
+
+    python scripts/restart_study.py SRC VARIANT OUT [--before 5] [--jobs 2] \
+        same= lr3=train.lr=3.3333e-5 gspo=algorithm.loss=gspo
+    python scripts/restart_study.py SRC VARIANT OUT --summary
+
+SRC is a compare directory whose VARIANT runs kept a checkpoint after every step (`train.checkpoint_every=1`,
+`train.keep_checkpoints` at least the number of steps). For each seed whose reward the collapse rule flags (SRC's
+compare.json settings, moe_gspo/report/stats.py), the restart step is the step where the first collapse begins minus
+--before (the smoothing window, so that no step inside the smoothed drop has been trained on). Each arm NAME=OVERRIDES
+(comma-separated `a.b=v`, empty for the same settings) copies the run's config.yaml, its metrics up to the restart
+step and that checkpoint into OUT/NAME/seed_<s>/ and continues it with `moe-gspo train --resume` to the run's last
+step, with the checkpoint's weights and optimizer state and the arm's overrides. --summary prints, per arm and seed,
+the restart step, the pre-collapse peak of the smoothed reward, the final reward (mean of the last final_window steps)
+and whether the restart recovered: final reward at least collapse_fraction of that peak and no collapse after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from moe_gspo.report.compare_data import read_meta
+from moe_gspo.report.stats import collapses, final_value, smooth
+from moe_gspo.train.checkpoint import Checkpoints
+
+
+def rewards(run: Path) -> list[float]:
+    return [json.loads(x)["reward/mean"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def restart_points(src: Path, variant: str, before: int) -> dict[int, tuple[int, float]]:
+    """{seed: (restart step, peak of the smoothed reward before the collapse)} for the collapsed runs."""
+    meta, st = read_meta(src)
+    out = {}
+    for s in meta["seeds"]:
+        y = rewards(src / variant / f"seed_{s}")
+        events = collapses(y, st.collapse_fraction, st.collapse_patience, st.collapse_min_peak, st.smooth_window)
+        if events:
+            step = events[0].start + 1 - before  # Collapse.start is an index: step start + 1
+            if step >= 1:
+                out[s] = (step, events[0].peak)
+    return out
+
+
+def prepare(src: Path, variant: str, out: Path, arm: str, seed: int, step: int) -> Path:
+    run, dest = src / variant / f"seed_{seed}", out / arm / f"seed_{seed}"
+    if dest.exists():
+        shutil.rmtree(dest)
+    (dest / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "config.yaml", dest / "config.yaml")
+    rows = [x for x in (run / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] <= step]
+    (dest / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
+    name = Checkpoints.name(step)
+    shutil.copytree(run / "checkpoints" / name, dest / "checkpoints" / name)
+    return dest
+
+
+def restart(dest: Path, overrides: list[str]) -> int:
+    cmd = [sys.executable, "-m", "moe_gspo.cli", "train", "--config", str(dest / "config.yaml"), "--out", str(dest),
+           "--resume", "logging.progress=false", "logging.tensorboard=false", "train.checkpoint_every=0", *overrides]
+    with (dest / "log.txt").open("w") as log:
+        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+                              ).returncode
+
+
+def summary(src: Path, variant: str, out: Path, before: int) -> None:
+    _, st = read_meta(src)
+    points = restart_points(src, variant, before)
+    print(f"{out}: restarts of {src}/{variant}'s collapsed runs, {before} steps before the collapse began; recovered = "
+          f"final reward (last {st.final_window} steps) >= {st.collapse_fraction:g} x the pre-collapse peak and no "
+          "collapse after the restart")
+    print("| arm | seed | restart step | pre-collapse peak (smoothed) | final reward | recovered |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for arm in sorted(p.name for p in out.iterdir() if p.is_dir()):
+        n = hits = 0
+        for s, (step, peak) in sorted(points.items()):
+            d = out / arm / f"seed_{s}"
+            if not (d / "metrics.jsonl").is_file():
+                continue
+            y = rewards(d)
+            final = final_value(y, st.final_window)
+            after = collapses(y[step:], st.collapse_fraction, st.collapse_patience, st.collapse_min_peak,
+                              st.smooth_window)
+            level = st.collapse_fraction * peak
+            ok = final >= level and not after and smooth(y, st.smooth_window)[-1] >= level
+            n, hits = n + 1, hits + ok
+            print(f"| {arm} | {s} | {step} | {peak:.3f} | {final:.3f} | {'yes' if ok else 'no'} |")
+        print(f"| {arm} | all | | | | {hits}/{n} |")
+    src_final = [final_value(rewards(src / variant / f"seed_{s}"), st.final_window) for s in points]
+    print(f"source runs' final rewards: {np.round(src_final, 3).tolist()}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("src", type=Path)
+    ap.add_argument("variant")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("arms", nargs="*", help="NAME=OVERRIDES (comma-separated a.b=v; empty: the same settings)")
+    ap.add_argument("--before", type=int, default=5)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--summary", action="store_true")
+    a = ap.parse_args()
+    if a.summary:
+        summary(a.src, a.variant, a.out, a.before)
+        return
+    points = restart_points(a.src, a.variant, a.before)
+    print(f"collapsed seeds and restart steps: {({s: p[0] for s, p in points.items()})}", flush=True)
+    todo = []
+    for spec in a.arms:
+        name, _, ovs = spec.partition("=")
+        for s, (step, _) in points.items():
+            todo.append((prepare(a.src, a.variant, a.out, name, s, step), [o for o in ovs.split(",") if o]))
+    with ThreadPoolExecutor(a.jobs) as pool:
+        for (dest, _), rc in zip(todo, pool.map(lambda t: restart(*t), todo)):
+            print(f"{dest}: exit {rc}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

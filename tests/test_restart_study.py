@@ -1,0 +1,31 @@
+"""scripts/restart_study.py: which runs of a comparison restart, and from which step (the collapse rule's start minus
+the smoothing window), on constructed reward curves."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from helpers import ROOT
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("restart_study", ROOT / "scripts" / "restart_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_restart_points_are_before_the_collapse(tmp_path):
+    curves = {0: [0.5] * 40, 1: [0.5] * 20 + [0.0] * 20, 2: [0.5] + [0.0] * 39, 3: [0.05] * 40}
+    for s, y in curves.items():
+        d = tmp_path / "grpo" / f"seed_{s}"
+        d.mkdir(parents=True)
+        d.joinpath("metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "reward/mean": v}) + "\n"
+                                                      for i, v in enumerate(y)))
+    (tmp_path / "compare.json").write_text(json.dumps({"variants": {"grpo": []}, "seeds": list(curves)}))
+    points = _script().restart_points(tmp_path, "grpo", before=5)
+    # seed 1: the 5-step average first falls below 0.25 at step 23 (0.5 x 2/5 = 0.2): restart after step 18;
+    # seed 2 falls at step 3, too early to restart 5 steps before; seeds 0 and 3 never collapse (3 never peaks at
+    # 0.1)
+    assert points == {1: (18, 0.5)}

@@ -21,7 +21,8 @@ def _router_grad_and_input(cfg, weights, x):
         policy.load_full_megatron_state(weights)
     router = policy.routers[0]
     seen = []
-    hook = router.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
+    hook = router.register_forward_pre_hook(
+        lambda mod, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))  # (s, b, H) -> (N, H)
     policy.gpt.train()
     policy(x).float().pow(2).mean().backward()
     hook.remove()

@@ -203,7 +203,6 @@ class Qwen3Router(TopKRouter):
             ctx.record(layer, idx_NK, w_NK, None if replayed is None else live_idx_NK, scores_NK)
         return probs_NE, routing_map_NE
 
-
     def load_balancing_loss(self, logits, logits_NE, probs_NE, padding_mask):
         """megatron's load-balancing losses (model.moe_router_load_balancing_type) on the live router scores,
         attached to the probabilities the way TopKRouter.routing attaches them: their gradient joins the backward

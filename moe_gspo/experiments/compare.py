@@ -198,7 +198,8 @@ def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: b
     threads = max(1, _thread_budget() // jobs)
     if kept_runs and todo:
         _warn_on_thread_change(kept_runs, threads, len(todo))
-    if jobs == 1:
+    separate = any(run_config(base, j.overrides, j.seed).rollout.placement == "separate" for j in todo)
+    if jobs == 1 and not separate:
         cold_s, walls = _run_in_process(todo, todo_files, base)
     else:
         cold_s, walls = _run_in_processes(todo, todo_files, base, jobs, threads)
@@ -331,12 +332,14 @@ def train_one(cfg, run_dir: Path, init_state: dict, label: str, overrides=()) ->
     from moe_gspo.train.loop import train
 
     wall = Path(run_dir) / "wall_time.json"  # written last: a run without it is unfinished (see reusable_work)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    # the job's rank 0 (an engine rank of a run with separate engines has a rank 0 of its own engine world)
+    first = int(os.environ.get("RANK", "0")) == 0 and (not dist.is_initialized() or dist.get_rank() == 0)
+    if first:
         wall.unlink(missing_ok=True)
     t = time.perf_counter()
     train(cfg, run_dir=run_dir, init_state=init_state, label=label, overwrite=True)
     seconds = time.perf_counter() - t
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if first:
         wall.write_text(json.dumps({"seconds": seconds, "overrides": list(overrides), "seed": cfg.train.seed,
                                     "threads": torch.get_num_threads()}))
     return seconds
@@ -388,8 +391,10 @@ def _run_in_processes(plan: list[Job], files: dict, base: dict, jobs: int, threa
         (job.dir / "job.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         (job.dir / "job.json").write_text(json.dumps({"variant": job.variant, "seed": job.seed,
                                                       "overrides": list(job.overrides), "init": str(job.init)}))
+        # a run with engines on ranks of their own is a torchrun job of its trainer rank and its engine ranks
+        nproc = 1 + cfg.rollout.engine_ranks if cfg.rollout.placement == "separate" else 1
         runs.append((job.label, ["--config", str(job.dir / "job.yaml"), "--out", str(job.dir), "--run-one",
-                                 str(job.init)], job.dir / "log.txt", job.dir / "wall_time.json", job.label))
+                                 str(job.init)], job.dir / "log.txt", job.dir / "wall_time.json", job.label, nproc))
     _say(f"{len(cold)} cold start(s), then {len(runs)} runs, {jobs} at a time with {threads} thread(s) each; "
          "logs: <run dir>/log.txt")
     return _processes(cold, jobs, threads), _processes(runs, jobs, threads)
@@ -410,12 +415,21 @@ def _processes(tasks: list[tuple], jobs: int, threads: int) -> dict[str, float]:
     failed: list[tuple[int, str]] = []  # (exit code, message)
 
     def launch(task) -> float | None:
-        label, args, log_path, result, _ = task
+        label, args, log_path, result, _ = task[:5]
+        nproc = task[5] if len(task) > 5 else 1
         if failed:
             return None
+        cmd = [sys.executable, "-m", "moe_gspo.cli", "compare", *args]
+        if nproc > 1:
+            import socket
+
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                   "--master-addr=127.0.0.1", f"--master-port={port}", *cmd[1:]]
         with log_path.open("w") as log:
-            rc = subprocess.run([sys.executable, "-m", "moe_gspo.cli", "compare", *args], stdout=log,
-                                stderr=subprocess.STDOUT, env=env).returncode
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
         if rc:
             last = (log_path.read_text().strip().splitlines() or [""])[-1]
             failed.append((rc, f"{label}: {last} (exit {rc}; log: {log_path})"))

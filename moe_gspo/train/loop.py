@@ -49,9 +49,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
         from moe_gspo.rollout.bridge import split_job
         from moe_gspo.train.separate import serve
 
-        if engine is not None or init_state is not None:
+        if engine is not None:
             raise ConfigError("rollout.placement=separate builds its engines on their own ranks from the trainer's "
-                              "weights: it takes no engine or init_state from the caller")
+                              "weights: it takes no engine from the caller")
         roles = split_job(cfg.rollout)
         if roles.is_engine:
             serve(cfg, roles)

@@ -58,7 +58,7 @@ DEFAULT_VARIANTS = {
 # train.* fields the supervised cold start never reads: variants that differ only in these share a cold start
 _RL_ONLY_TRAIN = {"steps", "lr", "lr_warmup_steps", "lr_decay", "min_lr", "minibatches", "micro_batch_size",
                   "logprob_micro_batch_size", "seq_len", "batch_size", "checkpoint_every", "keep_checkpoints",
-                  "out_dir", "logprob_impl", "loss_impl", "router_lr_scale"}
+                  "out_dir", "logprob_impl", "loss_impl", "router_lr_scale", "max_staleness"}
 
 
 @dataclass(frozen=True)
@@ -412,6 +412,9 @@ def _processes(tasks: list[tuple], jobs: int, threads: int) -> dict[str, float]:
     pkg_root = str(Path(__file__).resolve().parents[2])  # the directory that holds the moe_gspo package
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
+    # a torchrun job of n processes shares its run's threads among them
+    job_env = {n: {**env, "OMP_NUM_THREADS": str(max(1, threads // n)), "MKL_NUM_THREADS": str(max(1, threads // n))}
+               for n in {t[5] if len(t) > 5 else 1 for t in tasks}}
     failed: list[tuple[int, str]] = []  # (exit code, message)
 
     def launch(task) -> float | None:
@@ -429,7 +432,7 @@ def _processes(tasks: list[tuple], jobs: int, threads: int) -> dict[str, float]:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                    "--master-addr=127.0.0.1", f"--master-port={port}", *cmd[1:]]
         with log_path.open("w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=job_env[nproc]).returncode
         if rc:
             last = (log_path.read_text().strip().splitlines() or [""])[-1]
             failed.append((rc, f"{label}: {last} (exit {rc}; log: {log_path})"))

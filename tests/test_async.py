@@ -99,7 +99,8 @@ def test_a_pushed_state_arrives_bitwise_in_buckets():
 
 def test_a_stalled_or_dead_peer_is_one_line_naming_the_ranks():
     """A batch that never comes ends in a BridgeError within the bridge timeout, naming the engine rank and the
-    step; a peer whose group is gone ends the same way, without waiting out the timeout."""
+    step; a peer whose group is gone ends the same way, without waiting out the timeout: an engine rank gone while
+    the trainer waits for its batch, and a trainer gone while an engine rank waits for the next version."""
     from moe_gspo.rollout.bridge import BatchLink
 
     def trainer(roles):
@@ -120,6 +121,18 @@ def test_a_stalled_or_dead_peer_is_one_line_naming_the_ranks():
 
     (msg, took), _ = _pair(trainer, leaves, timeout_s=30.0)
     assert msg is not None and "engine rank 1" in msg, msg
+    assert took < 30.0, took
+
+    def engine(roles):  # waits for a version from a trainer that is gone
+        t0 = time.monotonic()
+        try:
+            RemotePolicy(roles, MC, torch.float32, 2048, version=3).stream_hf()
+        except BridgeError as e:
+            return str(e), time.monotonic() - t0
+        return None, 0.0
+
+    _, (msg, took) = _pair(leaves, engine, timeout_s=30.0)
+    assert msg is not None and "policy version 3" in msg and "trainer rank 0" in msg, msg
     assert took < 30.0, took
 
 

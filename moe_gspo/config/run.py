@@ -63,8 +63,8 @@ class RolloutConfig:
     last rollout.engine_ranks ranks of the job only sample, the others only train; the engines generate the next
     batch while the trainer trains, up to train.max_staleness versions behind; moe_gspo.rollout.separate)."""
     engine_ranks: int = 0
-    """With rollout.placement=separate: how many of the job's ranks host engines (each its own engine of one rank);
-    the rest train. Must leave at least one trainer rank."""
+    """With rollout.placement=separate: how many of the job's ranks host engines (the last ones), in engines of
+    rollout.engine_tp ranks each; the rest train. Must leave at least one trainer rank."""
     bridge_timeout_s: float = 600.0
     """With rollout.placement=separate: the longest any operation between trainer and engine ranks may wait (a
     batch, a weight push) before the job ends naming the rank it waited on. Must exceed the longest generation
@@ -92,10 +92,9 @@ class RolloutConfig:
             if self.engine_ranks < 1:
                 raise ConfigError(f"rollout.engine_ranks={self.engine_ranks} must be >= 1 with "
                                   "rollout.placement=separate")
-            if self.engine_tp > 1:
-                raise ConfigError(f"rollout.engine_tp={self.engine_tp} with rollout.placement=separate: engines on "
-                                  "ranks of their own are one rank each here (rollout.engine_ranks of them); use "
-                                  "rollout.engine_tp=1")
+            if self.engine_ranks % self.engine_tp:
+                raise ConfigError(f"rollout.engine_tp={self.engine_tp} does not divide rollout.engine_ranks="
+                                  f"{self.engine_ranks}: the engine ranks form engines of rollout.engine_tp ranks")
             if self.engine not in ("vllm", "hf", "hf_static"):
                 raise ConfigError(f"rollout.placement=separate runs rollout.engine=vllm, hf or hf_static, not "
                                   f"{self.engine!r}")

@@ -249,6 +249,8 @@ class RemotePolicy:
     """What an engine on an engine rank builds from and updates from: the policy's config and, at each
     stream_hf(), the next version pushed by trainer rank 0 (checked against the version expected)."""
 
+    pushed = True  # whole tensors arrive on every engine rank (a tensor-parallel engine keeps its regions of them)
+
     def __init__(self, roles: Roles, mc, dtype: torch.dtype, bucket_bytes: int, version: int):
         from moe_gspo.model.hf_shards import hf_shapes
 

@@ -249,9 +249,11 @@ class VLLMEngine(RolloutEngine):
         self.last_sync_received_bytes = 0
         self.sharded = None
         if self.tp > 1:
-            from moe_gspo.rollout.vllm_tp import ShardedSync
+            from moe_gspo.rollout.vllm_tp import ReceivedShards, ShardedSync
 
-            self.sharded = ShardedSync(policy, self._runner.get_model(), self.tp, getattr(torch, dtype),
+            # a trainer's shards beside this rank, or whole tensors pushed to engine ranks of their own
+            sync = ReceivedShards if getattr(policy, "pushed", False) else ShardedSync
+            self.sharded = sync(policy, self._runner.get_model(), self.tp, getattr(torch, dtype),
                                        not self.on_cuda, bucket_bytes, bool(expert_parallel))
             self._load_shards(policy)
         else:
@@ -315,7 +317,7 @@ class VLLMEngine(RolloutEngine):
     def _load_shards(self, policy) -> None:
         t0 = time.perf_counter()
         self.last_sync_tensors = self.sharded.load(policy)
-        self.last_sync_received_bytes = self.sharded.plan.received_bytes()
+        self.last_sync_received_bytes = self.sharded.received_bytes()
         self.llm.reset_prefix_cache()
         self.last_sync_seconds = time.perf_counter() - t0
 

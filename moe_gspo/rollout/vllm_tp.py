@@ -135,6 +135,63 @@ class ShardedSync:
         self.writer.finish()
         return n
 
+    def received_bytes(self) -> int:
+        return self.plan.received_bytes()
+
+
+class ReceivedShards:
+    """The weight sync of one rank of a tensor-parallel engine on engine ranks of their own
+    (rollout.placement=separate): each pushed version arrives as whole HF tensors (moe_gspo.rollout.bridge, a
+    broadcast to every engine rank), and this rank writes the region of each that its vLLM layout keeps, as
+    ShardedSync's writer does with the pieces it receives."""
+
+    def __init__(self, policy, model, tp: int, dtype: torch.dtype, on_cpu: bool, bucket_bytes: int = 0,
+                 expert_parallel: bool = False):
+        from moe_gspo.model.hf_shards import hf_shapes
+        from moe_gspo.rollout.vllm_shards import ShardWriter, engine_needs
+
+        mc = policy.model_config
+        j = dist.get_rank() % tp
+        self.needs = dict(engine_needs(mc, tp, j, expert_parallel))
+        self.shapes = hf_shapes(mc)
+        self.writer = ShardWriter(model, mc, tp, j, on_cpu, expert_parallel)
+        self.device = None if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        total = sum(_numel(s) for s in self.shapes.values())
+        kept = sum(_numel(s) if r.dim is None else _numel(s) // s[r.dim] * min(r.length, s[r.dim] - r.start)
+                   for k, r in self.needs.items() for s in (self.shapes[k],))
+        self.param_fraction = kept / total
+        self.last_bytes = 0
+
+    @torch.no_grad()
+    def load(self, policy) -> int:
+        """Receive the next pushed version (every key, in order) and write this rank's regions. Returns pieces
+        written."""
+        from moe_gspo.model.hf_shards import Region
+
+        _, state = policy.stream_hf()
+        n = got = 0
+        for key in state:
+            t = state[key]
+            got += t.numel() * t.element_size()
+            need = self.needs.get(key)
+            if need is None:
+                continue
+            region, piece = need, t
+            if need.dim is not None:  # vLLM pads the vocabulary before splitting it: keep the rows that exist
+                stop = min(need.stop, t.shape[need.dim])
+                if stop <= need.start:
+                    continue
+                region = Region(need.dim, need.start, stop)
+                piece = t.narrow(need.dim, need.start, stop - need.start)
+            self.writer.write(key, region, need, piece if self.device is None else piece.to(self.device))
+            n += 1
+        self.writer.finish()
+        self.last_bytes = got
+        return n
+
+    def received_bytes(self) -> int:
+        return self.last_bytes
+
 
 def _numel(shape) -> int:
     n = 1

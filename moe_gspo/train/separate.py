@@ -45,11 +45,16 @@ def version_of(step: int, start: int, k: int) -> int:
     return max(start, step - k)
 
 
-def _serving(n_engines: int, dp: int) -> None:
-    if n_engines > dp:
-        raise ConfigError(f"rollout.engine_ranks={n_engines} exceeds the trainer's {dp} data-parallel ranks: an "
-                          "engine rank samples the prompts of whole data-parallel ranks; use at most "
-                          f"rollout.engine_ranks={dp}")
+def _serving(cfg: Config, dp: int) -> int:
+    """The number of engines (rollout.engine_ranks / rollout.engine_tp), checked against the trainer's
+    data-parallel size: an engine samples the prompts of whole data-parallel ranks, d going to engine d mod n."""
+    n = cfg.rollout.engine_ranks // cfg.rollout.engine_tp
+    if n > dp:
+        raise ConfigError(f"rollout.engine_ranks={cfg.rollout.engine_ranks} makes {n} engines of "
+                          f"rollout.engine_tp={cfg.rollout.engine_tp} ranks for the trainer's {dp} data-parallel "
+                          f"ranks: an engine samples the prompts of whole data-parallel ranks; use at most {dp} "
+                          "engines")
+    return n
 
 
 class EngineClient:
@@ -58,14 +63,13 @@ class EngineClient:
 
     def __init__(self, roles: Roles, cfg: Config, dp_rank: int, dp: int, start: int):
         self.roles, self.cfg = roles, cfg
-        rows = exchange(roles, [dp_rank, start, dp])
-        _serving(len(roles.engines), dp)
-        self.src = roles.engines[dp_rank % len(roles.engines)]
+        exchange(roles, [dp_rank, start, dp])
+        n = _serving(cfg, dp)
+        self.src = roles.engines[(dp_rank % n) * cfg.rollout.engine_tp]  # the first rank of the serving engine
         self.start, self.version, self.k, self.steps = start, start, cfg.train.max_staleness, cfg.train.steps
         self.link = BatchLink(roles)
         self.weights = WeightPush(roles, cfg.model, push_dtype(cfg), bucket_bytes(cfg))
         self.pushes = 0
-        del rows
 
     def begin(self, policy) -> None:
         """Push the version the engines build from (the weights after the cold start, or the checkpoint's)."""
@@ -119,9 +123,11 @@ def serve(cfg: Config, roles: Roles) -> None:
     rows = exchange(roles, [-1, -1, -1])
     trainer_rows = [rows[r] for r in roles.trainers]
     start, dp = trainer_rows[0][1], trainer_rows[0][2]
-    _serving(len(roles.engines), dp)
-    serves = [d for d in range(dp) if d % len(roles.engines) == roles.engine_index]
-    dests = {d: [r for r in roles.trainers if trainer_rows[r][0] == d] for d in serves}
+    n, tp = _serving(cfg, dp), cfg.rollout.engine_tp
+    serves = [d for d in range(dp) if d % n == roles.engine_index // tp]
+    # every rank of a tensor-parallel engine generates (vLLM runs them together); its first rank sends
+    sends = roles.engine_index % tp == 0
+    dests = {d: [r for r in roles.trainers if trainer_rows[r][0] == d] if sends else [] for d in serves}
     k, G = cfg.train.max_staleness, cfg.rollout.group_size
     if start >= cfg.train.steps:
         roles.close()

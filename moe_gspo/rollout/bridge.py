@@ -130,22 +130,27 @@ class BatchLink:
 
     def __init__(self, roles: Roles):
         self.roles = roles
-        self.pending: list[tuple[object, torch.Tensor, torch.Tensor, int]] = []  # (work, buffers kept, dst)
+        self.pending: list[tuple[object, tuple, int, int]] = []  # (work, its buffers kept, dst, step)
 
     def send(self, msg: dict, dst: int, step: int) -> None:
-        """Post msg to job rank dst without waiting for it (the buffers are kept until flush())."""
+        """Post msg to job rank dst without waiting for it (its buffers are kept until release() or flush())."""
         buf = io.BytesIO()
         torch.save(msg, buf)
         payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         for t, tag in ((size, 2 * step), (payload, 2 * step + 1)):
-            self.pending.append((self.roles.data.send([t], dst, tag), size, payload, dst))
+            self.pending.append((self.roles.data.send([t], dst, tag), (size, payload), dst, step))
+
+    def release(self, before: int) -> None:
+        """Free the buffers of the batches of steps < before, which their trainer ranks have received (a trainer
+        pushes version v only after it received batch v - 1)."""
+        for work, _, dst, _ in (p for p in self.pending if p[3] < before):
+            wait(work, "a batch sent", f"trainer rank {dst}", self.roles)
+        self.pending = [p for p in self.pending if p[3] >= before]
 
     def flush(self) -> None:
         """Wait until every posted batch has been received."""
-        for work, _, _, dst in self.pending:
-            wait(work, "a batch sent", f"trainer rank {dst}", self.roles)
-        self.pending.clear()
+        self.release(2**62)
 
     def recv(self, src: int, step: int) -> dict:
         size = torch.zeros(1, dtype=torch.int64)

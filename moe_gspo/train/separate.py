@@ -150,6 +150,7 @@ def serve(cfg: Config, roles: Roles) -> None:
                 engine.update_weights(remote)  # blocks until the trainer pushes it
                 wait_s += remote.last_wait_s
                 version += 1
+                link.release(before=version)  # the trainer received every batch before this version's step
             t1 = time.perf_counter()
             parts = [data.step_prompts(cfg, task, tok, layout, step, d)[1:] for d in serves]
             batches = engine.generate_parts(parts, G)

@@ -285,3 +285,22 @@ def test_staleness_bound_versions_killed_engine_and_resume(tmp_path):
     resumed = after[start:]
     assert [x["async/engine_version"] for x in resumed] == [max(start, s - 2) for s in range(start, steps)]
     assert [x["async/version_lag_max"] for x in resumed] == [min(s - start, 2) for s in range(start, steps)]
+
+
+def test_compare_runs_separate_variants_as_torchrun_jobs(tmp_path, monkeypatch):
+    """`moe-gspo compare` with variants on separate engines (configs/study_staleness_cpu.yaml, hf engine): each run
+    is a torchrun job of a trainer rank and an engine rank from the seed's one cold start; the variants differing
+    only in max_staleness share it, take the same first batch, and log their lags."""
+    from moe_gspo.cli import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    out = tmp_path / "cmp"
+    assert main(["compare", "--config", str(ROOT / "configs/study_staleness_cpu.yaml"), "--only",
+                 "gspo_k0,gspo_k1", "--seeds", "1", "--out", str(out), "train.steps=3", "train.cold_start_steps=5",
+                 "train.minibatches=2"]) == 0
+    assert [p.name for p in (out / "cold_start").glob("*.safetensors")] == ["seed_0.safetensors"]
+    k0, k1 = records(out / "gspo_k0" / "seed_0"), records(out / "gspo_k1" / "seed_0")
+    assert [r["async/version_lag_max"] for r in k0] == [0, 0, 0]
+    assert [r["async/version_lag_max"] for r in k1] == [0, 1, 1]
+    assert k0[0]["reward/mean"] == k1[0]["reward/mean"] and k0[0]["rollout_logprobs_diff_max"] < 1e-5
+    assert json.loads((out / "gspo_k1" / "seed_0" / "wall_time.json").read_text())["seconds"] > 0

@@ -69,7 +69,6 @@ class EngineClient:
         self.start, self.version, self.k, self.steps = start, start, cfg.train.max_staleness, cfg.train.steps
         self.link = BatchLink(roles)
         self.weights = WeightPush(roles, cfg.model, push_dtype(cfg), bucket_bytes(cfg))
-        self.pushes = 0
 
     def begin(self, policy) -> None:
         """Push the version the engines build from (the weights after the cold start, or the checkpoint's)."""
@@ -81,7 +80,6 @@ class EngineClient:
         self.version += 1
         if self.version + self.k < self.steps:
             self.weights.push(policy, self.version)
-            self.pushes += 1
 
     def receive(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """Batch `step` for this rank, and its metrics: the version lag and the engine's time."""

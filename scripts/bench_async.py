@@ -34,16 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from _rl_bench.comparison import BENCH_OVERRIDES, SIZES  # noqa: E402
+from moe_gspo.parallel.state import free_port  # noqa: E402
 
 PHASES = ("time/rollout", "time/logprob", "time/train", "time/sync")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def arms(cores: int) -> dict[str, tuple[int, int, list[str]]]:
@@ -63,7 +56,7 @@ def run_arm(name: str, nproc: int, threads: int, overrides: list[str], config: P
         cmd = [sys.executable, *train]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *train]
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", *train]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode:

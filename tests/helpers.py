@@ -43,6 +43,39 @@ def make_hf_checkpoint(path: Path, **kw) -> Path:
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (children first, then theirs), from /proc: torchrun starts its ranks in sessions
+    of their own, so killing its group leaves them."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                ppid = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(p))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL pid and every process below it (those already gone are skipped)."""
+    import os
+    import signal
+
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_torchrun(script, *args, nproc: int = 2, torchrun_args=(), timeout: int = 600):
     """Run `script args` under torchrun (gloo, one thread per rank) from the repo root; fail the test, showing
     the tail of stdout and stderr, if the job does not exit 0. Returns the CompletedProcess."""

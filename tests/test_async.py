@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import ROOT, free_port, records
+from helpers import ROOT, descendants, free_port, kill_tree, records
 from moe_gspo.config import ModelConfig
 from moe_gspo.rollout.bridge import BridgeError, ReceivedState, RemotePolicy, Roles, WeightPush, bucket_plan
 
@@ -210,25 +210,8 @@ def test_separate_synchronous_equals_colocated(tmp_path):
     _equal(records(tmp_path / "tp2"), col, 1e-5)
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                ppid = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(p))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
 def _rank_pid(root: int, rank: int) -> int | None:
-    for pid in _descendants(root):
+    for pid in descendants(root):
         try:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except OSError:
@@ -259,11 +242,7 @@ def test_staleness_bound_versions_killed_engine_and_resume(tmp_path):
         _, err = proc.communicate(timeout=180)
         ended = time.monotonic() - killed
     finally:
-        for pid in [proc.pid, *_descendants(proc.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(proc.pid)  # torchrun starts its ranks in sessions of their own
     assert proc.returncode != 0 and ended < 180, (proc.returncode, ended)
     assert "rank      : 1" in err or "engine rank 1" in err, err[-3000:]
     before = records(run)

@@ -4,7 +4,6 @@ the config errors."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ import time
 import pytest
 import torch
 
-from helpers import ROOT, free_port, run_torchrun
+from helpers import ROOT, free_port, kill_tree, run_torchrun
 from moe_gspo.config import ModelConfig
 from moe_gspo.model.hf_io import hf_to_megatron, megatron_to_hf, shard_state
 from moe_gspo.model.hf_shards import TrainerShards, hf_shapes
@@ -202,23 +201,6 @@ def test_engine_tp2_beside_trainer_tp2_and_ep2(tmp_path):
     _check(reps, metrics, None, 0.5)
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in os.listdir("/proc"):
-        if stat.isdigit():
-            try:
-                ppid = int(open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(stat))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
 def test_killed_engine_tp_run_resumes_past_its_shared_memory(tmp_path):
     """A run with a tensor-parallel engine killed mid-run (SIGKILL: nothing of it cleans up) leaves vLLM's shared
     memory behind; the --resume'd run starts, continues from the newest checkpoint, and removes the dead job's
@@ -242,11 +224,7 @@ def test_killed_engine_tp_run_resumes_past_its_shared_memory(tmp_path):
             time.sleep(0.5)
         left = {p.name for p in SHM_DIR.glob(SHM_PREFIX + "*")} - before
     finally:
-        for pid in [proc.pid, *_descendants(proc.pid)]:  # torchrun starts its ranks in sessions of their own
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(proc.pid)  # torchrun starts its ranks in sessions of their own
         proc.wait()
     assert left, "the engine had no shared memory while it ran"
     from moe_gspo.rollout.vllm_tp import _alive

@@ -383,7 +383,7 @@ def _run_in_processes(plan: list[Job], files: dict, base: dict, jobs: int, threa
         y = f.with_suffix(".yaml")
         y.write_text(yaml.safe_dump(to_dict(_quiet(cfg)), sort_keys=False))
         cold.append((f"cold start {f.stem}", ["--config", str(y), "--out", str(f.parent), "--cold-start-to", str(f)],
-                     f.with_suffix(".log"), f.with_suffix(".json"), f.name))
+                     f.with_suffix(".log"), f.with_suffix(".json"), f.name, 1))
     runs = []
     for job in plan:
         job.dir.mkdir(parents=True, exist_ok=True)
@@ -406,31 +406,28 @@ def _quiet(cfg):
 
 
 def _processes(tasks: list[tuple], jobs: int, threads: int) -> dict[str, float]:
-    """Run (label, compare arguments, log file, result JSON with "seconds", key) tasks `jobs` at a time as
-    `python -m moe_gspo.cli compare ...` processes; {key: seconds}. After a failure no new task starts; the error
-    names each failed task with the last line of its log (one line when all failed on user errors, exit code 2)."""
+    """Run (label, compare arguments, log file, result JSON with "seconds", key, processes) tasks `jobs` at a time
+    as `python -m moe_gspo.cli compare ...` processes (a torchrun job of that many ranks when more than one);
+    {key: seconds}. After a failure no new task starts; the error names each failed task with the last line of its
+    log (one line when all failed on user errors, exit code 2)."""
     pkg_root = str(Path(__file__).resolve().parents[2])  # the directory that holds the moe_gspo package
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
     # a torchrun job of n processes shares its run's threads among them
     job_env = {n: {**env, "OMP_NUM_THREADS": str(max(1, threads // n)), "MKL_NUM_THREADS": str(max(1, threads // n))}
-               for n in {t[5] if len(t) > 5 else 1 for t in tasks}}
+               for n in {t[5] for t in tasks}}
     failed: list[tuple[int, str]] = []  # (exit code, message)
 
     def launch(task) -> float | None:
-        label, args, log_path, result, _ = task[:5]
-        nproc = task[5] if len(task) > 5 else 1
+        label, args, log_path, result, _, nproc = task
         if failed:
             return None
         cmd = [sys.executable, "-m", "moe_gspo.cli", "compare", *args]
         if nproc > 1:
-            import socket
+            from moe_gspo.parallel.state import free_port
 
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                   "--master-addr=127.0.0.1", f"--master-port={port}", *cmd[1:]]
+                   "--master-addr=127.0.0.1", f"--master-port={free_port()}", *cmd[1:]]
         with log_path.open("w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=job_env[nproc]).returncode
         if rc:

@@ -38,7 +38,8 @@ class ParallelInfo:
     dp_rank: int
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a one-process group or a torchrun job launched from here)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -120,7 +121,7 @@ def init_distributed(backend: str = "auto", timeout_min: int = 10) -> None:
         dist.init_process_group(backend, store=dist.PrefixStore(f"moe_gspo/attempt_{attempt}", store), rank=rank,
                                 world_size=world, timeout=timeout)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 timeout=timeout)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import math
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -168,7 +169,7 @@ def bucket_plan(shapes: dict[str, tuple[int, ...]], bucket_bytes: int, itemsize:
     plan: list[list[str]] = []
     size = 0
     for key, shape in shapes.items():
-        nbytes = itemsize * _numel(shape)
+        nbytes = itemsize * math.prod(shape)
         if not plan or size + nbytes > bucket_bytes:
             plan.append([])
             size = 0
@@ -177,11 +178,12 @@ def bucket_plan(shapes: dict[str, tuple[int, ...]], bucket_bytes: int, itemsize:
     return plan
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+def push_plan(mc, dtype: torch.dtype, bucket_bytes: int) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
+    """(HF key -> shape, buckets of keys) of a push: what both sides derive from the model config."""
+    from moe_gspo.model.hf_shards import hf_shapes
+
+    shapes = hf_shapes(mc)
+    return shapes, bucket_plan(shapes, bucket_bytes, torch.empty((), dtype=dtype).element_size())
 
 
 class WeightPush:
@@ -189,11 +191,8 @@ class WeightPush:
     collective of the trainer's groups); trainer rank 0 broadcasts it to the engine ranks bucket by bucket."""
 
     def __init__(self, roles: Roles, mc, dtype: torch.dtype, bucket_bytes: int):
-        from moe_gspo.model.hf_shards import hf_shapes
-
         self.roles, self.dtype = roles, dtype
-        self.shapes = hf_shapes(mc)
-        self.plan = bucket_plan(self.shapes, bucket_bytes, torch.empty((), dtype=dtype).element_size())
+        self.shapes, self.plan = push_plan(mc, dtype, bucket_bytes)
         self.seconds = 0.0  # the last push, waiting included
         self.wait_s = 0.0  # the part of it spent waiting for the engine ranks to take it (they were generating)
         self.bytes = 0
@@ -243,10 +242,11 @@ class ReceivedState(Mapping):
                 raise KeyError(f"{key}: a pushed state is read once, in the order of its buckets")
             keys = self.plan[self._next]
             self._next += 1
-            flat = torch.empty(sum(_numel(self.shapes[k]) for k in keys), dtype=self.dtype)
+            sizes = [math.prod(self.shapes[k]) for k in keys]
+            flat = torch.empty(sum(sizes), dtype=self.dtype)
             wait(self.roles.weights.broadcast(flat, 0), "a policy version", "trainer rank 0", self.roles)
             self._views = dict(zip(keys, (p.view(self.shapes[k]) for p, k in
-                                          zip(flat.split([_numel(self.shapes[k]) for k in keys]), keys))))
+                                          zip(flat.split(sizes), keys))))
         return self._views.pop(key)
 
 
@@ -257,12 +257,9 @@ class RemotePolicy:
     pushed = True  # whole tensors arrive on every engine rank (a tensor-parallel engine keeps its regions of them)
 
     def __init__(self, roles: Roles, mc, dtype: torch.dtype, bucket_bytes: int, version: int):
-        from moe_gspo.model.hf_shards import hf_shapes
-
         self.roles, self.model_config, self.dtype = roles, mc, dtype
         self.device = torch.device("cpu")
-        self.shapes = hf_shapes(mc)
-        self.plan = bucket_plan(self.shapes, bucket_bytes, torch.empty((), dtype=dtype).element_size())
+        self.shapes, self.plan = push_plan(mc, dtype, bucket_bytes)
         self.version = version  # the version the next stream_hf() receives
         self.last_wait_s = 0.0  # how long the last stream_hf() waited for trainer rank 0 to begin the push
 

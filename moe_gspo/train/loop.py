@@ -166,11 +166,11 @@ class Run:
 
             engine = EngineClient(roles, cfg, info.dp_rank, info.dp, start)
             engine.begin(policy)
-        elif engine is None:
-            engine = engine_from_config(cfg.rollout, policy, tokenizer=tok)  # holds the current weights
         else:
-            engine.update_weights(policy)
-        if roles is None:
+            if engine is None:
+                engine = engine_from_config(cfg.rollout, policy, tokenizer=tok)  # holds the current weights
+            else:
+                engine.update_weights(policy)
             placement = EnginePlacement.build(cfg.rollout.engine_tp, info.dp_rank, groups.tp)
         logc = cfg.logging
         writer = MetricsWriter(run_dir, logc.jsonl, logc.tensorboard, active=info.rank == 0)

@@ -15,7 +15,9 @@ The script launches itself under torchrun (gloo, one thread per rank) once per m
 - `scaling` rows: engine TP = the world, the same trainer layout, hidden sizes --sizes (experts' width scaled with
   them, 8 layers, 32 experts top-4): sync seconds against the floor, the engine shard's bytes over this machine's
   memory-copy bandwidth measured in the same process (a 256 MiB tensor copy, median of 5): the least a sync that
-  writes every byte of the shard once could take.
+  writes every byte of the shard once could take. Beside it, the slowest rank's sync by phase (ShardedSync.load):
+  move (the plan's rounds), write (pieces into the engine, experts into their staging), prepack (the experts packed
+  for vLLM's CPU kernel) and repack_dense (the dense layers' packed GEMM weights rebuilt).
 Prints a table and writes the rows as JSON.
 """
 
@@ -96,7 +98,7 @@ def worker(args) -> None:
             times.append(time.perf_counter() - t0)
             tokens = int(batch.response_lengths.sum())
         rec |= {"gen_s": statistics.median(times), "gen_tokens": tokens}
-    syncs, peaks = [], []
+    syncs, peaks, phases = [], [], []
     for _ in range(args.repeats + 1):
         with torch.no_grad():
             for w in policy.parameters():
@@ -105,9 +107,10 @@ def worker(args) -> None:
         ok = _reset_peak()
         dist.barrier()
         t0 = time.perf_counter()
-        engine.update_weights(policy)
+        engine.update_weights(policy.weights())
         dist.barrier()
         syncs.append(time.perf_counter() - t0)
+        phases.append(dict(engine.last_sync_phases))
         peaks.append(_rss("VmHWM") - before if ok else float("nan"))
     elem = 2 if cfg.rollout.engine_dtype == "bfloat16" else 4
     total = sum(p.numel() for p in policy.parameters())  # this rank's trainer shard, for reference
@@ -118,6 +121,8 @@ def worker(args) -> None:
     rec |= {"sync_s": statistics.median(syncs[1:]), "sync_peak_above_rss": max(peaks[1:]),
             "engine_shard_bytes": shard_bytes, "model_params": model_params, "trainer_params_local": total,
             "received_bytes": getattr(engine, "last_sync_received_bytes", 0),
+            # per phase, the median over the timed syncs (engine TP > 1; see ShardedSync.load)
+            "sync_phases": {k: statistics.median(p[k] for p in phases[1:]) for k in phases[-1]},
             "copy_bandwidth": _copy_bandwidth()}
     Path(args.out, f"rank_{rank}.json").write_text(json.dumps(rec))
     engine.close()
@@ -177,19 +182,23 @@ def main() -> None:
                      "sync_s": r0["sync_s"], "floor_s": floor, "over_floor": r0["sync_s"] / floor,
                      "shard_mb": r0["engine_shard_bytes"] / 2**20,
                      "received_mb": max(r["received_bytes"] for r in reps) / 2**20,
-                     "copy_gb_s": r0["copy_bandwidth"] / 1e9})
+                     "copy_gb_s": r0["copy_bandwidth"] / 1e9, "phases_s": r0["sync_phases"]})
     print("| engine TP | build s | gen tok/s | sync s | sync peak above RSS MB | engine shard MB | received MB |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if r["kind"] == "engine":
             print(f"| {r['engine_tp']} | {r['build_s']:.1f} | {r['gen_tok_s']:.0f} | {r['sync_s']:.3f} | "
                   f"{r['peak_mb']:.1f} | {r['shard_mb']:.1f} | {r['received_mb']:.1f} |")
-    print("\n| hidden | params (M) | sync s | floor s | sync / floor | shard MB | received MB | copy GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    names = ("move", "write", "prepack", "repack_dense")
+    print("\n| hidden | params (M) | sync s | floor s | sync / floor | shard MB | received MB | copy GB/s | "
+          + " | ".join(f"{n} s" for n in names) + " |")
+    print("| --- " * (8 + len(names)) + "|")
     for r in rows:
         if r["kind"] == "scaling":
+            ph = " | ".join(f"{r['phases_s'].get(n, float('nan')):.3f}" for n in names)
             print(f"| {r['hidden']} | {r['model_params_m']:.1f} | {r['sync_s']:.4f} | {r['floor_s']:.4f} | "
-                  f"{r['over_floor']:.1f}x | {r['shard_mb']:.1f} | {r['received_mb']:.1f} | {r['copy_gb_s']:.1f} |")
+                  f"{r['over_floor']:.1f}x | {r['shard_mb']:.1f} | {r['received_mb']:.1f} | {r['copy_gb_s']:.1f} | "
+                  f"{ph} |")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"nproc": a.nproc, "layout": layout, "rows": rows}, indent=2))

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from helpers import ROOT, descendants, free_port, kill_tree, records
 from moe_gspo.config import ModelConfig
-from moe_gspo.rollout.bridge import BridgeError, ReceivedState, RemotePolicy, Roles, WeightPush, bucket_plan
+from moe_gspo.model.weights import WeightSource
+from moe_gspo.rollout.bridge import BridgeError, PushedWeights, ReceivedState, Roles, WeightPush, bucket_plan
 
 MC = ModelConfig(vocab_size=130, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -39,14 +40,14 @@ def test_bucket_plan_keeps_the_order_and_the_bound():
     assert len(bucket_plan(shapes, 10**9, 4)) == 1 and len(bucket_plan(shapes, 1, 4)) == len(shapes)
 
 
-class _Exported:
-    """A policy stand-in exporting a fixed HF state (the trainer's side reads it like MoEPolicy.stream_hf)."""
+class _Fixed(WeightSource):
+    """A weight source of a fixed HF state (the trainer's side reads it like a policy's weights())."""
 
     def __init__(self, state):
-        self.state = state
+        self.state, self.config = state, {}
 
-    def stream_hf(self):
-        return {}, self.state
+    def whole(self):
+        return self.state
 
 
 def _pair(fn0, fn1, timeout_s=20.0):
@@ -84,11 +85,11 @@ def test_a_pushed_state_arrives_bitwise_in_buckets():
     for dtype in (torch.float32, torch.bfloat16):
         def trainer(roles, dtype=dtype):
             push = WeightPush(roles, MC, dtype, 2048)
-            push.push(_Exported(state), 0)
+            push.push(_Fixed(state), 0)
             return len(push.plan)
 
         def engine(roles, dtype=dtype):
-            _, got = RemotePolicy(roles, MC, dtype, 2048, version=0).stream_hf()
+            got = PushedWeights(roles, MC, dtype, 2048, version=0).whole()
             return {k: got[k].clone() for k in got}
 
         n, got = _pair(trainer, engine)
@@ -129,7 +130,7 @@ def test_a_stalled_or_dead_peer_is_one_line_naming_the_ranks():
     def engine(roles):  # waits for a version from a trainer that is gone
         t0 = time.monotonic()
         try:
-            RemotePolicy(roles, MC, torch.float32, 2048, version=3).stream_hf()
+            PushedWeights(roles, MC, torch.float32, 2048, version=3).whole()
         except BridgeError as e:
             return str(e), time.monotonic() - t0
         return None, 0.0

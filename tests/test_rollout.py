@@ -12,6 +12,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from moe_gspo.kernels import token_logprobs_from_logits
+from moe_gspo.model.weights import WeightSource
 from moe_gspo.rollout import RolloutBatch, SamplingParams, build_engine, rollout_probs_diff
 from moe_gspo.rollout.hf_engine import HFEngine, copy_into_model
 from moe_gspo.tasks import CharTokenizer
@@ -132,8 +133,9 @@ def test_top_p_small_is_greedy(model, prompts):
     assert all(torch.equal(a, b) for a, b in zip(g.response_ids, p.response_ids))
 
 
-class _ExportingPolicy:
-    """Stands in for the megatron policy: export_hf() gives config.json + checkpoint-format (per-expert) tensors."""
+class _CheckpointWeights(WeightSource):
+    """A weight source that is neither a policy nor a transformers model: config.json + checkpoint-format
+    (per-expert) tensors read from disk. An engine loads it through the WeightSource interface alone."""
 
     def __init__(self, model, tmp_path):
         from safetensors.torch import load_file
@@ -142,12 +144,12 @@ class _ExportingPolicy:
         self.config = json.loads((tmp_path / "config.json").read_text())
         self.state = load_file(tmp_path / "model.safetensors")
 
-    def export_hf(self):
-        return self.config, self.state
+    def whole(self):
+        return self.state
 
 
-def test_update_weights_from_export_hf(model, prompts, tmp_path):
-    policy = _ExportingPolicy(model, tmp_path)
+def test_update_weights_from_a_weight_source(model, prompts, tmp_path):
+    policy = _CheckpointWeights(model, tmp_path)
     assert any(".experts.0.gate_proj.weight" in k for k in policy.state)  # per-expert checkpoint names
     eng = HFEngine(policy, tokenizer=TOK)
     assert eng.model is not model
@@ -182,7 +184,7 @@ def test_update_weights_from_export_hf(model, prompts, tmp_path):
     with pytest.raises(KeyError, match="incomplete"):
         copy_into_model(built, bad)
     assert all(torch.equal(v, before[k]) for k, v in built.state_dict().items())  # refused: nothing written
-    with pytest.raises(TypeError, match="export_hf"):
+    with pytest.raises(TypeError, match="WeightSource.*got object"):
         eng.update_weights(object())
 
 

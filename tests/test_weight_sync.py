@@ -84,3 +84,53 @@ def test_bucketed_sync_under_tp2_ep2_equals_the_export(tmp_path):
     for name, r in got.items():
         assert r["unequal"] == [] and r["tensors"] > 0, (name, r)
         assert 1 < r["buckets"] < r["tensors"], (name, r)  # several tensors per bucket, more than one bucket
+
+
+def test_the_policy_weight_source_is_its_export_and_views_of_its_parameters(policy):
+    """policy.weights(): the config and whole tensors of the policy's export, in its order and bit for bit; its
+    shards (tp = ep = 1: every tensor whole on this rank) are views of the parameters, so they see an optimizer's
+    in-place update without a new export."""
+    from moe_gspo.model.hf_io import hf_config_dict
+    from moe_gspo.model.hf_shards import WHOLE
+    from moe_gspo.model.weights import PolicyWeights, weights_of
+
+    config, export = policy.export_hf()
+    export = {k: v.clone() for k, v in export.items()}
+    w = policy.weights()
+    assert isinstance(w, PolicyWeights) and weights_of(w) is w and isinstance(weights_of(policy), PolicyWeights)
+    assert w.config == config == hf_config_dict(policy.model_config) and w.device == policy.device
+    whole = w.whole()
+    assert list(whole) == list(export) and all(torch.equal(whole[k], v) for k, v in export.items())
+    here = w.shards
+    assert (here.tp_rank, here.ep_rank) == (0, 0)
+    assert all(here.layout.region(k, 0, 0) == WHOLE for k in export)
+    local = here.local()
+    assert set(local) == set(export) and all(torch.equal(local[k], v) for k, v in export.items())
+    key = next(k for k in export if k.endswith("lm_head.weight"))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(-1.0)
+    try:
+        assert torch.equal(local[key], -export[key])  # a view: the update is visible without re-reading
+    finally:
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.mul_(-1.0)
+
+
+def test_weights_of_converts_models_and_names_what_it_refuses():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moe_gspo.model.weights import ModuleWeights, weights_of
+
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=8))
+    w = weights_of(model)
+    assert isinstance(w, ModuleWeights) and w.module is model and w.shards is None
+    state = w.whole()  # checkpoint names: one tensor per expert
+    assert any(k.endswith("experts.3.down_proj.weight") for k in state)
+    assert torch.equal(state["model.embed_tokens.weight"], model.model.embed_tokens.weight)
+    with pytest.raises(TypeError, match="got dict"):
+        weights_of({})

@@ -250,6 +250,15 @@ class MoEPolicy(torch.nn.Module):
         """Inverse of gather_full: this rank's TP/EP shard of unsharded tensors (no communication)."""
         return hf_io.shard_state(full, self.model_config, self.tp, self.tp_rank, self.ep, self.ep_rank)
 
+    def weights(self):
+        """This policy's weights as engines load them (moe_gspo.model.weights.PolicyWeights): whole HF tensors,
+        streamed, or this rank's shards."""
+        from moe_gspo.model.weights import PolicyWeights
+
+        if "_weight_source" not in self.__dict__:  # views of the parameters: one source serves every update
+            self.__dict__["_weight_source"] = PolicyWeights(self)
+        return self.__dict__["_weight_source"]
+
     def export_hf(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """(config.json dict, HF-named full state dict) in memory: what save_pretrained writes."""
         return hf_io.hf_config_dict(self.model_config), hf_io.megatron_to_hf(self.full_megatron_state(),

@@ -1,9 +1,13 @@
 """The rollout engine interface, sampling parameters, and the engine registry.
 
-    engine = build_engine("hf", policy, tokenizer=CharTokenizer())   # or engine_from_config(cfg.rollout, policy, tok)
-    batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(temperature=1.0, seed=0))
+    engine = build_engine("hf", policy.weights(), tokenizer=CharTokenizer())   # or engine_from_config(cfg.rollout,
+    batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(temperature=1.0, seed=0))  # policy, tok)
     ...optimizer steps on the policy...
-    engine.update_weights(policy)             # the engine now samples from the new weights
+    engine.update_weights(policy.weights())   # the engine now samples from the new weights
+
+Every engine builds from and updates from one kind of object, a WeightSource (moe_gspo.model.weights): whole HF
+tensors streamed in order, or the trainer's shards for an engine sharded over the trainer's ranks. A policy or a
+transformers model handed to an engine is turned into one (`weights_of`).
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ class RolloutEngine(ABC):
         return 1.0
 
     @abstractmethod
-    def update_weights(self, policy) -> None:
-        """Load the policy's current weights (a policy with export_hf(), or a transformers model)."""
+    def update_weights(self, weights) -> None:
+        """Load the current weights of a WeightSource (policy.weights(); a policy or a transformers model is
+        converted by moe_gspo.model.weights.weights_of)."""
 
     def close(self) -> None:
         """Release engine resources (GPU memory, worker processes)."""
@@ -84,10 +89,10 @@ class RolloutEngine(ABC):
         return torch.arange(s0, s0 + n), torch.arange(g0, g0 + num_prompts).repeat_interleave(n_per_prompt)
 
     @classmethod
-    def from_config(cls, policy, rollout_cfg, tokenizer=None) -> RolloutEngine:
-        """The engine for a run's `rollout:` section (moe_gspo.config.RolloutConfig), holding the policy's weights.
-        Each engine reads the fields it honours (rollout.engine_dtype, ...) and its own device placement."""
-        return cls(policy, tokenizer=tokenizer)
+    def from_config(cls, weights, rollout_cfg, tokenizer=None) -> RolloutEngine:
+        """The engine for a run's `rollout:` section (moe_gspo.config.RolloutConfig), holding a WeightSource's
+        weights. Each engine reads the fields it honours (rollout.engine_dtype, ...) and its own device placement."""
+        return cls(weights, tokenizer=tokenizer)
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -126,12 +131,15 @@ def _engine_class(name: str) -> type[RolloutEngine]:
     return ENGINES[name]
 
 
-def build_engine(name: str, policy, **kwargs) -> RolloutEngine:
-    """The engine registered as `name`, holding the policy's weights; an unknown name lists the valid ones."""
-    return _engine_class(name)(policy, **kwargs)
+def build_engine(name: str, weights, **kwargs) -> RolloutEngine:
+    """The engine registered as `name`, holding the weights of `weights` (a WeightSource, a policy or a transformers
+    model); an unknown name lists the valid ones."""
+    return _engine_class(name)(weights, **kwargs)
 
 
-def engine_from_config(rollout_cfg, policy, tokenizer=None) -> RolloutEngine:
+def engine_from_config(rollout_cfg, weights, tokenizer=None) -> RolloutEngine:
     """The engine `rollout_cfg.engine` names, built by its own from_config from the run's `rollout:` section: the
     trainer knows no engine by name."""
-    return _engine_class(rollout_cfg.engine).from_config(policy, rollout_cfg, tokenizer=tokenizer)
+    from moe_gspo.model.weights import weights_of
+
+    return _engine_class(rollout_cfg.engine).from_config(weights_of(weights), rollout_cfg, tokenizer=tokenizer)

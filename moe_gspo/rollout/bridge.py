@@ -4,8 +4,8 @@ moves between the two sides.
     roles = split_job(cfg.rollout)                  # before anything else touches torch.distributed
     # trainer ranks: the default group is the trainer's world (megatron's groups live inside it)
     # engine ranks: the default group is the engines' world (what vLLM's external_launcher would use)
-    WeightPush(roles, mc, dtype, bucket_bytes).push(policy, version)         # trainer ranks, all of them
-    RemotePolicy(roles, mc, dtype, bucket_bytes).stream_hf()                # engine ranks: what an engine loads
+    WeightPush(roles, mc, dtype, bucket_bytes).push(policy.weights(), version)   # trainer ranks, all of them
+    engine.update_weights(PushedWeights(roles, mc, dtype, bucket_bytes))         # engine ranks: the next version
     BatchLink(roles).send(msg, trainer_rank, step) / .recv(engine_rank, step)
 
 The job's last `rollout.engine_ranks` ranks host engines; the others train. Every rank opens a client of the job's
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from moe_gspo.config import ConfigError, UserError
+from moe_gspo.model.weights import WeightSource
 
 
 class BridgeError(UserError):
@@ -197,14 +198,15 @@ class WeightPush:
         self.wait_s = 0.0  # the part of it spent waiting for the engine ranks to take it (they were generating)
         self.bytes = 0
 
-    def push(self, policy, version: int) -> None:
+    def push(self, weights, version: int) -> None:
+        """Send `weights` (a WeightSource, read whole on every trainer rank) as policy version `version`."""
         t0 = time.perf_counter()
         root = self.roles.weights is not None
         if root:
             wait(self.roles.weights.broadcast(torch.tensor([version], dtype=torch.int64), 0),
                  f"the push of policy version {version}", "the engine ranks", self.roles)
         self.wait_s = time.perf_counter() - t0
-        _, state = policy.stream_hf()
+        state = weights.whole()
         sent = 0
         for keys in self.plan:
             parts = []
@@ -250,22 +252,21 @@ class ReceivedState(Mapping):
         return self._views.pop(key)
 
 
-class RemotePolicy:
-    """What an engine on an engine rank builds from and updates from: the policy's config and, at each
-    stream_hf(), the next version pushed by trainer rank 0 (checked against the version expected)."""
-
-    pushed = True  # whole tensors arrive on every engine rank (a tensor-parallel engine keeps its regions of them)
+class PushedWeights(WeightSource):
+    """What an engine on an engine rank builds from and updates from (a WeightSource of whole tensors): the policy's
+    config and, at each whole(), the next version pushed by trainer rank 0 (checked against the version expected).
+    Whole tensors arrive on every engine rank; a tensor-parallel engine keeps its regions of them."""
 
     def __init__(self, roles: Roles, mc, dtype: torch.dtype, bucket_bytes: int, version: int):
-        self.roles, self.model_config, self.dtype = roles, mc, dtype
-        self.device = torch.device("cpu")
-        self.shapes, self.plan = push_plan(mc, dtype, bucket_bytes)
-        self.version = version  # the version the next stream_hf() receives
-        self.last_wait_s = 0.0  # how long the last stream_hf() waited for trainer rank 0 to begin the push
-
-    def stream_hf(self) -> tuple[dict, Mapping[str, torch.Tensor]]:
         from moe_gspo.model.hf_io import hf_config_dict
 
+        self.roles, self.model_config, self.dtype = roles, mc, dtype
+        self.config = hf_config_dict(mc)
+        self.shapes, self.plan = push_plan(mc, dtype, bucket_bytes)
+        self.version = version  # the version the next whole() receives
+        self.last_wait_s = 0.0  # how long the last whole() waited for trainer rank 0 to begin the push
+
+    def whole(self) -> Mapping[str, torch.Tensor]:
         t0 = time.perf_counter()
         got = torch.zeros(1, dtype=torch.int64)
         wait(self.roles.weights.broadcast(got, 0), f"policy version {self.version}", "trainer rank 0", self.roles)
@@ -274,7 +275,4 @@ class RemotePolicy:
             raise RuntimeError(f"engine rank {self.roles.rank}: received policy version {int(got)}, expected "
                                f"{self.version} (the push schedules of trainer and engine disagree)")
         self.version += 1
-        return hf_config_dict(self.model_config), ReceivedState(self.roles, self.shapes, self.plan, self.dtype)
-
-    def export_hf(self):
-        return self.stream_hf()
+        return ReceivedState(self.roles, self.shapes, self.plan, self.dtype)

@@ -1,8 +1,8 @@
 """The embedded CPU rollout engine: a transformers Qwen3-MoE model sampling token by token with a KV cache.
 
-    engine = HFEngine(policy, tokenizer=CharTokenizer())       # policy.export_hf() or a transformers model
+    engine = HFEngine(policy.weights(), tokenizer=CharTokenizer())   # or a transformers model
     batch = engine.generate([[1, 20, 21]], n_per_prompt=4, sampling=SamplingParams(seed=0))
-    engine.update_weights(policy)                              # after an optimizer step
+    engine.update_weights(policy.weights())                          # after an optimizer step
 
 Why a hand-written loop rather than `model.generate`: it returns exactly what RL needs and nothing else, with the
 same arithmetic as a training forward. Each step takes the last position's logits, samples from
@@ -12,11 +12,11 @@ the attention it would see alone. Routing comes from forward hooks on each MoE l
 which returns the top-k experts the layer then uses: prefill gives the prompt positions, each decode step the
 position just fed.
 
-Weights: `update_weights(policy)` takes `policy.export_hf() -> (config_dict, state_dict)` (config.json contents
-and the checkpoint-format state dict `save_pretrained` would write: one tensor per expert) and loads it into the
-in-memory model, fusing per-expert tensors into transformers' [E, 2I, H] / [E, H, I] layout, one tensor at a time or,
-with sync_bucket_bytes > 0, in flat buckets (weight_sync.py). A transformers model is used as given (weights shared,
-not copied).
+Weights: `update_weights(weights)` takes a WeightSource (moe_gspo.model.weights): its config.json dict and its
+checkpoint-format tensors, read once in order (what `save_pretrained` would write: one tensor per expert), loaded
+into the in-memory model, fusing per-expert tensors into transformers' [E, 2I, H] / [E, H, I] layout, one tensor at a time or,
+with sync_bucket_bytes > 0, in flat buckets (weight_sync.py). A transformers model (ModuleWeights) is used as given
+(weights shared, not copied).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
 from moe_gspo.rollout.weight_sync import copy_in_buckets
@@ -170,7 +171,7 @@ def _sample(logits_BV: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -
 class HFEngine(RolloutEngine):
     """transformers generation on the current policy weights (CPU by default, fp32)."""
 
-    def __init__(self, policy=None, tokenizer=None, eos_token_id: int | None = None, pad_token_id: int = 0,
+    def __init__(self, weights=None, tokenizer=None, eos_token_id: int | None = None, pad_token_id: int = 0,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  attn_implementation: str = "sdpa", sync_bucket_bytes: int = 0):
         self.tokenizer = tokenizer
@@ -180,29 +181,26 @@ class HFEngine(RolloutEngine):
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_id", None)
         self.model = None
         self.last_sync_copies = 0
-        if policy is not None:
-            self.update_weights(policy)
+        if weights is not None:
+            self.update_weights(weights)
 
     @classmethod
-    def from_config(cls, policy, rollout_cfg, tokenizer=None) -> HFEngine:
-        """On the policy's device, computing in rollout.engine_dtype."""
-        return cls(policy, tokenizer=tokenizer, device=getattr(policy, "device", "cpu"),
+    def from_config(cls, weights, rollout_cfg, tokenizer=None) -> HFEngine:
+        """Where the weights are, computing in rollout.engine_dtype."""
+        return cls(weights, tokenizer=tokenizer, device=weights.device,
                    dtype=getattr(torch, rollout_cfg.engine_dtype), sync_bucket_bytes=rollout_cfg.sync_bucket_bytes)
 
-    def update_weights(self, policy) -> None:
-        if isinstance(policy, PreTrainedModel):
-            self.model = policy
-        elif hasattr(policy, "export_hf"):
-            # the export holds views of the policy's own weights wherever the layouts agree (all but q/k/v), or under
+    def update_weights(self, weights) -> None:
+        w = weights_of(weights)
+        if w.module is not None:
+            self.model = w.module
+        else:
+            # the source holds views of the policy's own weights wherever the layouts agree (all but q/k/v), or under
             # TP/EP gathers one parameter at a time; with an unchanged config they are copied into the same module
             # in place
-            config_dict, state_dict = policy.stream_hf() if hasattr(policy, "stream_hf") else policy.export_hf()
-            self.model = model_from_export(config_dict, state_dict, self.dtype, self.attn_implementation,
+            self.model = model_from_export(w.config, w.whole(), self.dtype, self.attn_implementation,
                                            model=self.model, bucket_bytes=self.sync_bucket_bytes).to(self.device)
             self.last_sync_copies = self.model._moe_gspo_sync_copies  # tensors copied, or buckets
-        else:
-            raise TypeError(f"update_weights needs a policy with export_hf() or a transformers PreTrainedModel, "
-                            f"got {type(policy).__name__}")
         if self.eos_token_id is None:
             self.eos_token_id = getattr(self.model.config, "eos_token_id", None)
 
@@ -266,7 +264,7 @@ class HFEngine(RolloutEngine):
         the sampling generator on `device`, seeded by sp.seed; the stop token ids (sp's and eos) on `device`)."""
         name = type(self).__name__
         if self.model is None:
-            raise RuntimeError(f"{name} has no weights: call update_weights(policy) first")
+            raise RuntimeError(f"{name} has no weights: call update_weights(policy.weights()) first")
         _validate_prompts(prompts, n_per_prompt, self.model.config.vocab_size)
         if sp.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need the engine to have a tokenizer ({name}(tokenizer=...))")

@@ -1,6 +1,6 @@
 """The 'hf_static' rollout engine: the HF engine's model and weights, decoded with a preallocated KV cache.
 
-    engine = StaticHFEngine(policy, tokenizer=CharTokenizer(), device="cuda", dtype=torch.bfloat16)
+    engine = StaticHFEngine(policy.weights(), tokenizer=CharTokenizer(), device="cuda", dtype=torch.bfloat16)
     batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(seed=0))   # same RolloutBatch as 'hf'
 
 What differs from HFEngine (hf_engine.py), which grows a dynamic cache and moves every step's tokens to the CPU:
@@ -73,7 +73,7 @@ class RouterTaps:
 class StaticHFEngine(HFEngine):
     """HFEngine's model with a static KV cache, on-device decoding and (CUDA) compiled decode steps."""
 
-    def __init__(self, policy=None, tokenizer=None, eos_token_id: int | None = None, pad_token_id: int = 0,
+    def __init__(self, weights=None, tokenizer=None, eos_token_id: int | None = None, pad_token_id: int = 0,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  attn_implementation: str = "sdpa", sync_bucket_bytes: int = 0, cuda_graphs: bool = True,
                  decode_experts: str = "auto", check_every: int = 8):
@@ -81,13 +81,13 @@ class StaticHFEngine(HFEngine):
             raise ValueError(f"decode_experts={decode_experts!r} is not one of auto, batched_mm, grouped_mm, model")
         self.cuda_graphs, self.decode_experts, self.check_every = cuda_graphs, decode_experts, check_every
         self._taps = self._cache = self._cache_shape = self._step = self._compiled_decode = None
-        super().__init__(policy, tokenizer=tokenizer, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        super().__init__(weights, tokenizer=tokenizer, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                          device=device, dtype=dtype, attn_implementation=attn_implementation,
                          sync_bucket_bytes=sync_bucket_bytes)
 
     @classmethod
-    def from_config(cls, policy, rollout_cfg, tokenizer=None) -> StaticHFEngine:
-        return cls(policy, tokenizer=tokenizer, device=getattr(policy, "device", "cpu"),
+    def from_config(cls, weights, rollout_cfg, tokenizer=None) -> StaticHFEngine:
+        return cls(weights, tokenizer=tokenizer, device=weights.device,
                    dtype=getattr(torch, rollout_cfg.engine_dtype), sync_bucket_bytes=rollout_cfg.sync_bucket_bytes,
                    cuda_graphs=rollout_cfg.cuda_graphs)
 
@@ -98,9 +98,9 @@ class StaticHFEngine(HFEngine):
         host, which a graph cannot hold, so those decode steps stay eager."""
         return self.cuda_graphs and self.device.type == "cuda" and self.dtype == torch.bfloat16
 
-    def update_weights(self, policy) -> None:
+    def update_weights(self, weights) -> None:
         before = self.model
-        super().update_weights(policy)
+        super().update_weights(weights)
         if self.model is not before:  # a new module: new hooks, cache and compiled step
             self.close()
             self._taps = RouterTaps(self.model)

@@ -1,11 +1,14 @@
 """The GPU rollout engine: an in-process SGLang Engine on an exported Hugging Face checkpoint.
 
-    engine = SGLangEngine(policy, tokenizer=CharTokenizer())   # needs `sglang` and CUDA (pip install moe-gspo[sglang])
+    engine = SGLangEngine(policy.weights(), tokenizer=CharTokenizer())   # needs `sglang` and CUDA
     batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(seed=0))
-    engine.update_weights(policy)                              # weights pushed in place, no restart
+    engine.update_weights(policy.weights())                              # weights pushed in place, no restart
 
-The policy is exported once to a directory (config.json + model.safetensors, the format `save_pretrained` writes)
-that SGLang starts from; later updates go through `Engine.update_weights_from_tensor`. The engine runs with
+The weights (a WeightSource, moe_gspo.model.weights) are written once to a directory (config.json +
+model.safetensors, the format `save_pretrained` writes) that SGLang starts from. Later updates read the source's
+whole tensors in order, one at a time (a TP/EP policy gathers each as it is read), and hand them to
+`Engine.update_weights_from_tensor` in buckets of at most `bucket_bytes` (rollout.sync_bucket_bytes; 0: 256 MiB),
+so a rank holds one bucket beyond its engine, never a second copy of the model. The engine runs with
 `skip_tokenizer_init` (token ids in and out) and `enable_return_routed_experts`; its routing arrives as a base64
 int32 buffer of (P + R - 1, L, k) rows: prompt positions 0..P-2, then the position that produced each response
 token, the same layout as RolloutBatch (see moe_gspo.rollout.batch). SGLang's log-probs are taken after the
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
 
@@ -36,23 +40,6 @@ def _import_sglang():
     if not torch.cuda.is_available():
         raise RuntimeError("rollout.engine=sglang needs a CUDA GPU, and none is visible; on CPU use rollout.engine=hf")
     return sglang
-
-
-def _export(policy) -> tuple[dict, dict[str, torch.Tensor]]:
-    if hasattr(policy, "export_hf"):
-        return policy.export_hf()
-    from transformers import PreTrainedModel
-
-    if isinstance(policy, PreTrainedModel):  # in-memory names; SGLang's loader expects checkpoint names
-        with tempfile.TemporaryDirectory() as d:
-            policy.save_pretrained(d)
-            from safetensors.torch import load_file
-
-            sd = {}
-            for f in sorted(Path(d).glob("*.safetensors")):
-                sd.update(load_file(f))
-            return json.loads((Path(d) / "config.json").read_text()), sd
-    raise TypeError(f"SGLangEngine needs a policy with export_hf() or a transformers model, got {type(policy).__name__}")
 
 
 def write_hf_checkpoint(config_dict: dict, state_dict: dict[str, torch.Tensor], path: str | Path) -> Path:
@@ -80,10 +67,14 @@ def decode_routed_experts(payload, num_layers: int, top_k: int) -> torch.Tensor:
 class SGLangEngine(RolloutEngine):
     """sglang.Engine in this process; token ids in and out."""
 
-    def __init__(self, policy, tokenizer=None, eos_token_id: int | None = None, export_dir: str | None = None,
-                 dtype: str = "bfloat16", mem_fraction_static: float = 0.5, seed: int = 0, **engine_kwargs):
+    def __init__(self, weights, tokenizer=None, eos_token_id: int | None = None, export_dir: str | None = None,
+                 dtype: str = "bfloat16", mem_fraction_static: float = 0.5, seed: int = 0, bucket_bytes: int = 0,
+                 **engine_kwargs):
         sglang = _import_sglang()
-        config_dict, state_dict = _export(policy)
+        w = weights_of(weights)
+        state_dict = {k: v for k, v in w.whole().items()}  # read in order (a TP/EP policy gathers on reading)
+        config_dict = w.config
+        self.bucket_bytes = bucket_bytes or 256 * 2**20
         self._tmp = None if export_dir else tempfile.TemporaryDirectory(prefix="moe_gspo_sglang_")
         self.path = write_hf_checkpoint(config_dict, state_dict, export_dir or self._tmp.name)
         self.num_layers = int(config_dict["num_hidden_layers"])  # every layer is MoE in this project's models
@@ -95,13 +86,23 @@ class SGLangEngine(RolloutEngine):
                                     mem_fraction_static=mem_fraction_static, random_seed=seed, **engine_kwargs)
 
     @classmethod
-    def from_config(cls, policy, rollout_cfg, tokenizer=None) -> SGLangEngine:
-        """Computing in rollout.engine_dtype (SGLang's own dtype name)."""
-        return cls(policy, tokenizer=tokenizer, dtype=rollout_cfg.engine_dtype)
+    def from_config(cls, weights, rollout_cfg, tokenizer=None) -> SGLangEngine:
+        """Computing in rollout.engine_dtype (SGLang's own dtype name), updated in rollout.sync_bucket_bytes."""
+        return cls(weights, tokenizer=tokenizer, dtype=rollout_cfg.engine_dtype,
+                   bucket_bytes=rollout_cfg.sync_bucket_bytes)
 
-    def update_weights(self, policy) -> None:
-        _, state_dict = _export(policy)
-        self.engine.update_weights_from_tensor(named_tensors=list(state_dict.items()))
+    def update_weights(self, weights) -> None:
+        state = weights_of(weights).whole()
+        bucket, size = [], 0
+        for key in state:
+            t = state[key]
+            bucket.append((key, t))
+            size += t.numel() * t.element_size()
+            if size >= self.bucket_bytes:
+                self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
+                bucket, size = [], 0
+        if bucket:
+            self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
         self.engine.flush_cache()
 
     def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,

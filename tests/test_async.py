@@ -21,7 +21,8 @@ import torch.distributed as dist
 from helpers import ROOT, descendants, free_port, kill_tree, records
 from moe_gspo.config import ModelConfig
 from moe_gspo.model.weights import WeightSource
-from moe_gspo.rollout.bridge import BridgeError, PushedWeights, ReceivedState, Roles, WeightPush, bucket_plan
+from moe_gspo.rollout.bridge import (BridgeError, PushedShards, PushedWeights, ReceivedState, Roles, ShardPush,
+                                     TrainerCoords, WeightPush, bucket_plan, shard_plan)
 
 MC = ModelConfig(vocab_size=130, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -99,6 +100,82 @@ def test_a_pushed_state_arrives_bitwise_in_buckets():
     late = ReceivedState(None, shapes, bucket_plan(shapes, 2048, 4), torch.float32)
     with pytest.raises(KeyError, match="read once, in the order"):
         late[list(shapes)[-1]]
+
+
+class _FixedShards(WeightSource):
+    """A weight source whose trainer shards are a fixed HF state held whole on one trainer rank."""
+
+    def __init__(self, state):
+        from moe_gspo.model.hf_shards import TrainerShards
+        from moe_gspo.model.weights import TrainerLayout
+
+        self.state, self.config = state, {}
+        self.shards = TrainerLayout(TrainerShards(MC, 1, 1), 0, 0, lambda: self.state)
+
+
+def test_a_shard_push_delivers_the_engine_its_slices_bitwise():
+    """Shard to shard over the bridge: the engine rank receives, in bucket-bounded rounds, exactly the regions its
+    vLLM layout keeps of every tensor (here all of each: one engine rank), equal to the trainer's tensors cast to the
+    engine's dtype; a push of another version than the engine expects is refused; and a trainer that leaves after
+    the header ends the engine's wait for the pieces in one line naming it."""
+    from moe_gspo.model.hf_shards import hf_shapes
+    from moe_gspo.rollout.vllm_shards import engine_needs
+
+    shapes = hf_shapes(MC)
+    g = torch.Generator().manual_seed(1)
+    state = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    coords = TrainerCoords(1, 1, [(0, 0)])
+    for dtype in (torch.float32, torch.bfloat16):
+        def trainer(roles, dtype=dtype):
+            push = ShardPush(roles, shard_plan(roles, MC, coords, 1, False, 2048, dtype))
+            push.push(_FixedShards(state), 0)
+            return len(push.plan.rounds), push.bytes
+
+        def engine(roles, dtype=dtype):
+            src = PushedShards(roles, MC, coords, version=0)
+            plan = src.plan(1, False, 2048, dtype)
+            return [(p.key, p.region, t.clone()) for p, t in src.pieces(plan)], src.version
+
+        (rounds, sent), (got, version) = _pair(trainer, engine)
+        assert rounds > 3 and version == 1, (rounds, version)
+        elem = torch.empty((), dtype=dtype).element_size()
+        assert sent == sum(t.numel() for t in state.values()) * elem
+        needs = dict(engine_needs(MC, 1, 0))
+        assert [k for k, _, _ in got] == list(shapes)
+        for key, region, t in got:
+            assert region == needs[key] or region.dim is None, (key, region)
+            want = state[key] if region.dim is None else state[key].narrow(region.dim, region.start, region.length)
+            assert t.dtype == dtype and torch.equal(t, want.to(dtype)), key
+
+    def wrong_version(roles):
+        ShardPush(roles, shard_plan(roles, MC, coords, 1, False, 2048, torch.float32)).push(_FixedShards(state), 0)
+
+    def expects_3(roles):
+        src = PushedShards(roles, MC, coords, version=3)
+        try:
+            src.pieces(src.plan(1, False, 2048, torch.float32))
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    _, msg = _pair(wrong_version, expects_3, timeout_s=5.0)
+    assert msg is not None and "received policy version 0, expected 3" in msg, msg
+
+    def header_then_leave(roles):
+        wait_header = roles.weights.broadcast(torch.tensor([0], dtype=torch.int64), 0)
+        wait_header.wait()
+        roles.data.abort() if hasattr(roles.data, "abort") else None
+
+    def engine_waits(roles):
+        src = PushedShards(roles, MC, coords, version=0)
+        try:
+            list(src.pieces(src.plan(1, False, 2048, torch.float32)))
+        except BridgeError as e:
+            return str(e)
+        return None
+
+    _, msg = _pair(header_then_leave, engine_waits, timeout_s=5.0)
+    assert msg is not None and "policy version 0" in msg and "trainer rank 0" in msg and "\n" not in msg, msg
 
 
 def test_a_stalled_or_dead_peer_is_one_line_naming_the_ranks():
@@ -197,18 +274,31 @@ def _equal(sep, col, tol):
 
 
 def test_separate_synchronous_equals_colocated(tmp_path):
-    """One trainer rank and one vLLM engine rank at max_staleness 0 (fp32 engine, GRPO + R3 + TIS) log what the
-    colocated run logs, step for step (1e-6; timings and the engine's placement aside): the prompts, the seeds,
-    the weights each batch is sampled with and the routing replayed all cross the bridge intact. So does one engine
-    tensor-parallel over two engine ranks, each keeping its vLLM regions of the pushed tensors (1e-5: TP's
-    reduction order moves a log-prob by ~1e-7; at these seeds no sampled token changes)."""
-    _run(tmp_path / "col", "train.steps=3", nproc=1)
+    """A trainer of two expert-parallel ranks (EP=2, so two data-parallel ranks) and one vLLM engine rank serving
+    both, at max_staleness 0 (fp32 engine, GRPO + R3 + TIS), log what the colocated run of the same trainer logs,
+    step for step (1e-6; timings and the engine's placement aside): the prompts, the seeds, the weights each batch
+    is sampled with and the routing replayed all cross the bridge intact. The weights go shard to shard: each
+    trainer rank sends its own experts and the dense weights it holds, and no rank gathers the model. So does one
+    engine tensor-parallel over two engine ranks, each receiving only its vLLM regions, its experts resharded from
+    the trainer's expert split to vLLM's intermediate split on the way (1e-5: TP's reduction order moves a
+    log-prob by ~1e-7; at these seeds no sampled token changes)."""
+    _run(tmp_path / "col", "train.steps=3", "parallel.ep=2", nproc=2)
     col = records(tmp_path / "col")
-    _run(tmp_path / "sep", "train.steps=3", *SEPARATE)
-    _equal(records(tmp_path / "sep"), col, 1e-6)
-    _run(tmp_path / "tp2", "train.steps=3", "rollout.placement=separate", "rollout.engine_ranks=2",
-         "rollout.engine_tp=2", nproc=3)
+    _run(tmp_path / "sep", "train.steps=3", "parallel.ep=2", *SEPARATE, nproc=3)
+    sep = records(tmp_path / "sep")
+    _equal(sep, col, 1e-6)
+    _run(tmp_path / "tp2", "train.steps=3", "parallel.ep=2", "rollout.placement=separate", "rollout.engine_ranks=2",
+         "rollout.engine_tp=2", nproc=4)
     _equal(records(tmp_path / "tp2"), col, 1e-5)
+    from moe_gspo.config import load_config
+    from moe_gspo.model.hf_shards import hf_shapes
+
+    sizes = [torch.Size(s).numel() * 4 for s in hf_shapes(load_config(ROOT / "configs/train_tiny_cpu.yaml",
+                                                                      BASE).model).values()]
+    # the two trainer ranks share the sending: each its own experts, the dense weights both hold split between
+    # them, so trainer rank 0 sends about half the model (to within one tensor), never the whole of it
+    assert all(abs(r["trainer/push_mb"] * 2**20 - sum(sizes) / 2) <= max(sizes) for r in sep), \
+        [r["trainer/push_mb"] for r in sep]
 
 
 def _rank_pid(root: int, rank: int) -> int | None:

@@ -15,6 +15,8 @@ it, and views of the rank's parameters, from which each engine rank receives exa
   groups, so every rank of them reads every key once, in order, and no rank holds a copy of the model.
 - moe_gspo.rollout.bridge.PushedWeights: a version pushed by the trainer to engine ranks of their own, received
   bucket by bucket as its keys are read; whole tensors only (`shards` is None).
+- moe_gspo.rollout.bridge.PushedShards (`sliced`): a version pushed shard to shard to engine ranks of their own:
+  each engine rank receives the slices its engine keeps from the trainer ranks that hold them.
 - ModuleWeights: a transformers Qwen3-MoE model; an engine that runs transformers' module uses `module` itself.
 """
 
@@ -48,6 +50,7 @@ class WeightSource:
     model_config = None  # moe_gspo.config.ModelConfig, where the source has one
     device = torch.device("cpu")  # where the tensors `whole()` gives live
     shards: TrainerLayout | None = None
+    sliced = False  # True: the source delivers each engine rank its slices itself (moe_gspo.rollout.bridge)
     module = None  # a transformers model holding these weights, where the source is one
 
     def whole(self) -> Mapping[str, torch.Tensor]:

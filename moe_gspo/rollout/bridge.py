@@ -4,8 +4,9 @@ moves between the two sides.
     roles = split_job(cfg.rollout)                  # before anything else touches torch.distributed
     # trainer ranks: the default group is the trainer's world (megatron's groups live inside it)
     # engine ranks: the default group is the engines' world (what vLLM's external_launcher would use)
-    WeightPush(roles, mc, dtype, bucket_bytes).push(policy.weights(), version)   # trainer ranks, all of them
-    engine.update_weights(PushedWeights(roles, mc, dtype, bucket_bytes))         # engine ranks: the next version
+    ShardPush(roles, shard_plan(roles, mc, coords, engine_tp, ...)).push(policy.weights(), version)  # trainer ranks
+    engine.update_weights(PushedShards(roles, mc, coords, version))     # engine ranks: the next version, as slices
+    WeightPush / PushedWeights: the same with whole tensors, for an engine that loads whole tensors
     BatchLink(roles).send(msg, trainer_rank, step) / .recv(engine_rank, step)
 
 The job's last `rollout.engine_ranks` ranks host engines; the others train. Every rank opens a client of the job's
@@ -13,9 +14,15 @@ TCP store (torchrun's) and initializes torch.distributed on a prefix of it holdi
 trainer collective can wait on an engine rank, and the reverse. Two gloo groups span the sides:
 - `data`: every rank of the job; carries the start-up handshake and the sampled batches (engine -> trainer,
   point to point, sent without waiting so that the engine goes on generating);
-- `weights`: trainer rank 0 and the engine ranks; carries each new policy version, broadcast from trainer rank 0
-  in flat buckets of the engine's dtype, in the order of the HF checkpoint's tensors (both sides derive the bucket
-  plan from the model config; a version number leads every push, checked on receipt).
+- `weights`: trainer rank 0 and the engine ranks; carries the number of each new policy version (checked on
+  receipt), and for an engine that loads whole tensors the version itself, broadcast from trainer rank 0 in flat
+  buckets of the engine's dtype, in the order of the HF checkpoint's tensors (both sides derive the bucket plan
+  from the model config).
+An engine that keeps slices (vLLM, at any rollout.engine_tp) is pushed shard to shard instead: every trainer rank
+sends each engine rank, point to point over the data group, the slices of its own parameters that the engine rank
+keeps, in the engine's dtype and in bucket-bounded rounds (moe_gspo.rollout.shard_sync.SyncPlan, built on every
+rank from the config and the trainer coordinates of the handshake). No trainer rank gathers the model and none
+relays another's weights, so a push costs each trainer rank what it holds, not the model.
 Every operation on them waits at most rollout.bridge_timeout_s; a peer that dies or stalls ends the job with one
 line naming this rank, the peer and what was waited for (BridgeError).
 """
@@ -202,10 +209,7 @@ class WeightPush:
         """Send `weights` (a WeightSource, read whole on every trainer rank) as policy version `version`."""
         t0 = time.perf_counter()
         root = self.roles.weights is not None
-        if root:
-            wait(self.roles.weights.broadcast(torch.tensor([version], dtype=torch.int64), 0),
-                 f"the push of policy version {version}", "the engine ranks", self.roles)
-        self.wait_s = time.perf_counter() - t0
+        self.wait_s = _send_version(self.roles, version)
         state = weights.whole()
         sent = 0
         for keys in self.plan:
@@ -267,12 +271,128 @@ class PushedWeights(WeightSource):
         self.last_wait_s = 0.0  # how long the last whole() waited for trainer rank 0 to begin the push
 
     def whole(self) -> Mapping[str, torch.Tensor]:
-        t0 = time.perf_counter()
-        got = torch.zeros(1, dtype=torch.int64)
-        wait(self.roles.weights.broadcast(got, 0), f"policy version {self.version}", "trainer rank 0", self.roles)
-        self.last_wait_s = time.perf_counter() - t0
-        if int(got) != self.version:
-            raise RuntimeError(f"engine rank {self.roles.rank}: received policy version {int(got)}, expected "
-                               f"{self.version} (the push schedules of trainer and engine disagree)")
-        self.version += 1
+        _take_version(self)
         return ReceivedState(self.roles, self.shapes, self.plan, self.dtype)
+
+
+def _take_version(source) -> None:
+    """Engine side: wait for the header of the next push (its version, broadcast by trainer rank 0 over the weights
+    group) and check it against the version `source` expects next."""
+    t0 = time.perf_counter()
+    got = torch.zeros(1, dtype=torch.int64)
+    wait(source.roles.weights.broadcast(got, 0), f"policy version {source.version}", "trainer rank 0", source.roles)
+    source.last_wait_s = time.perf_counter() - t0
+    if int(got) != source.version:
+        raise RuntimeError(f"engine rank {source.roles.rank}: received policy version {int(got)}, expected "
+                           f"{source.version} (the push schedules of trainer and engine disagree)")
+    source.version += 1
+
+
+def _send_version(roles: Roles, version: int) -> float:
+    """Trainer side: the header of a push, from trainer rank 0 (other trainer ranks send none). Returns the seconds
+    spent waiting for the engine ranks to take it (they were generating)."""
+    t0 = time.perf_counter()
+    if roles.weights is not None:
+        wait(roles.weights.broadcast(torch.tensor([version], dtype=torch.int64), 0),
+             f"the push of policy version {version}", "the engine ranks", roles)
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------- shard to shard
+PIECE_TAG = 1 << 30  # the pieces' tags on the data group, clear of the batches' (2 * step, 2 * step + 1)
+
+
+@dataclass(frozen=True)
+class TrainerCoords:
+    """The trainer's layout as the engine ranks learn it at the handshake: its TP and EP sizes and each trainer
+    rank's (tp_rank, ep_rank), by job rank."""
+
+    tp: int
+    ep: int
+    ranks: list[tuple[int, int]]
+
+
+def shard_plan(roles: Roles, mc, trainer: TrainerCoords, engine_tp: int, engine_ep: bool, bucket_bytes: int,
+               dtype: torch.dtype):
+    """The SyncPlan of a shard-to-shard push: the same on every rank of the job (both sides derive it from the
+    config and the handshake). Engine replicas are consecutive engine ranks, engine_tp each."""
+    from moe_gspo.model.hf_shards import TrainerShards
+    from moe_gspo.rollout.shard_sync import SyncPlan
+    from moe_gspo.rollout.vllm_shards import engine_needs
+
+    coords = [*trainer.ranks, *([None] * len(roles.engines))]  # engine ranks hold nothing
+    groups = [roles.engines[i:i + engine_tp] for i in range(0, len(roles.engines), engine_tp)]
+    return SyncPlan.build(TrainerShards(mc, trainer.tp, trainer.ep), coords, groups,
+                          lambda j: engine_needs(mc, engine_tp, j, engine_ep), bucket_bytes, dtype, roles.rank)
+
+
+class _Posted:
+    """A piece's send or receive on the bridge; waiting on it ends in a BridgeError naming the peer."""
+
+    def __init__(self, work, what: str, peer: str, roles: Roles):
+        self.work, self.what, self.peer, self.roles = work, what, peer, roles
+
+    def wait(self) -> None:
+        wait(self.work, self.what, self.peer, self.roles)
+
+
+def _post_on_bridge(roles: Roles, what: str):
+    """SyncPlan.run's `post`: a round's point-to-point ops on the data group, each round with its own tag."""
+    def post(ops, i: int) -> list[_Posted]:
+        out = []
+        for send, buf, peer in ops:
+            if send:
+                out.append(_Posted(roles.data.send([buf], peer, PIECE_TAG + i), what, f"engine rank {peer}", roles))
+            else:
+                out.append(_Posted(roles.data.recv([buf], peer, PIECE_TAG + i), what, f"trainer rank {peer}", roles))
+        return out
+    return post
+
+
+class ShardPush:
+    """Trainer side of a shard-to-shard push (an engine that keeps slices: vLLM's, rollout.engine_tp >= 1): every
+    trainer rank sends each engine rank the slices of its own parameters that the engine rank keeps, cast to the
+    engine's dtype, in rounds of at most a bucket into or out of any rank (moe_gspo.rollout.shard_sync). Nothing is
+    gathered on the trainer side and no rank relays another's weights; trainer rank 0 leads each version with its
+    number (the header the engine ranks check)."""
+
+    def __init__(self, roles: Roles, plan):
+        self.roles, self.plan = roles, plan
+        self.seconds = 0.0  # the last push, waiting included
+        self.wait_s = 0.0  # the part of it spent waiting for the engine ranks to take it (they were generating)
+        self.bytes = plan.sent_bytes(roles.rank)  # what this rank sends per push
+
+    def push(self, weights, version: int) -> None:
+        """Send this rank's part of `weights` (a policy's WeightSource: its `shards`) as policy version `version`."""
+        t0 = time.perf_counter()
+        self.wait_s = _send_version(self.roles, version)
+        for _ in self.plan.run(weights.shards.local(), None,
+                               post=_post_on_bridge(self.roles, f"the push of policy version {version}")):
+            pass  # a trainer rank receives nothing
+        self.seconds = time.perf_counter() - t0
+
+
+class PushedShards(WeightSource):
+    """Engine side of a shard-to-shard push: a WeightSource of slices. `plan(...)` is the push's SyncPlan for this
+    engine's layout; `pieces(plan)` waits for the next version's header, checks its number and yields the pieces
+    addressed to this rank as they arrive (moe_gspo.rollout.vllm_tp.ShardedSync writes them)."""
+
+    sliced = True
+
+    def __init__(self, roles: Roles, mc, trainer: TrainerCoords, version: int):
+        from moe_gspo.model.hf_io import hf_config_dict
+
+        self.roles, self.model_config, self.trainer = roles, mc, trainer
+        self.config = hf_config_dict(mc)
+        self.version = version  # the version the next pieces() receives
+        self.last_wait_s = 0.0  # how long the last pieces() waited for trainer rank 0 to begin the push
+
+    def plan(self, engine_tp: int, engine_ep: bool, bucket_bytes: int, dtype: torch.dtype):
+        return shard_plan(self.roles, self.model_config, self.trainer, engine_tp, engine_ep, bucket_bytes, dtype)
+
+    def pieces(self, plan) -> Iterator:
+        _take_version(self)
+        return plan.run({}, None, post=_post_on_bridge(self.roles, f"policy version {self.version - 1}"))
+
+    def whole(self) -> Mapping[str, torch.Tensor]:
+        raise RuntimeError("a shard-to-shard push carries each engine rank's slices only, not whole tensors")

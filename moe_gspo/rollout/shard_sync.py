@@ -1,6 +1,6 @@
 """Shard-to-shard weight sync: every engine rank receives exactly the slices of the HF tensors it keeps.
 
-    plan = SyncPlan.build(trainer, rank_coords, engine_groups, needs_of, bucket_bytes, dtype)
+    plan = SyncPlan.build(trainer, rank_coords, engine_groups, needs_of, bucket_bytes, dtype, rank)
     for piece, tensor in plan.run(views):      # collective: every rank of the world calls it, in step
         writer.write(piece, tensor)            # only the pieces addressed to this rank come out
 
@@ -13,6 +13,10 @@ rounds: each round moves at most `bucket_bytes` into and out of any one rank, on
 destination) pair, cast to the engine's dtype at the source, sent with non-blocking point-to-point operations all
 posted at once (gloo on the CPU, NCCL on a GPU). So no rank gathers a tensor it does not keep, and what a rank
 holds beyond its own weights during the sync is one round's buffers.
+
+The ranks need not all train: a rank whose coordinates are None holds nothing and only receives (an engine rank
+of its own, rollout.placement=separate), and `run` then moves the pieces over another group than the default one
+(a `post` function: the bridge's group between trainer and engine ranks).
 """
 
 from __future__ import annotations
@@ -88,9 +92,9 @@ class SyncPlan:
     def build(cls, trainer: TrainerShards, coords: list[tuple[int, int]], engine_groups: list[list[int]],
               needs_of: Callable[[int], list[tuple[str, Region]]], bucket_bytes: int, dtype: torch.dtype,
               rank: int) -> SyncPlan:
-        """coords[g]: (tp_rank, ep_rank) of global rank g in the trainer; engine_groups: the global ranks of each
-        engine replica, in engine-TP-rank order; needs_of(j): (HF key, region) an engine rank of TP rank j keeps,
-        in HF key order."""
+        """coords[g]: (tp_rank, ep_rank) of global rank g in the trainer, None for a rank that holds nothing;
+        engine_groups: the global ranks of each engine replica, in engine-TP-rank order; needs_of(j): (HF key,
+        region) an engine rank of TP rank j keeps, in HF key order."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
         elem = torch.empty((), dtype=dtype).element_size()
@@ -117,20 +121,28 @@ class SyncPlan:
         pieces = [p for key in trainer.keys for p in by_key.get(key, [])]
         return cls(pieces, _rounds(pieces, bucket_bytes, elem, len(coords)), rank, dtype, coords, trainer)
 
+    def sent_bytes(self, rank: int | None = None) -> int:
+        """Bytes that leave `rank` (default: this one) for other ranks over one sync."""
+        r = self.rank if rank is None else rank
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(p.numel for p in self.pieces if p.src == r and p.dst != r) * elem
+
     def received_bytes(self, rank: int | None = None) -> int:
         """Bytes that arrive at `rank` (default: this one) from other ranks over one sync."""
         r = self.rank if rank is None else rank
         elem = torch.empty((), dtype=self.dtype).element_size()
         return sum(p.numel for p in self.pieces if p.dst == r and p.src != r) * elem
 
-    def run(self, views: dict[str, torch.Tensor], device: torch.device | None = None
+    def run(self, views: dict[str, torch.Tensor], device: torch.device | None = None, post: Callable | None = None
             ) -> Iterator[tuple[Piece, torch.Tensor]]:
         """Move every piece (a collective over the world: every rank runs every round). `views`: HF key -> this
-        rank's part of it (TrainerShards.local_views). Yields (piece, tensor in the engine's dtype) for each piece
-        addressed to this rank, a round at a time."""
-        me, coords = self.rank, self.coords
+        rank's part of it (TrainerShards.local_views; empty on a rank that holds nothing). Yields (piece, tensor in
+        the engine's dtype) for each piece addressed to this rank, a round at a time. `post(ops, round)` sends and
+        receives a round's ops ([(is_send, buffer, peer)]) on another group than the default one and returns what
+        to wait on."""
+        me = self.rank
         held = {}
-        for rnd in self.rounds:
+        for i, rnd in enumerate(self.rounds):
             ops, recvs = [], []
             out: dict[int, list[Piece]] = {}
             inc: dict[int, list[Piece]] = {}
@@ -146,12 +158,18 @@ class SyncPlan:
                 buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype)
                 for p, flat in zip(ps, buf.split([q.numel for q in ps])):
                     flat.view(p.shape).copy_(self._slice(views, p, held))
-                ops.append(dist.P2POp(dist.isend, buf.to(device) if device is not None else buf, dst))
+                ops.append((True, buf.to(device) if device is not None else buf, dst))
             for src, ps in inc.items():
                 buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype, device=device)
-                ops.append(dist.P2POp(dist.irecv, buf, src))
+                ops.append((False, buf, src))
                 recvs.append((ps, buf))
-            works = dist.batch_isend_irecv(ops) if ops else []
+            if not ops:
+                works = []
+            elif post is not None:
+                works = post(ops, i)
+            else:
+                works = dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, buf, peer)
+                                                for send, buf, peer in ops])
             for p in local:  # a view of the trainer's own tensor: the writer's copy casts it
                 yield p, self._slice(views, p, held)
             for w in works:
@@ -171,8 +189,10 @@ class SyncPlan:
 def _holdings(trainer: TrainerShards, coords, key: str) -> list[tuple[Region, list[int]]]:
     """The distinct regions of `key` the trainer ranks hold, each with the global ranks holding it."""
     out: dict[Region, list[int]] = {}
-    for g, (t, e) in enumerate(coords):
-        r = trainer.region(key, t, e)
+    for g, c in enumerate(coords):
+        if c is None:  # a rank that only receives
+            continue
+        r = trainer.region(key, *c)
         if r is not None:
             out.setdefault(r, []).append(g)
     return list(out.items())

@@ -238,13 +238,12 @@ class VLLMEngine(RolloutEngine):
         self.last_sync_received_bytes = 0
         self.last_sync_phases: dict[str, float] = {}
         self.sharded = None
-        if self.tp > 1:
-            from moe_gspo.rollout.vllm_tp import ReceivedShards, ShardedSync
+        if self.tp > 1 or w.sliced:
+            from moe_gspo.rollout.vllm_tp import ShardedSync
 
-            # the trainer's shards beside this rank, or whole tensors pushed to engine ranks of their own
-            sync = ShardedSync if w.shards is not None else ReceivedShards
-            self.sharded = sync(w, self._runner.get_model(), self.tp, getattr(torch, dtype),
-                                not self.on_cuda, bucket_bytes, bool(expert_parallel))
+            # the trainer's shards beside this rank, or slices pushed to engine ranks of their own
+            self.sharded = ShardedSync(w, self._runner.get_model(), self.tp, getattr(torch, dtype),
+                                       not self.on_cuda, bucket_bytes, bool(expert_parallel))
             self._load_shards(w)
         else:
             self._load(w.whole())

@@ -98,23 +98,35 @@ def run_scoped_shm(tp: int):
 
 
 class ShardedSync:
-    """The weight sync of one engine rank of a tensor-parallel replica (see the module docstring)."""
+    """The weight sync of one engine rank (see the module docstring), from either source that gives slices:
+    - a policy on the same ranks (`weights.shards`, colocated): the plan runs over the default group, every rank
+      both trainer and engine;
+    - a shard-to-shard push to engine ranks of their own (moe_gspo.rollout.bridge.PushedShards, `sliced`): the
+      plan runs over the bridge, the trainer ranks sending and this rank receiving."""
 
     def __init__(self, weights, model, tp: int, dtype: torch.dtype, on_cpu: bool, bucket_bytes: int = 0,
                  expert_parallel: bool = False):
         from moe_gspo.rollout.shard_sync import SyncPlan
         from moe_gspo.rollout.vllm_shards import ShardWriter, engine_needs
 
-        mc, here = weights.model_config, weights.shards
+        mc = weights.model_config
         rank, world = dist.get_rank(), dist.get_world_size()
         if world % tp:
             raise ValueError(f"rollout.engine_tp={tp} does not divide the world size {world}")
-        coords = [None] * world
-        dist.all_gather_object(coords, (here.tp_rank, here.ep_rank))
-        self.trainer = here.layout
-        groups = [list(range(r * tp, (r + 1) * tp)) for r in range(world // tp)]
-        self.plan = SyncPlan.build(self.trainer, coords, groups, lambda j: engine_needs(mc, tp, j, expert_parallel),
-                                   bucket_bytes or DEFAULT_BUCKET_BYTES, dtype, rank)
+        bucket = bucket_bytes or DEFAULT_BUCKET_BYTES
+        if weights.sliced:
+            self.plan = weights.plan(tp, expert_parallel, bucket, dtype)
+        elif weights.shards is not None:
+            here = weights.shards
+            coords = [None] * world
+            dist.all_gather_object(coords, (here.tp_rank, here.ep_rank))
+            groups = [list(range(r * tp, (r + 1) * tp)) for r in range(world // tp)]
+            self.plan = SyncPlan.build(here.layout, coords, groups, lambda j: engine_needs(mc, tp, j, expert_parallel),
+                                       bucket, dtype, rank)
+        else:
+            raise ValueError(f"a vLLM engine over {tp} ranks loads slices: {type(weights).__name__} gives whole "
+                             "tensors only")
+        self.trainer = self.plan.trainer
         self.writer = ShardWriter(model, mc, tp, rank % tp, on_cpu, expert_parallel)
         self.device = None if on_cpu else torch.device("cuda", torch.cuda.current_device())
         mine = engine_needs(mc, tp, rank % tp, expert_parallel)
@@ -130,11 +142,15 @@ class ShardedSync:
         `phases` then holds its seconds: `move` (the plan's rounds: packing, sending, receiving), `write` (pieces
         into the engine's tensors, or the experts' staging on the CPU), `prepack` (CPU: the experts packed for
         vLLM's kernel) and `repack_dense` (CPU: the dense layers' packed GEMM weights rebuilt)."""
-        views = weights.shards.local()
         n, t_write = 0, 0.0
         self.writer.prepack_s = 0.0
-        t0 = time.perf_counter()
-        for piece, t in self.plan.run(views, self.device):
+        if weights.sliced:
+            pieces = weights.pieces(self.plan)  # waits for the next version's header first
+            t0 = time.perf_counter()
+        else:
+            t0 = time.perf_counter()
+            pieces = self.plan.run(weights.shards.local(), self.device)
+        for piece, t in pieces:
             t1 = time.perf_counter()
             self.writer.write(piece.key, piece.region, piece.need, t)
             t_write += time.perf_counter() - t1
@@ -148,60 +164,6 @@ class ShardedSync:
 
     def received_bytes(self) -> int:
         return self.plan.received_bytes()
-
-
-class ReceivedShards:
-    """The weight sync of one rank of a tensor-parallel engine on engine ranks of their own
-    (rollout.placement=separate): each pushed version arrives as whole HF tensors (moe_gspo.rollout.bridge, a
-    broadcast to every engine rank), and this rank writes the region of each that its vLLM layout keeps, as
-    ShardedSync's writer does with the pieces it receives."""
-
-    def __init__(self, weights, model, tp: int, dtype: torch.dtype, on_cpu: bool, bucket_bytes: int = 0,
-                 expert_parallel: bool = False):
-        from moe_gspo.model.hf_shards import hf_shapes
-        from moe_gspo.rollout.vllm_shards import ShardWriter, engine_needs
-
-        mc = weights.model_config
-        j = dist.get_rank() % tp
-        self.needs = dict(engine_needs(mc, tp, j, expert_parallel))
-        self.shapes = hf_shapes(mc)
-        self.writer = ShardWriter(model, mc, tp, j, on_cpu, expert_parallel)
-        self.device = None if on_cpu else torch.device("cuda", torch.cuda.current_device())
-        total = sum(_numel(s) for s in self.shapes.values())
-        kept = sum(_numel(s) if r.dim is None else _numel(s) // s[r.dim] * min(r.length, s[r.dim] - r.start)
-                   for k, r in self.needs.items() for s in (self.shapes[k],))
-        self.param_fraction = kept / total
-        self.last_bytes = 0
-
-    @torch.no_grad()
-    def load(self, weights) -> int:
-        """Receive the next pushed version (every key, in order) and write this rank's regions. Returns pieces
-        written."""
-        from moe_gspo.model.hf_shards import Region
-
-        state = weights.whole()
-        n = got = 0
-        for key in state:
-            t = state[key]
-            got += t.numel() * t.element_size()
-            need = self.needs.get(key)
-            if need is None:
-                continue
-            region, piece = need, t
-            if need.dim is not None:  # vLLM pads the vocabulary before splitting it: keep the rows that exist
-                stop = min(need.stop, t.shape[need.dim])
-                if stop <= need.start:
-                    continue
-                region = Region(need.dim, need.start, stop)
-                piece = t.narrow(need.dim, need.start, stop - need.start)
-            self.writer.write(key, region, need, piece if self.device is None else piece.to(self.device))
-            n += 1
-        self.writer.finish()
-        self.last_bytes = got
-        return n
-
-    def received_bytes(self) -> int:
-        return self.last_bytes
 
 
 def _numel(shape) -> int:

@@ -164,7 +164,7 @@ class Run:
         if roles is not None:  # the engines live on their own ranks: build them from this version
             from moe_gspo.train.separate import EngineClient
 
-            engine = EngineClient(roles, cfg, info.dp_rank, info.dp, start)
+            engine = EngineClient(roles, cfg, info.dp_rank, info.dp, start, policy.weights())
             engine.begin(policy.weights())
         else:
             if engine is None:

@@ -27,7 +27,8 @@ import torch
 from moe_gspo.config import Config, ConfigError
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.batch import RolloutBatch
-from moe_gspo.rollout.bridge import BatchLink, PushedWeights, Roles, WeightPush, exchange
+from moe_gspo.rollout.bridge import (BatchLink, PushedShards, PushedWeights, Roles, ShardPush, TrainerCoords, WeightPush,
+                                     exchange, shard_plan)
 
 
 def push_dtype(cfg: Config) -> torch.dtype:
@@ -41,9 +42,21 @@ def bucket_bytes(cfg: Config) -> int:
     return cfg.rollout.sync_bucket_bytes or DEFAULT_BUCKET_BYTES
 
 
+def takes_slices(cfg: Config) -> bool:
+    """Whether the engine keeps slices of the weights (vLLM's layout, at any rollout.engine_tp): then every trainer
+    rank pushes the engine ranks their slices of its own parameters (ShardPush); otherwise trainer rank 0 pushes
+    whole tensors (WeightPush)."""
+    return cfg.rollout.engine == "vllm"
+
+
 def version_of(step: int, start: int, k: int) -> int:
     """The policy version that generates batch `step` in a run (re)started at `start` with max_staleness k."""
     return max(start, step - k)
+
+
+def _trainer_coords(cfg: Config, roles: Roles, rows: list[list[int]]) -> TrainerCoords:
+    """The trainer's layout from the handshake's rows (dp_rank, start, dp, tp_rank, ep_rank per trainer rank)."""
+    return TrainerCoords(cfg.parallel.tp, cfg.parallel.ep, [(rows[r][3], rows[r][4]) for r in roles.trainers])
 
 
 def _serving(cfg: Config, dp: int) -> int:
@@ -62,14 +75,21 @@ class EngineClient:
     """Trainer side: receives this rank's batches and pushes the policy's versions. Built after the trainer's
     setup (cold start or resume), with the step the run starts at."""
 
-    def __init__(self, roles: Roles, cfg: Config, dp_rank: int, dp: int, start: int):
+    def __init__(self, roles: Roles, cfg: Config, dp_rank: int, dp: int, start: int, weights):
+        """weights: the policy's WeightSource (its `shards` say where this rank is in the trainer's layout)."""
         self.roles, self.cfg = roles, cfg
-        exchange(roles, [dp_rank, start, dp])
+        here = weights.shards
+        rows = exchange(roles, [dp_rank, start, dp, here.tp_rank, here.ep_rank])
         n = _serving(cfg, dp)
         self.src = roles.engines[(dp_rank % n) * cfg.rollout.engine_tp]  # the first rank of the serving engine
         self.start, self.version, self.k, self.steps = start, start, cfg.train.max_staleness, cfg.train.steps
         self.link = BatchLink(roles)
-        self.weights = WeightPush(roles, cfg.model, push_dtype(cfg), bucket_bytes(cfg))
+        if takes_slices(cfg):
+            coords = _trainer_coords(cfg, roles, rows)
+            self.weights = ShardPush(roles, shard_plan(roles, cfg.model, coords, cfg.rollout.engine_tp,
+                                                       cfg.rollout.engine_ep, bucket_bytes(cfg), push_dtype(cfg)))
+        else:
+            self.weights = WeightPush(roles, cfg.model, push_dtype(cfg), bucket_bytes(cfg))
 
     def begin(self, weights) -> None:
         """Push the version the engines build from (the weights after the cold start, or the checkpoint's)."""
@@ -103,6 +123,7 @@ class EngineClient:
                        "engine/wait_weights_s": msg["wait_s"],
                        "engine/idle_fraction": msg["wait_s"] / max(busy, 1e-9),
                        "trainer/wait_batch_s": waited, "trainer/push_s": self.weights.seconds,
+                       "trainer/push_mb": self.weights.bytes / 2**20,
                        "trainer/wait_push_s": self.weights.wait_s}
 
     def param_fraction(self) -> float:
@@ -119,7 +140,7 @@ def serve(cfg: Config, roles: Roles) -> None:
     from moe_gspo.tasks import task_from_config
     from moe_gspo.train import data
 
-    rows = exchange(roles, [-1, -1, -1])
+    rows = exchange(roles, [-1] * 5)
     trainer_rows = [rows[r] for r in roles.trainers]
     start, dp = trainer_rows[0][1], trainer_rows[0][2]
     n, tp = _serving(cfg, dp), cfg.rollout.engine_tp
@@ -134,7 +155,10 @@ def serve(cfg: Config, roles: Roles) -> None:
     task = task_from_config(cfg.rollout)
     tok = data.build_tokenizer(cfg)
     layout = data.check_layout(cfg, dp)
-    remote = PushedWeights(roles, cfg.model, push_dtype(cfg), bucket_bytes(cfg), version=start)
+    if takes_slices(cfg):
+        remote = PushedShards(roles, cfg.model, _trainer_coords(cfg, roles, rows), version=start)
+    else:
+        remote = PushedWeights(roles, cfg.model, push_dtype(cfg), bucket_bytes(cfg), version=start)
     engine = engine_from_config(cfg.rollout, remote, tokenizer=tok)
     version = start
     link = BatchLink(roles)

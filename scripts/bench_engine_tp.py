@@ -15,7 +15,9 @@ The script launches itself under torchrun (gloo, one thread per rank) once per m
 - `scaling` rows: engine TP = the world, the same trainer layout, hidden sizes --sizes (experts' width scaled with
   them, 8 layers, 32 experts top-4): sync seconds against the floor, the engine shard's bytes over this machine's
   memory-copy bandwidth measured in the same process (a 256 MiB tensor copy, median of 5): the least a sync that
-  writes every byte of the shard once could take. Beside it, the slowest rank's sync by phase (ShardedSync.load):
+  writes every byte of the shard once could take. A second floor is the transport's: the bytes the rank receives
+  over the bandwidth of a 64 MiB exchange between the two ranks on the same process group (gloo: loopback TCP
+  here). Beside them, the slowest rank's sync by phase (ShardedSync.load):
   move (the plan's rounds), write (pieces into the engine, experts into their staging), prepack (the experts packed
   for vLLM's CPU kernel) and repack_dense (the dense layers' packed GEMM weights rebuilt).
 Prints a table and writes the rows as JSON.
@@ -63,6 +65,26 @@ def _copy_bandwidth() -> float:
         b.copy_(a)
         times.append(time.perf_counter() - t0)
     return a.numel() * a.element_size() / statistics.median(times)
+
+
+def _p2p_bandwidth() -> float:
+    """Bytes per second one rank receives while it sends as much to the other (64 MiB each way over the world's
+    process group, gloo here; median of 3): what the sync's transport alone allows."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = torch.ones(32 * 2**20, dtype=torch.bfloat16)
+    into = torch.empty_like(out)
+    times = []
+    for _ in range(4):
+        dist.barrier()
+        t0 = time.perf_counter()
+        ops = [dist.P2POp(dist.isend, out, (rank + 1) % world), dist.P2POp(dist.irecv, into, (rank - 1) % world)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        times.append(time.perf_counter() - t0)
+    return into.numel() * into.element_size() / statistics.median(times[1:])
 
 
 def worker(args) -> None:
@@ -123,7 +145,7 @@ def worker(args) -> None:
             "received_bytes": getattr(engine, "last_sync_received_bytes", 0),
             # per phase, the median over the timed syncs (engine TP > 1; see ShardedSync.load)
             "sync_phases": {k: statistics.median(p[k] for p in phases[1:]) for k in phases[-1]},
-            "copy_bandwidth": _copy_bandwidth()}
+            "copy_bandwidth": _copy_bandwidth(), "p2p_bandwidth": _p2p_bandwidth()}
     Path(args.out, f"rank_{rank}.json").write_text(json.dumps(rec))
     engine.close()
     dist.barrier()
@@ -178,11 +200,15 @@ def main() -> None:
                                                   f"model.moe_intermediate_size={h // 2}"], False, a)
         r0 = max(reps, key=lambda r: r["sync_s"])
         floor = r0["engine_shard_bytes"] / r0["copy_bandwidth"]
+        received = max(r["received_bytes"] for r in reps)
+        transport = received / min(r["p2p_bandwidth"] for r in reps)
         rows.append({"kind": "scaling", "hidden": h, "model_params_m": r0["model_params"] / 1e6,
                      "sync_s": r0["sync_s"], "floor_s": floor, "over_floor": r0["sync_s"] / floor,
                      "shard_mb": r0["engine_shard_bytes"] / 2**20,
                      "received_mb": max(r["received_bytes"] for r in reps) / 2**20,
-                     "copy_gb_s": r0["copy_bandwidth"] / 1e9, "phases_s": r0["sync_phases"]})
+                     "copy_gb_s": r0["copy_bandwidth"] / 1e9, "phases_s": r0["sync_phases"],
+                     "transport_s": transport, "p2p_gb_s": min(r["p2p_bandwidth"] for r in reps) / 1e9,
+                     "over_copy_and_transport": r0["sync_s"] / (floor + transport)})
     print("| engine TP | build s | gen tok/s | sync s | sync peak above RSS MB | engine shard MB | received MB |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -191,14 +217,14 @@ def main() -> None:
                   f"{r['peak_mb']:.1f} | {r['shard_mb']:.1f} | {r['received_mb']:.1f} |")
     names = ("move", "write", "prepack", "repack_dense")
     print("\n| hidden | params (M) | sync s | floor s | sync / floor | shard MB | received MB | copy GB/s | "
-          + " | ".join(f"{n} s" for n in names) + " |")
-    print("| --- " * (8 + len(names)) + "|")
+          "transport s | sync / (floor + transport) | " + " | ".join(f"{n} s" for n in names) + " |")
+    print("| --- " * (10 + len(names)) + "|")
     for r in rows:
         if r["kind"] == "scaling":
             ph = " | ".join(f"{r['phases_s'].get(n, float('nan')):.3f}" for n in names)
             print(f"| {r['hidden']} | {r['model_params_m']:.1f} | {r['sync_s']:.4f} | {r['floor_s']:.4f} | "
                   f"{r['over_floor']:.1f}x | {r['shard_mb']:.1f} | {r['received_mb']:.1f} | {r['copy_gb_s']:.1f} | "
-                  f"{ph} |")
+                  f"{r['transport_s']:.4f} | {r['over_copy_and_transport']:.1f}x | {ph} |")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"nproc": a.nproc, "layout": layout, "rows": rows}, indent=2))

@@ -134,3 +134,22 @@ def test_weights_of_converts_models_and_names_what_it_refuses():
     assert torch.equal(state["model.embed_tokens.weight"], model.model.embed_tokens.weight)
     with pytest.raises(TypeError, match="got dict"):
         weights_of({})
+
+
+def test_cast_into_equals_copy_bitwise():
+    """The cast-then-transpose path for transposed sources gives exactly what one copy_ gives, in every dtype
+    pair and layout it can meet (transposed, narrowed either way, contiguous, same dtype)."""
+    from moe_gspo.rollout.weight_sync import cast_into
+
+    g = torch.Generator().manual_seed(0)
+    storage = torch.randn(96, 64, generator=g)  # [H, 2I] as megatron holds an expert's fc1
+    sources = [storage.t(), storage[:, :32].t(), storage[:, :32].t().narrow(0, 8, 16), storage.t().narrow(1, 4, 40),
+               storage, storage.t().contiguous()]
+    for src in sources:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            want = torch.empty(src.shape, dtype=dtype).copy_(src)
+            got = cast_into(torch.empty(src.shape, dtype=dtype), src)
+            assert torch.equal(got, want), (src.shape, src.stride(), dtype)
+            padded = torch.zeros(src.shape[0], src.shape[1] + 8, dtype=dtype)  # a row-strided destination
+            cast_into(padded[:, :src.shape[1]], src)
+            assert torch.equal(padded[:, :src.shape[1]], want) and not padded[:, src.shape[1]:].any()

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moe_gspo.model.hf_shards import Region, TrainerShards
+from moe_gspo.rollout.weight_sync import cast_into
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ class SyncPlan:
             for dst, ps in out.items():  # packed and cast to the engine's dtype in one pass per piece
                 buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype)
                 for p, flat in zip(ps, buf.split([q.numel for q in ps])):
-                    flat.view(p.shape).copy_(self._slice(views, p, held))
+                    cast_into(flat.view(p.shape), self._slice(views, p, held))
                 ops.append((True, buf.to(device) if device is not None else buf, dst))
             for src, ps in inc.items():
                 buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype, device=device)

@@ -175,11 +175,11 @@ class ShardWriter:
     def _expert(self, layer: int, e: int, proj: str, t: torch.Tensor) -> None:
         mod = self._experts(layer)
         if self.on_cpu:
-            from moe_gspo.rollout.vllm_cpu import _ExpertStaging
+            from moe_gspo.rollout.vllm_cpu import _ExpertStaging, staging_pool
 
             st = self._staging.get(layer)
             if st is None:
-                st = self._staging[layer] = _ExpertStaging(mod, self.inter)
+                st = self._staging[layer] = _ExpertStaging(mod, self.inter, staging_pool(self.model))
             if st.put(e, proj, t):
                 t0 = time.perf_counter()
                 st.commit()

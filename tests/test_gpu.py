@@ -280,3 +280,29 @@ def test_nccl_group_is_used():
     dist.all_reduce(x)
     record("nccl", backend=dist.get_backend(), world=dist.get_world_size(), nccl=".".join(map(str, torch.cuda.nccl.version())))
     assert x.sum().item() == 4.0
+
+
+def test_vllm_engine_sleeps_and_wakes_with_its_weights():
+    """rollout.engine_sleep on a GPU with CUDA vLLM: sleep (level 1) gives device memory back, wake restores the
+    engine, and after a weight sync it samples what it sampled before sleeping (same weights, same seed)."""
+    pytest.importorskip("vllm", reason="the vLLM engine's CUDA path needs CUDA vllm")
+    import moe_gspo
+    from moe_gspo.config import load_config
+    from moe_gspo.rollout import SamplingParams
+    from moe_gspo.rollout.vllm_engine import VLLMEngine
+
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", ["model.head_dim=32"])
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))  # on the GPU: CUDA is present
+    eng = VLLMEngine(policy.weights(), dtype="bfloat16", sleep_mode=True, gpu_memory_utilization=0.3)
+    sp = SamplingParams(max_new_tokens=16, seed=3)
+    before = eng.generate([[1, 20, 21, 22]], 4, sp)
+    free_awake = torch.cuda.mem_get_info()[0]
+    eng.sleep()
+    freed = torch.cuda.mem_get_info()[0] - free_awake
+    eng.wake()
+    eng.update_weights(policy.weights())
+    after = eng.generate([[1, 20, 21, 22]], 4, sp)
+    record("vllm_sleep", freed_mb=freed / 2**20)
+    assert freed > 0
+    assert all(a.tolist() == b.tolist() for a, b in zip(before.response_ids, after.response_ids))
+    eng.close()

@@ -118,6 +118,12 @@ class _EmptyingEngine:
     def param_fraction(self):
         return self.inner.param_fraction()
 
+    def sleep(self):
+        self.inner.sleep()
+
+    def wake(self):
+        self.inner.wake()
+
     def generate_parts(self, parts, n_per_prompt=1):
         return [self.generate(prompts, n_per_prompt, sp) for prompts, sp in parts]
 
@@ -130,6 +136,42 @@ class _EmptyingEngine:
         routed = None if b.routed_experts is None else [*b.routed_experts[:2], b.routed_experts[2][:0],
                                                           *b.routed_experts[3:]]
         return dataclasses.replace(b, response_ids=rid, logprobs=lp, routed_experts=routed)
+
+
+def test_the_engine_sleeps_from_its_rollout_to_the_weight_sync(tmp_path):
+    """The loop puts the engine to sleep after each rollout (rollout.engine_sleep frees a vLLM engine's GPU memory
+    for the trainer) and wakes it before the weight sync: every step is generate, sleep, wake, sync, and the
+    engine is awake when the run ends."""
+    from moe_gspo.rollout.hf_engine import HFEngine
+    from moe_gspo.tasks import CharTokenizer
+    from moe_gspo.train.loop import train
+
+    class Recording(HFEngine):
+        def __init__(self, *a, **kw):
+            self.calls, self.asleep = [], False
+            super().__init__(*a, **kw)
+
+        def generate(self, *a, **kw):
+            assert not self.asleep
+            self.calls.append("generate")
+            return super().generate(*a, **kw)
+
+        def sleep(self):
+            self.calls.append("sleep")
+            self.asleep = True
+
+        def wake(self):
+            self.calls.append("wake")
+            self.asleep = False
+
+        def update_weights(self, weights):
+            assert not self.asleep
+            self.calls.append("sync")
+            super().update_weights(weights)
+
+    eng = Recording(tokenizer=CharTokenizer())
+    train(tiny_cfg("train.steps=2", "train.cold_start_steps=0"), run_dir=tmp_path / "a", engine=eng)
+    assert eng.calls == ["sync"] + ["generate", "sleep", "wake", "sync"] * 2 and not eng.asleep, eng.calls
 
 
 def test_empty_response_and_too_long_prompt_are_clear_errors(tmp_path):

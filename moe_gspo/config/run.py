@@ -55,6 +55,11 @@ class RolloutConfig:
     engine_gpu_memory: float = 0.5
     """Share of each GPU's memory the vLLM engine may take for its weights and KV cache (vLLM's
     gpu_memory_utilization); the trainer lives in the rest. Ignored on the CPU."""
+    engine_sleep: bool = False
+    """The vLLM engine sleeps while the trainer trains (vLLM's sleep mode, level 1: its KV cache is freed and its
+    weights wait in host memory) and wakes before the weight sync, so the trainer gets the engine's GPU memory
+    back between rollouts. A GPU path (vLLM 0.32's sleep mode is CUDA, ROCm and XPU only); refused on the CPU and
+    for the other engines. With rollout.placement=separate the engine ranks never train, so it is refused there."""
     engine_ep: bool = False
     """Expert parallelism inside the rollout engine (vLLM's enable_expert_parallel, with rollout.engine_tp > 1): a
     GPU path; refused on the CPU, where vLLM's fused-MoE kernel crashes with it."""
@@ -88,6 +93,10 @@ class RolloutConfig:
             raise ConfigError("rollout.engine_ep=true needs rollout.engine_tp > 1 (the engine's experts are spread "
                               "over its tensor-parallel ranks)")
         choice(self, "placement", ("colocated", "separate"))
+        if self.engine_sleep and (self.engine != "vllm" or self.placement != "colocated"):
+            raise ConfigError(f"rollout.engine_sleep=true needs rollout.engine=vllm with rollout.placement=colocated "
+                              f"(got engine {self.engine!r}, placement {self.placement!r}): only a vLLM engine that "
+                              "shares its GPU with the trainer has memory to give back")
         if self.placement == "separate":
             if self.engine_ranks < 1:
                 raise ConfigError(f"rollout.engine_ranks={self.engine_ranks} must be >= 1 with "

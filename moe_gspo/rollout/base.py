@@ -80,6 +80,13 @@ class RolloutEngine(ABC):
     def close(self) -> None:
         """Release engine resources (GPU memory, worker processes)."""
 
+    def sleep(self) -> None:
+        """Give the engine's device memory back while the trainer trains (no generation until wake()); engines
+        without a sleep mode keep everything."""
+
+    def wake(self) -> None:
+        """Take back what sleep() gave up (before the weight sync and the next generation)."""
+
     def _take_ids(self, num_prompts: int, n_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sample_ids (N,), group_ids (N,)) of the next batch of num_prompts x n_per_prompt responses: sample ids
         count up across this engine's calls, and the responses of one prompt share a group id."""

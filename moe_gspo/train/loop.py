@@ -244,9 +244,11 @@ class Run:
         return list(perm.split(self.layout.minibatch_local))
 
     def engine_metrics(self) -> dict[str, float]:
-        """The engine's tensor-parallel size and the share of the model's parameters this rank's engine keeps."""
+        """The engine's tensor-parallel size, the share of the model's parameters this rank's engine keeps, and the
+        last weight sync's seconds by phase where the engine measures them (a vLLM engine over several ranks)."""
+        phases = getattr(self.engine, "last_sync_phases", None) or {}
         return {"engine/tp": float(self.cfg.rollout.engine_tp), "engine/param_fraction": self.engine.param_fraction(),
-                **self.async_metrics}
+                **{f"engine/sync_{k}_s": float(v) for k, v in phases.items()}, **self.async_metrics}
 
     def flip_metrics(self) -> dict[str, float]:
         if self.tracker is None:

@@ -22,7 +22,6 @@ it, and views of the rank's parameters, from which each engine rank receives exa
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -90,7 +89,7 @@ class ModuleWeights(WeightSource):
 
     def __init__(self, model):
         self.module = model
-        self.config = model.config.to_dict()
+        self.config = model.config.to_diff_dict()  # what save_pretrained writes as config.json
         self.device = next(model.parameters()).device
 
     def whole(self) -> Mapping[str, torch.Tensor]:
@@ -98,7 +97,6 @@ class ModuleWeights(WeightSource):
 
         with tempfile.TemporaryDirectory() as d:  # in-memory names differ from the checkpoint's
             self.module.save_pretrained(d)
-            self.config = json.loads((Path(d) / "config.json").read_text())
             state = {}
             for f in sorted(Path(d).glob("*.safetensors")):
                 state.update(load_file(f))
@@ -112,10 +110,8 @@ def weights_of(x) -> WeightSource:
         return x
     if hasattr(x, "weights") and callable(x.weights):
         return x.weights()
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        PreTrainedModel = ()
+    from transformers import PreTrainedModel
+
     if isinstance(x, PreTrainedModel):
         return ModuleWeights(x)
     raise TypeError(f"an engine loads a WeightSource (policy.weights()), a moe_gspo policy or a transformers model, "

@@ -14,9 +14,9 @@ position just fed.
 
 Weights: `update_weights(weights)` takes a WeightSource (moe_gspo.model.weights): its config.json dict and its
 checkpoint-format tensors, read once in order (what `save_pretrained` would write: one tensor per expert), loaded
-into the in-memory model, fusing per-expert tensors into transformers' [E, 2I, H] / [E, H, I] layout, one tensor at a time or,
-with sync_bucket_bytes > 0, in flat buckets (weight_sync.py). A transformers model (ModuleWeights) is used as given
-(weights shared, not copied).
+into the in-memory model, fusing per-expert tensors into transformers' [E, 2I, H] / [E, H, I] layout, one tensor at
+a time or, with sync_bucket_bytes > 0, in flat buckets (weight_sync.py). A transformers model (ModuleWeights) is
+used as given (weights shared, not copied).
 """
 
 from __future__ import annotations

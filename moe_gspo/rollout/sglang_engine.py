@@ -72,7 +72,7 @@ class SGLangEngine(RolloutEngine):
                  **engine_kwargs):
         sglang = _import_sglang()
         w = weights_of(weights)
-        state_dict = {k: v for k, v in w.whole().items()}  # read in order (a TP/EP policy gathers on reading)
+        state_dict = dict(w.whole())  # read in order (a TP/EP policy gathers on reading)
         config_dict = w.config
         self.bucket_bytes = bucket_bytes or 256 * 2**20
         self._tmp = None if export_dir else tempfile.TemporaryDirectory(prefix="moe_gspo_sglang_")

@@ -315,8 +315,8 @@ class VLLMEngine(RolloutEngine):
     def _load_shards(self, weights) -> None:
         t0 = time.perf_counter()
         self.last_sync_tensors = self.sharded.load(weights)
-        self.last_sync_received_bytes = self.sharded.received_bytes()
-        self.last_sync_phases = dict(getattr(self.sharded, "phases", {}))  # seconds by phase, where measured
+        self.last_sync_received_bytes = self.sharded.plan.received_bytes()
+        self.last_sync_phases = dict(self.sharded.phases)  # seconds by phase (ShardedSync.load)
         self.llm.reset_prefix_cache()
         self.last_sync_seconds = time.perf_counter() - t0
 

@@ -13,12 +13,14 @@ them. So while the engine is built the names get a prefix unique to the job, `mo
 time>`, and before that the segments of jobs whose rank-0 process no longer runs are removed.
 
 Sync. The trainer's parameters stay where they are: each rank's part of every HF tensor is a view of its megatron
-parameters (the weight source's `shards`, moe_gspo.model.weights), the engine's layout says which region of each tensor each engine rank keeps
-(moe_gspo.rollout.vllm_shards), and a SyncPlan built once moves the pieces (moe_gspo.rollout.shard_sync).
+parameters (the weight source's `shards`, moe_gspo.model.weights), the engine's layout says which region of each
+tensor each engine rank keeps (moe_gspo.rollout.vllm_shards), and a SyncPlan built once moves the pieces
+(moe_gspo.rollout.shard_sync).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -130,8 +132,8 @@ class ShardedSync:
         self.writer = ShardWriter(model, mc, tp, rank % tp, on_cpu, expert_parallel)
         self.device = None if on_cpu else torch.device("cuda", torch.cuda.current_device())
         mine = engine_needs(mc, tp, rank % tp, expert_parallel)
-        total = sum(_numel(s) for s in self.trainer.shapes.values())
-        kept = sum(_numel(s) if r.dim is None else _numel(s) // s[r.dim] * r.length
+        total = sum(math.prod(s) for s in self.trainer.shapes.values())
+        kept = sum(math.prod(s) if r.dim is None else math.prod(s) // s[r.dim] * r.length
                    for (k, r), s in ((kr, self.trainer.shapes[kr[0]]) for kr in mine))
         self.param_fraction = kept / total
         self.phases: dict[str, float] = {}  # the last load's seconds by phase (see load)
@@ -161,13 +163,3 @@ class ShardedSync:
         self.phases = {"move": t1 - t0 - t_write, "write": t_write - self.writer.prepack_s,
                        "prepack": self.writer.prepack_s, "repack_dense": t2 - t1}
         return n
-
-    def received_bytes(self) -> int:
-        return self.plan.received_bytes()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -27,8 +27,8 @@ import torch
 from moe_gspo.config import Config, ConfigError
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.batch import RolloutBatch
-from moe_gspo.rollout.bridge import (BatchLink, PushedShards, PushedWeights, Roles, ShardPush, TrainerCoords, WeightPush,
-                                     exchange, shard_plan)
+from moe_gspo.rollout.bridge import (BatchLink, PushedShards, PushedWeights, Roles, ShardPush, TrainerCoords,
+                                     WeightPush, exchange, shard_plan)
 
 
 def push_dtype(cfg: Config) -> torch.dtype:

@@ -1,6 +1,7 @@
 """Forward+backward tokens/s of the tiny policy vs transformers' Qwen3MoeForCausalLM on the same weights.
 
     python scripts/bench_step.py --json runs/bench_step.json [--config configs/tiny_cpu.yaml] [--seq 256]
+    python scripts/bench_step.py --device cuda --dtype bfloat16 --config configs/gpu_2b.yaml --json runs/step_gpu.json
 
 Both models are measured in this run, alternating, with the same batch; the table reports medians and the
 ratio against transformers. Variants: moe-gspo with SDPA attention (default), with megatron's local unfused
@@ -14,6 +15,13 @@ which compiles, is timed on its own before the warmup and reported as compile se
 model runs the padded batch (transformers with its attention mask) and the loss covers the real tokens only, and
 a row "moe-gspo (packed)" runs the same rows packed back to back (MoEPolicy's `lengths`: no padding computed, as
 train.max_tokens_per_micro_batch does). Tokens/s count real tokens.
+
+--device cuda runs every model on the GPU (synchronizing before each clock read); --dtype bfloat16 gives the policy
+bf16 parameters (model.params_dtype) and loads transformers in bf16, so both compute in bf16. --variants picks the
+rows (default: all on the CPU; on CUDA the local-attention and eager-transformers rows are left out, since they
+only add time there). Each row also gives model TFLOP/s: 6 x (active parameters that multiply, i.e. without the
+input embedding's lookup) x tokens, plus causal attention's 6 x layers x sum(len^2) x heads x head_dim (QK^T and
+PV, fwd + bwd, half the square for the causal mask).
 
 --optimizer adds a second table: a whole training step (forward, backward, optimizer step with clipping) of the
 policy under the trainer's optimizer (megatron DDP buffers, megatron's Adam on fp32 main params, its grad norm and
@@ -35,15 +43,35 @@ import torch
 warnings.filterwarnings("ignore")
 
 
+VARIANTS = ("sdpa", "local", "torch", "megatron", "hf_eager")
+CUDA_VARIANTS = ("sdpa", "torch", "megatron")
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(step, warmup, iters):
     for _ in range(warmup):
         step()
     ts = []
     for _ in range(iters):
+        sync()
         t0 = time.perf_counter()
         step()
+        sync()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def model_flops(mc, lengths) -> float:
+    """Matmul FLOPs of one forward+backward: 6 x active multiplying parameters x tokens + causal attention."""
+    _, active = mc.parameter_counts()
+    if not mc.tie_word_embeddings:
+        active -= mc.vocab_size * mc.hidden_size  # the input embedding is a lookup, not a matmul
+    attention = 6 * mc.num_hidden_layers * sum(n * n for n in lengths) * mc.num_attention_heads * mc.head_dim
+    return 6 * active * sum(lengths) + attention
 
 
 def main():
@@ -55,11 +83,27 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--variants", default=None,
+                    help=f"comma-separated, of {','.join(VARIANTS)} (default: all on the CPU, {','.join(CUDA_VARIANTS)} "
+                         "on CUDA)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="a.b=v", help="config overrides for every moe-gspo model")
     ap.add_argument("--optimizer", action="store_true", help="also time whole train steps: megatron's optimizer vs AdamW")
     ap.add_argument("--compile", action="store_true", help="also time the policy under model.compile=true")
     ap.add_argument("--ragged", type=int, default=None, metavar="MIN",
                     help="row lengths uniform in [MIN, seq]; adds the packed policy")
     args = ap.parse_args()
+    variants = (args.variants or ",".join(CUDA_VARIANTS if args.device == "cuda" else VARIANTS)).split(",")
+    if unknown := sorted(set(variants) - set(VARIANTS)):
+        raise SystemExit(f"error: --variants: unknown {', '.join(unknown)} (valid: {', '.join(VARIANTS)})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: CUDA is not available on this machine")
+    if args.device == "cpu" and torch.cuda.is_available():
+        raise SystemExit("error: --device cpu on a CUDA machine: the policy places itself on the GPU; use --device cuda")
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    base_overrides = [f"model.params_dtype={args.dtype}", *args.set]
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -71,7 +115,7 @@ def main():
         """The config at path with overrides; a comparison's config gives its policy (its variants are dropped)."""
         data = read_yaml(path)
         data.pop("compare", None)
-        return config_from_dict(apply_overrides(data, list(overrides)))
+        return config_from_dict(apply_overrides(data, [*base_overrides, *overrides]))
 
     try:
         cfg = load_config(args.config)
@@ -83,36 +127,42 @@ def main():
     policy.save_pretrained(d)
     V = cfg.model.vocab_size
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, V, (args.batch, args.seq), generator=g)
-    y = torch.randint(0, V, (args.batch, args.seq), generator=g)
+    x = torch.randint(0, V, (args.batch, args.seq), generator=g).to(device)
+    y = torch.randint(0, V, (args.batch, args.seq), generator=g).to(device)
     lengths = [args.seq] * args.batch
     if args.ragged:
         lengths = torch.randint(args.ragged, args.seq + 1, (args.batch,), generator=g).tolist()
-    real = torch.arange(args.seq)[None] < torch.tensor(lengths)[:, None]  # (B, S) True on real tokens
+    real = (torch.arange(args.seq)[None] < torch.tensor(lengths)[:, None]).to(device)  # (B, S) True on real tokens
     y = torch.where(real, y, -100)
 
-    models = {"moe-gspo (megatron-core, SDPA)": policy}
-    source = load_config(args.config, ["model.attention=megatron"])
-    slow = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
-    slow.load_full_megatron_state(policy.full_megatron_state())
-    models["moe-gspo (megatron-core, local attention)"] = slow
+    def twin(overrides):
+        """A policy of the same weights with overrides on the config."""
+        source = load_config(args.config, overrides)
+        m = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
+        m.load_full_megatron_state(policy.full_megatron_state())
+        return m
+
+    def from_hf(**kw):
+        return Qwen3MoeForCausalLM.from_pretrained(d, dtype=dtype, **kw).to(device).train()
+
+    models = {}
+    if "sdpa" in variants:
+        models["moe-gspo (megatron-core, SDPA)"] = policy
+    if "local" in variants:
+        models["moe-gspo (megatron-core, local attention)"] = twin(["model.attention=megatron"])
     for impl in ("torch", "megatron"):  # the eager twins of the default grouped-GEMM experts
-        source = load_config(args.config, [f"model.experts={impl}"])
-        twin = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
-        twin.load_full_megatron_state(policy.full_megatron_state())
-        models[f"moe-gspo (megatron-core, SDPA, {impl} experts)"] = twin
+        if impl in variants:
+            models[f"moe-gspo (megatron-core, SDPA, {impl} experts)"] = twin([f"model.experts={impl}"])
     if args.compile:
-        source = load_config(args.config, ["model.compile=true"])
-        fast = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
-        fast.load_full_megatron_state(policy.full_megatron_state())
+        fast = twin(["model.compile=true"])
         models["moe-gspo (megatron-core, SDPA, torch.compile)"] = fast
-    hf = Qwen3MoeForCausalLM.from_pretrained(d).train()
+    hf = from_hf()  # the baseline: always measured
     models["transformers (default)"] = hf
-    try:
-        hf_eager = Qwen3MoeForCausalLM.from_pretrained(d, experts_implementation="eager").train()
-        models["transformers (eager experts)"] = hf_eager
-    except (TypeError, ValueError):
-        pass
+    if "hf_eager" in variants:
+        try:
+            models["transformers (eager experts)"] = from_hf(experts_implementation="eager")
+        except (TypeError, ValueError):
+            pass
 
     packed = {}
     if args.ragged:
@@ -136,7 +186,7 @@ def main():
     if args.compile:  # compile at the timed shape first, so the table's warmup and steps run compiled code
         compile_s = timed(step_fn(fast), 0, 1)
     with torch.no_grad():  # same weights: outputs agree before timing anything
-        diff = (policy(x[:2]) - hf(x[:2]).logits).abs().max().item()
+        diff = (policy(x[:2]).float() - hf(x[:2]).logits.float()).abs().max().item()
     secs = {name: [] for name in models}
     for _ in range(args.warmup):
         for name, m in models.items():
@@ -146,11 +196,16 @@ def main():
             secs[name].append(timed(step_fn(m, name), 0, 1))
     tokens = sum(lengths)
     base = statistics.median(secs["transformers (default)"])
+    flops = model_flops(cfg.model, lengths)
     rows = []
     for name, ts in secs.items():
         s = statistics.median(ts)
-        rows.append({"impl": name, "seconds": s, "tokens_per_s": tokens / s, "speedup_vs_transformers": base / s})
-    result = {"device": "cpu", "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        rows.append({"impl": name, "seconds": s, "tokens_per_s": tokens / s, "tflops": flops / s / 1e12,
+                     "speedup_vs_transformers": base / s})
+    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "dtype": args.dtype, "model_flops_per_step": flops, "overrides": base_overrides,
+              "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
               "batch": args.batch, "seq": args.seq, "tokens": tokens, "max_abs_logit_diff": diff,
               "ragged_min": args.ragged, "lengths": lengths,
               "config": args.config, "rows": rows}
@@ -158,9 +213,10 @@ def main():
         result["compile_seconds"] = compile_s
     print(f"fwd+bwd, batch {args.batch} x seq {args.seq}: {tokens} real tokens, {torch.get_num_threads()} threads, "
           f"max |logit diff| moe-gspo vs transformers {diff:.1e}")
-    print(f"{'implementation':47s} {'s/step':>8s} {'tokens/s':>10s} {'vs transformers':>16s}")
+    print(f"{'implementation':47s} {'s/step':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'vs transformers':>16s}")
     for r in rows:
-        print(f"{r['impl']:47s} {r['seconds']:8.3f} {r['tokens_per_s']:10.0f} {r['speedup_vs_transformers']:15.2f}x")
+        print(f"{r['impl']:47s} {r['seconds']:8.3f} {r['tokens_per_s']:10.0f} {r['tflops']:8.2f} "
+              f"{r['speedup_vs_transformers']:15.2f}x")
     if args.compile:
         print(f"torch.compile: first forward+backward (compiling) {compile_s:.1f} s")
     if args.optimizer:

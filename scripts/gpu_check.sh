@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # Every GPU check in one command: installs the GPU extras, runs the CUDA tests and benchmarks, writes one JSON.
 #
-#   bash scripts/gpu_check.sh [STAGE ...]      stages: env tests bench engine rl compare (default: all six)
+#   bash scripts/gpu_check.sh [STAGE ...]      stages: env tests bench step engine rl compare (default: all seven)
 #
 # Environment:
 #   OUT=DIR          where results go (default gpu_check_out/): gpu_check.json (everything), records.jsonl (the
 #                    figures each test measured), junit.xml, bench_logprob.json, bench_engine_gpu_single.json and
 #                    bench_engine_gpu_2b.json (hf_static vs hf generation; weight sync by bucket size at gpu_2b),
-#                    bench_rl_gpu.json (the RL step against TRL at both GPU sizes), compare/ (the comparison run)
+#                    bench_step_gpu_single.json and bench_step_gpu_2b.json (bf16 forward+backward against
+#                    transformers), bench_rl_gpu_single.json and bench_rl_gpu_2b.json (the RL step against TRL),
+#                    compare/ (the comparison run)
 #   WHEELS=DIR       install the wheels in DIR first, without an index (for machines with no network; see
 #                    docs/gpu.md for the list and the pip download command); default .whl if it exists
 #   PYTHON=python3   the interpreter that holds a CUDA torch
 #   COMPARE_STEPS=N  RL steps per variant in the comparison stage (default 20)
 #   RL_ARGS          arguments of bench_rl.py in the rl stage (default: --algos gspo --steps 3 --warmup 1)
 #   ENGINE_ARGS      extra arguments of bench_engine.py in the engine stage (default: none)
-#   STAGE_TIMEOUT=S  stop any stage after S seconds (default: no limit)
+#   STAGE_TIMEOUT=S  stop any stage after S seconds (default: no limit); TIMEOUT_<name>=S for one stage, by the
+#                    name its log has (TIMEOUT_rl_gpu_2b=150)
 #   COMPARE_ARGS     extra overrides for the comparison (default: the HF engine on the GPU, since SGLang is
 #                    checked by its own tests when importable)
 # Exits non-zero when a stage fails; every stage runs regardless, and gpu_check.json says which failed.
@@ -26,7 +29,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export OUT
 WHEELS=${WHEELS:-.whl}
-STAGES=${*:-env tests bench engine rl compare}
+STAGES=${*:-env tests bench step engine rl compare}
 export PYTHONUNBUFFERED=1
 status=0
 declare -A RESULT
@@ -39,9 +42,9 @@ fi
 
 stage() {  # stage NAME COMMAND...: run, log to OUT/NAME.log, remember the exit code
     local name=$1; shift
-    local t0=$SECONDS
+    local t0=$SECONDS limit="TIMEOUT_$name"
     echo "== $name: $*"
-    timeout "${STAGE_TIMEOUT:-0}" "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout "${!limit:-${STAGE_TIMEOUT:-0}}" "$@" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     RESULT[$name]="$rc $((SECONDS - t0))"
     [ "$rc" = 0 ] || status=1
@@ -83,18 +86,26 @@ EOF
         stage bench "$PY" scripts/bench_logprob.py --json "$OUT/bench_logprob.json" --dtype bf16 \
             --sizes 16384,4096,151936 4096,4096,151936 --repeats 5 --warmup 2 --seq-len 512
         ;;
-    engine)
-        # shellcheck disable=SC2086
-        stage engine_gpu_single "$PY" scripts/bench_engine.py --device cuda --config configs/gpu_single.yaml \
-            --what generate --json "$OUT/bench_engine_gpu_single.json" ${ENGINE_ARGS:-}
+    step)  # the training phase in bf16: forward+backward against transformers, each expert implementation
+        stage step_gpu_single "$PY" scripts/bench_step.py --device cuda --dtype bfloat16 \
+            --config configs/gpu_single.yaml --batch 32 --seq 256 --json "$OUT/bench_step_gpu_single.json"
+        stage step_gpu_2b "$PY" scripts/bench_step.py --device cuda --dtype bfloat16 \
+            --config configs/gpu_2b.yaml --batch 4 --seq 2048 --variants sdpa,torch --json "$OUT/bench_step_gpu_2b.json"
+        ;;
+    engine)  # gpu_2b first: its weight sync by bucket size is the figure no other stage gives
         # shellcheck disable=SC2086
         stage engine_gpu_2b "$PY" scripts/bench_engine.py --device cuda --config configs/gpu_2b.yaml \
             --what generate,sync --json "$OUT/bench_engine_gpu_2b.json" ${ENGINE_ARGS:-}
-        ;;
-    rl)
         # shellcheck disable=SC2086
-        stage rl "$PY" scripts/bench_rl.py --device cuda --sizes gpu_single,gpu_2b --max-new-tokens 256 \
-            --json "$OUT/bench_rl_gpu.json" ${RL_ARGS:---algos gspo --steps 3 --warmup 1}
+        stage engine_gpu_single "$PY" scripts/bench_engine.py --device cuda --config configs/gpu_single.yaml \
+            --what generate --json "$OUT/bench_engine_gpu_single.json" ${ENGINE_ARGS:-}
+        ;;
+    rl)  # one size per stage, so that a stage cut off by its timeout leaves the other's results
+        for size in gpu_single gpu_2b; do
+            # shellcheck disable=SC2086
+            stage "rl_$size" "$PY" scripts/bench_rl.py --device cuda --sizes "$size" --max-new-tokens 256 \
+                --json "$OUT/bench_rl_$size.json" ${RL_ARGS:---algos gspo --steps 3 --warmup 1}
+        done
         ;;
     compare)
         rm -rf "$OUT/compare"
@@ -102,7 +113,7 @@ EOF
         stage compare "$PY" -m moe_gspo.cli compare --config configs/gpu_single.yaml --out "$OUT/compare" \
             ${COMPARE_ARGS:-rollout.engine=hf rollout.engine_dtype=bfloat16} train.steps="${COMPARE_STEPS:-20}"
         ;;
-    *) echo "unknown stage $s (env tests bench engine rl compare)"; status=1 ;;
+    *) echo "unknown stage $s (env tests bench step engine rl compare)"; status=1 ;;
     esac
 done
 
@@ -112,8 +123,9 @@ import json, os, pathlib
 out = pathlib.Path(os.environ["OUT"])
 res = {"stages": {l.split()[0]: {"exit": int(l.split()[1]), "seconds": int(l.split()[2])}
                   for l in (out / "stages.txt").read_text().splitlines()}}
-for name in ("env.json", "bench_logprob.json", "bench_engine_gpu_single.json", "bench_engine_gpu_2b.json",
-             "bench_rl_gpu.json"):
+for name in ("env.json", "bench_logprob.json", "bench_step_gpu_single.json", "bench_step_gpu_2b.json",
+             "bench_engine_gpu_single.json", "bench_engine_gpu_2b.json", "bench_rl_gpu_single.json",
+             "bench_rl_gpu_2b.json"):
     if (out / name).exists():
         res[name.split(".")[0]] = json.loads((out / name).read_text())
 if (out / "records.jsonl").exists():

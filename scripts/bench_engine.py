@@ -79,6 +79,8 @@ def bench_generate(engines, cfg, prompts, args, sync) -> dict:
     for rep in range(args.repeats + 1):
         for name, eng in engines.items():
             batch, s = timed(lambda: eng.generate(prompts, args.group, sp), sync)
+            print(f"generate {name} call {rep + 1}{' (warm-up)' if not rep else ''}: {s:.3f} s, "
+                  f"{int(batch.response_lengths.sum())} response tokens", file=sys.stderr, flush=True)
             if rep:  # the first call of each engine is the warm-up
                 resp = int(batch.response_lengths.sum())
                 runs[name].append({"seconds": s, "response_tokens": resp,
@@ -211,6 +213,14 @@ def main():
 
         result["versions"]["vllm"] = vllm_info()["version"]
         result["vllm_start_s"] = engines["vllm"].start_seconds
+    if "sync" in what:  # first: seconds where generation at this size takes minutes
+        result["sync"] = s = bench_sync(hf, policy, args, sync)
+        for r in s["rows"]:
+            print(f"sync hf bucket {r['bucket_bytes']:>11d} B  {r['median_s']:.4f} s  {r['GB_per_s']:.1f} GB/s  "
+                  f"{r['copies']} copies  bit-equal {r['bit_equal']}")
+        if "vllm" in engines:
+            result["sync_vllm"] = v = bench_sync_vllm(engines["vllm"], policy, args)
+            print(f"sync vllm  {v['median_s']:.4f} s  {v['GB_per_s']:.2f} GB/s  {v['tensors']} tensors")
     if "generate" in what:
         result["generate"] = g = bench_generate(engines, cfg, prompts, args, sync)
         for r in g["rows"]:
@@ -219,14 +229,6 @@ def main():
                   f"tok/s  {r['tokens_per_s']:.0f} tok/s{vs}")
         if "compiled" in g:
             print(f"hf_static: compiled {g['compiled']}, decode experts {g['decode_experts']}")
-    if "sync" in what:
-        result["sync"] = s = bench_sync(hf, policy, args, sync)
-        for r in s["rows"]:
-            print(f"sync hf bucket {r['bucket_bytes']:>11d} B  {r['median_s']:.4f} s  {r['GB_per_s']:.1f} GB/s  "
-                  f"{r['copies']} copies  bit-equal {r['bit_equal']}")
-        if "vllm" in engines:
-            result["sync_vllm"] = v = bench_sync_vllm(engines["vllm"], policy, args)
-            print(f"sync vllm  {v['median_s']:.4f} s  {v['GB_per_s']:.2f} GB/s  {v['tensors']} tensors")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -80,7 +80,7 @@ from pathlib import Path
 
 from _rl_bench.comparison import ALGOS, DEVICE_SIZES, SIZES, TRL_GENERATION
 from _rl_bench.moe_gspo_side import run_moe_gspo
-from _rl_bench.report import report, shape_of, summarize
+from _rl_bench.report import PHASES, report, shape_of, summarize
 from _rl_bench.trl_side import run_trl
 
 warnings.filterwarnings("ignore")
@@ -172,7 +172,11 @@ def main():
                                 "max_new_tokens": args.max_new_tokens, "engine": args.engine,
                                 "trl_generation": trl_tools.get(tool)}
                         runs[tool].append(run_worker(spec, args.threads))
-                        print(f"{size} {algo} {tool} run {rep + 1}: {runs[tool][-1]['wall_s']:.1f} s",
+                        # this run's medians now, so that a benchmark cut off later still leaves them in its log
+                        one = summarize(runs[tool][-1:], min(args.warmup, args.steps - 1))
+                        phases = ", ".join(f"{ph} {one[ph + '_s']:.3f} s" for ph in PHASES)
+                        print(f"{size} {algo} {tool} run {rep + 1}: {runs[tool][-1]['wall_s']:.1f} s; median step "
+                              f"{one['step_s']:.3f} s ({one['tokens_per_s']:.0f} tokens/s): {phases}",
                               file=sys.stderr, flush=True)
                 ours = runs["moe-gspo"][0]
                 for t in trl_tools:

@@ -89,6 +89,9 @@ def main():
                     help=f"comma-separated, of {','.join(VARIANTS)} (default: all on the CPU, {','.join(CUDA_VARIANTS)} "
                          "on CUDA)")
     ap.add_argument("--set", nargs="*", default=[], metavar="a.b=v", help="config overrides for every moe-gspo model")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile one step of moe-gspo's default policy and of transformers, and list each "
+                         "one's N costliest kernels (torch.profiler; device time on CUDA, CPU time otherwise)")
     ap.add_argument("--optimizer", action="store_true", help="also time whole train steps: megatron's optimizer vs AdamW")
     ap.add_argument("--compile", action="store_true", help="also time the policy under model.compile=true")
     ap.add_argument("--ragged", type=int, default=None, metavar="MIN",
@@ -219,11 +222,36 @@ def main():
               f"{r['speedup_vs_transformers']:15.2f}x")
     if args.compile:
         print(f"torch.compile: first forward+backward (compiling) {compile_s:.1f} s")
+    if args.profile:
+        result["profile"] = {name: profile_step(name, step_fn(models[name], name), args.profile)
+                             for name in ("moe-gspo (megatron-core, SDPA)", "transformers (default)") if name in models}
     if args.optimizer:
         result["optimizer_rows"] = optimizer_rows(args, cfg, policy, x, y, V)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def profile_step(label: str, step, top: int) -> list[dict]:
+    """The `top` costliest operators of one step (after one untimed step), by self time on the device (CUDA) or the
+    CPU, printed as a table and returned as rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        sync()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1.0
+    rows = [{"name": e.key, "calls": e.count, "self_ms": getattr(e, key) / 1e3, "share": getattr(e, key) / total}
+            for e in events[:top]]
+    print(f"\none step of {label}, profiled\n{'operator or kernel':70s} {'calls':>6s} {'self ms':>9s} {'share':>6s}")
+    for r in rows:
+        print(f"{r['name'][:70]:70s} {r['calls']:6d} {r['self_ms']:9.2f} {r['share']:6.1%}")
+    return rows
 
 
 def optimizer_rows(args, cfg, policy, x, y, V):

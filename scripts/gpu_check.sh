@@ -14,6 +14,8 @@
 #                    docs/gpu.md for the list and the pip download command); default .whl if it exists
 #   PYTHON=python3   the interpreter that holds a CUDA torch
 #   COMPARE_STEPS=N  RL steps per variant in the comparison stage (default 20)
+#   STEP_ARGS        extra arguments of bench_step.py at gpu_single (default: --profile 15, the 15 costliest
+#                    kernels of a step of each side)
 #   RL_ARGS          arguments of bench_rl.py in the rl stage (default: --algos gspo --steps 3 --warmup 1)
 #   ENGINE_ARGS      extra arguments of bench_engine.py in the engine stage (default: none)
 #   STAGE_TIMEOUT=S  stop any stage after S seconds (default: no limit); TIMEOUT_<name>=S for one stage, by the
@@ -87,10 +89,16 @@ EOF
             --sizes 16384,4096,151936 4096,4096,151936 --repeats 5 --warmup 2 --seq-len 512
         ;;
     step)  # the training phase in bf16: forward+backward against transformers, each expert implementation
+        # shellcheck disable=SC2086
         stage step_gpu_single "$PY" scripts/bench_step.py --device cuda --dtype bfloat16 \
-            --config configs/gpu_single.yaml --batch 32 --seq 256 --json "$OUT/bench_step_gpu_single.json"
+            --config configs/gpu_single.yaml --batch 32 --seq 256 --json "$OUT/bench_step_gpu_single.json" \
+            ${STEP_ARGS:---profile 15}
         stage step_gpu_2b "$PY" scripts/bench_step.py --device cuda --dtype bfloat16 \
             --config configs/gpu_2b.yaml --batch 4 --seq 2048 --variants sdpa,torch --json "$OUT/bench_step_gpu_2b.json"
+        # last and on its own: compiling can take minutes, and a stage cut off by its timeout writes no JSON
+        stage step_compile_gpu_single "$PY" scripts/bench_step.py --device cuda --dtype bfloat16 \
+            --config configs/gpu_single.yaml --batch 32 --seq 256 --variants sdpa --compile \
+            --json "$OUT/bench_step_compile_gpu_single.json"
         ;;
     engine)  # gpu_2b first: its weight sync by bucket size is the figure no other stage gives
         # shellcheck disable=SC2086
@@ -124,6 +132,7 @@ out = pathlib.Path(os.environ["OUT"])
 res = {"stages": {l.split()[0]: {"exit": int(l.split()[1]), "seconds": int(l.split()[2])}
                   for l in (out / "stages.txt").read_text().splitlines()}}
 for name in ("env.json", "bench_logprob.json", "bench_step_gpu_single.json", "bench_step_gpu_2b.json",
+             "bench_step_compile_gpu_single.json",
              "bench_engine_gpu_single.json", "bench_engine_gpu_2b.json", "bench_rl_gpu_single.json",
              "bench_rl_gpu_2b.json"):
     if (out / name).exists():

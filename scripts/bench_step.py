@@ -113,7 +113,7 @@ def main():
 
     import moe_gspo
     from moe_gspo.config import ConfigError, apply_overrides, config_from_dict, read_yaml
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
     def load_config(path, overrides=()):
         """The config at path with overrides; a comparison's config gives its policy (its variants are dropped)."""
@@ -126,7 +126,6 @@ def main():
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
-    hf_cfg, hf_state = policy.export_hf()
     d = tempfile.mkdtemp()
     policy.save_pretrained(d)
     V = cfg.model.vocab_size

@@ -23,6 +23,11 @@ only add time there). Each row also gives model TFLOP/s: 6 x (active parameters 
 input embedding's lookup) x tokens, plus causal attention's 6 x layers x sum(len^2) x heads x head_dim (QK^T and
 PV, fwd + bwd, half the square for the causal mask).
 
+--variants grouped_fallback (CUDA, --dtype float32 only) adds the policy with its grouped experts forced onto
+torch._grouped_mm in fp32, which CUDA computes with a fallback (a C++ loop of GEMMs over the groups, one host read of
+the offsets) instead of the per-expert Python loop the policy takes in fp32 on a GPU. --tf32 lets fp32 matmuls run
+on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32 and cudnn's), for every model alike.
+
 --optimizer adds a second table: a whole training step (forward, backward, optimizer step with clipping) of the
 policy under the trainer's optimizer (megatron DDP buffers, megatron's Adam on fp32 main params, its grad norm and
 LR schedule) against the same policy under plain torch.optim.AdamW + clip_grad_norm_, same weights and batch.
@@ -43,8 +48,9 @@ import torch
 warnings.filterwarnings("ignore")
 
 
-VARIANTS = ("sdpa", "local", "torch", "megatron", "hf_eager")
+VARIANTS = ("sdpa", "local", "torch", "megatron", "hf_eager", "grouped_fallback")
 CUDA_VARIANTS = ("sdpa", "torch", "megatron")
+FALLBACK = "moe-gspo (megatron-core, SDPA, fp32 grouped_mm fallback)"
 
 
 def sync():
@@ -92,6 +98,7 @@ def main():
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile one step of moe-gspo's default policy and of transformers, and list each "
                          "one's N costliest kernels (torch.profiler; device time on CUDA, CPU time otherwise)")
+    ap.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls (CUDA), every model")
     ap.add_argument("--optimizer", action="store_true", help="also time whole train steps: megatron's optimizer vs AdamW")
     ap.add_argument("--compile", action="store_true", help="also time the policy under model.compile=true")
     ap.add_argument("--ragged", type=int, default=None, metavar="MIN",
@@ -105,6 +112,12 @@ def main():
     if args.device == "cpu" and torch.cuda.is_available():
         raise SystemExit("error: --device cpu on a CUDA machine: the policy places itself on the GPU; use "
                          "--device cuda")
+    if "grouped_fallback" in variants and (args.device, args.dtype) != ("cuda", "float32"):
+        raise SystemExit("error: --variants grouped_fallback: needs --device cuda --dtype float32 (elsewhere the "
+                         "policy's experts already run torch._grouped_mm)")
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     base_overrides = [f"model.params_dtype={args.dtype}", *args.set]
@@ -156,6 +169,16 @@ def main():
     for impl in ("torch", "megatron"):  # the eager twins of the default grouped-GEMM experts
         if impl in variants:
             models[f"moe-gspo (megatron-core, SDPA, {impl} experts)"] = twin([f"model.experts={impl}"])
+    if "grouped_fallback" in variants:
+        from moe_gspo.model.experts import GroupedGemmExperts
+
+        forced = twin([])
+        experts = [mod for mod in forced.modules() if isinstance(mod, GroupedGemmExperts)]
+        if not experts or any(mod.use_grouped_mm for mod in experts):
+            raise SystemExit("error: --variants grouped_fallback: the policy has no grouped experts on the loop path")
+        for mod in experts:
+            mod.use_grouped_mm = True
+        models[FALLBACK] = forced
     if args.compile:
         fast = twin(["model.compile=true"])
         models["moe-gspo (megatron-core, SDPA, torch.compile)"] = fast
@@ -207,7 +230,7 @@ def main():
                      "speedup_vs_transformers": base / s})
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-              "dtype": args.dtype, "model_flops_per_step": flops, "overrides": base_overrides,
+              "dtype": args.dtype, "tf32": args.tf32, "model_flops_per_step": flops, "overrides": base_overrides,
               "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
               "batch": args.batch, "seq": args.seq, "tokens": tokens, "max_abs_logit_diff": diff,
               "ragged_min": args.ragged, "lengths": lengths,
@@ -224,7 +247,8 @@ def main():
         print(f"torch.compile: first forward+backward (compiling) {compile_s:.1f} s")
     if args.profile:
         result["profile"] = {name: profile_step(name, step_fn(models[name], name), args.profile)
-                             for name in ("moe-gspo (megatron-core, SDPA)", "transformers (default)") if name in models}
+                             for name in ("moe-gspo (megatron-core, SDPA)", FALLBACK, "transformers (default)")
+                             if name in models}
     if args.optimizer:
         result["optimizer_rows"] = optimizer_rows(args, cfg, policy, x, y, V)
     if args.json:
@@ -241,17 +265,22 @@ def profile_step(label: str, step, top: int) -> list[dict]:
     step()
     sync()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
         step()
         sync()
+        wall = time.perf_counter() - t0
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
     total = sum(getattr(e, key) for e in events) or 1.0
     rows = [{"name": e.key, "calls": e.count, "self_ms": getattr(e, key) / 1e3, "share": getattr(e, key) / total}
             for e in events[:top]]
-    print(f"\none step of {label}, profiled\n{'operator or kernel':70s} {'calls':>6s} {'self ms':>9s} {'share':>6s}")
+    # on a GPU, busy time well under the wall time means the step waits on launches and host syncs, not kernels
+    print(f"\none step of {label}, profiled: {wall * 1e3:.1f} ms wall (under the profiler), "
+          f"{total / 1e3:.1f} ms {'on the device' if cuda else 'of CPU self time'}\n"
+          f"{'operator or kernel':70s} {'calls':>6s} {'self ms':>9s} {'share':>6s}")
     for r in rows:
         print(f"{r['name'][:70]:70s} {r['calls']:6d} {r['self_ms']:9.2f} {r['share']:6.1%}")
-    return rows
+    return [{"name": "(step)", "wall_ms": wall * 1e3, "busy_ms": total / 1e3}, *rows]
 
 
 def optimizer_rows(args, cfg, policy, x, y, V):

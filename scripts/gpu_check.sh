@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one command: installs the GPU extras, runs the CUDA tests and benchmarks, writes one JSON.
 #
-#   bash scripts/gpu_check.sh [STAGE ...]      stages: env tests bench step engine rl compare (default: all seven)
+#   bash scripts/gpu_check.sh [STAGE ...]      stages: env tests bench step configstep engine rl compare
+#                                              (default: all eight)
 #
 # Environment:
 #   OUT=DIR          where results go (default gpu_check_out/): gpu_check.json (everything), records.jsonl (the
@@ -13,6 +14,8 @@
 #   WHEELS=DIR       install the wheels in DIR first, without an index (for machines with no network; see
 #                    docs/gpu.md for the list and the pip download command); default .whl if it exists
 #   PYTHON=python3   the interpreter that holds a CUDA torch
+#   CONFIGSTEP_STEPS=N  RL steps of each whole-step run in the configstep stage (default 6; medians leave out
+#                    the first two)
 #   COMPARE_STEPS=N  RL steps per variant in the comparison stage (default 20)
 #   STEP_ARGS        extra arguments of bench_step.py at gpu_single (default: --profile 15, the 15 costliest
 #                    kernels of a step of each side)
@@ -31,7 +34,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export OUT
 WHEELS=${WHEELS:-.whl}
-STAGES=${*:-env tests bench step engine rl compare}
+STAGES=${*:-env tests bench step configstep engine rl compare}
 export PYTHONUNBUFFERED=1
 status=0
 declare -A RESULT
@@ -115,13 +118,31 @@ EOF
                 --json "$OUT/bench_rl_$size.json" ${RL_ARGS:---algos gspo --steps 3 --warmup 1}
         done
         ;;
+    configstep)  # gpu_single.yaml's own step: where its fp32 training time goes, and the levers on it
+        # forward+backward at the config's micro-batch (64 rows of about 64 tokens): the fp32 per-expert loop
+        # against the same experts forced onto torch._grouped_mm's fp32 fallback, without and with TF32
+        for tf in "" "--tf32"; do
+            stage "configstep_fp32${tf:+_tf32}" "$PY" scripts/bench_step.py --device cuda --dtype float32 \
+                --config configs/gpu_single.yaml --batch 64 --seq 64 --variants sdpa,grouped_fallback --profile 12 \
+                $tf --json "$OUT/bench_step_fp32${tf:+_tf32}.json"
+        done
+        # whole RL steps at the config's batch, the run alone on the GPU: fp32 parameters (the config) against
+        # bf16 parameters with fp32 main params
+        for prec in float32 bfloat16; do
+            rm -rf "$OUT/train_$prec"
+            stage "train_$prec" "$PY" -m moe_gspo.cli train --config configs/gpu_single.yaml \
+                rollout.engine=hf_static rollout.engine_dtype=bfloat16 model.params_dtype="$prec" \
+                train.cold_start_steps=0 train.steps="${CONFIGSTEP_STEPS:-6}" train.checkpoint_every=0 \
+                logging.progress=false train.out_dir="$OUT/train_$prec"
+        done
+        ;;
     compare)
         rm -rf "$OUT/compare"
         # shellcheck disable=SC2086
         stage compare "$PY" -m moe_gspo.cli compare --config configs/gpu_single.yaml --out "$OUT/compare" \
             ${COMPARE_ARGS:-rollout.engine=hf rollout.engine_dtype=bfloat16} train.steps="${COMPARE_STEPS:-20}"
         ;;
-    *) echo "unknown stage $s (env tests bench step engine rl compare)"; status=1 ;;
+    *) echo "unknown stage $s (env tests bench step configstep engine rl compare)"; status=1 ;;
     esac
 done
 
@@ -134,7 +155,7 @@ res = {"stages": {l.split()[0]: {"exit": int(l.split()[1]), "seconds": int(l.spl
 for name in ("env.json", "bench_logprob.json", "bench_step_gpu_single.json", "bench_step_gpu_2b.json",
              "bench_step_compile_gpu_single.json",
              "bench_engine_gpu_single.json", "bench_engine_gpu_2b.json", "bench_rl_gpu_single.json",
-             "bench_rl_gpu_2b.json"):
+             "bench_rl_gpu_2b.json", "bench_step_fp32.json", "bench_step_fp32_tf32.json"):
     if (out / name).exists():
         res[name.split(".")[0]] = json.loads((out / name).read_text())
 if (out / "records.jsonl").exists():
@@ -153,6 +174,16 @@ if (out / "junit.xml").exists():
         cases.append({"test": f"{c.get('classname')}::{c.get('name')}", "state": state,
                       "seconds": float(c.get("time", 0)), **({"message": msg} if state != "passed" else {})})
     res["tests"] = cases
+for prec in ("float32", "bfloat16"):  # the configstep stage's whole steps: medians after the first two
+    metrics = sorted((out / f"train_{prec}").glob("**/metrics.jsonl"))
+    if metrics:
+        rows = [json.loads(l) for l in metrics[0].read_text().splitlines()]
+        rows = [r for r in rows if "time/step" in r]
+        timed = rows[2:] or rows
+        med = lambda k: sorted(r.get(k, 0.0) for r in timed)[len(timed) // 2]  # noqa: E731
+        res[f"train_{prec}"] = {"steps": len(rows), "per_step": [r["time/step"] for r in rows],
+                                **{k: med(k) for k in ("time/step", "time/rollout", "time/logprob", "time/train",
+                                                       "time/sync", "perf/tokens_per_s")}}
 cmp = out / "compare"
 if (cmp / "compare.json").exists():
     res["compare"] = json.loads((cmp / "compare.json").read_text())

@@ -2,7 +2,7 @@
 
 import pytest
 
-from moe_gspo.config import ConfigError, load_config
+from moe_gspo.config import ConfigError, apply_overrides, load_config
 from moe_gspo.config import ParallelConfig
 from moe_gspo.parallel.state import validate_sizes
 
@@ -11,6 +11,20 @@ def test_yaml_and_overrides():
     c = load_config("configs/tiny_cpu.yaml", ["train.lr=3e-4", "parallel.ep=2", "algorithm.loss=grpo"])
     assert c.train.lr == 3e-4 and c.parallel.ep == 2 and c.algorithm.loss == "grpo"
     assert c.model.num_experts == 8 and c.model.num_experts_per_tok == 2
+
+
+def test_a_comparison_config_trains_its_shared_config_with_a_variants_overrides():
+    # what `moe-gspo train --config configs/gpu_single.yaml algorithm.loss=grpo ...` loads: the config compare
+    # shares across variants, with the overrides on top; the compare section is compare's alone
+    from moe_gspo.config import config_from_dict
+    from moe_gspo.experiments.compare import read_compare_config
+
+    variant = ["algorithm.loss=grpo", "algorithm.routing_replay=r3"]
+    c = load_config("configs/gpu_single.yaml", variant)
+    shared, variants, _ = read_compare_config("configs/gpu_single.yaml")
+    assert variants["grpo_r3"] == variant
+    assert c == config_from_dict(apply_overrides(shared, variant))
+    assert (c.algorithm.loss, c.algorithm.routing_replay, c.model.num_experts) == ("grpo", "r3", 32)
 
 
 @pytest.mark.parametrize("override,match", [

@@ -15,6 +15,7 @@ from helpers import make_hf_checkpoint
 
 import moe_gspo
 from moe_gspo.config import ConfigError, ModelConfig
+from moe_gspo.model import experts as experts_mod
 from moe_gspo.model.experts import GroupedGemmExperts
 from moe_gspo.model.layers import TorchLoopExperts
 from moe_gspo.model.routing_capture import ReplaySource, RoutingCapture
@@ -131,6 +132,34 @@ def test_unaligned_width_falls_back_to_the_loop():
     assert not m.use_grouped_mm
     out, _ = module_run(m, [4, 0, 7, 2])
     assert out.shape == (13, 32)
+
+
+def test_grouped_experts_built_without_autograd_still_take_the_grouped_kernel(monkeypatch):
+    # the kernel probe runs a backward: a policy built under no_grad or inference_mode must still find the kernel
+    monkeypatch.setattr(experts_mod, "_KERNEL_RUNS", {})
+    with torch.inference_mode():
+        assert experts_mod.grouped_mm_runs(torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(experts_mod, "_KERNEL_RUNS", {})
+    with torch.no_grad():
+        assert experts_module().use_grouped_mm
+
+
+def test_a_grouped_kernel_that_does_not_run_falls_back_to_the_loop(monkeypatch):
+    # a torch whose _grouped_mm lacks the device's or dtype's kernel raises; the experts then take the loop
+    def refuse(*args, **kwargs):
+        raise RuntimeError("grouped gemm is not supported for this dtype")
+
+    m = experts_module()
+    counts = [4, 0, 7, 2]
+    ref = loop_reference(m, counts)
+    monkeypatch.setattr(experts_mod, "_KERNEL_RUNS", {})
+    monkeypatch.setattr(torch, "_grouped_mm", refuse)
+    m = experts_module()
+    assert not m.use_grouped_mm
+    out, grads = module_run(m, counts)
+    torch.testing.assert_close(out, ref[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads, ref[1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_grouped_hf_export_equals_torch_experts_export(tmp_path):

@@ -164,6 +164,38 @@ def test_policy_on_cuda_matches_transformers(hf_dir, dtype):
     assert ours["routing_same_frac"] >= theirs["routing_same_frac"] - 0.02
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_experts_on_cuda_match_sequential_mlp(hf_dir, dtype):
+    """The default grouped experts on the GPU take torch._grouped_mm in both dtypes (bf16: CUTLASS's grouped GEMM on
+    sm90+; fp32: torch's fallback loop of GEMMs) and equal megatron's SequentialMLP on the same weights: logits and
+    every parameter gradient, experts' included (per expert, under SequentialMLP's names)."""
+    import moe_gspo
+    from moe_gspo.config import ModelConfig
+
+    def build(experts):
+        source = ModelConfig(init_from=str(hf_dir), params_dtype=dtype, experts=experts)
+        return moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
+
+    fast, ref = build("grouped"), build("megatron")
+    assert all(layer.mlp.experts.use_grouped_mm for layer in fast.gpt.decoder.layers)
+    x = torch.randint(0, 512, (4, 96), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 512, (4, 96), generator=torch.Generator().manual_seed(1)).cuda()
+    results = []
+    for policy in (fast, ref):
+        out = policy(x)
+        torch.nn.functional.cross_entropy(out.float().reshape(-1, 512), y.reshape(-1)).backward()
+        results.append((out.detach().float(),
+                        policy.per_expert({n: p.grad.float() for n, p in policy.gpt.named_parameters()})))
+    (out_f, grads_f), (out_r, grads_r) = results
+    logit_rel = _rel(out_f, out_r)
+    grad_rel = max(_rel(grads_f[n], g) for n, g in grads_r.items() if g.abs().max() > 0)
+    record(f"grouped_vs_sequential_mlp_{dtype}", logit_rel=logit_rel, grad_rel=grad_rel,
+           device=torch.cuda.get_device_name())
+    assert grads_f.keys() == grads_r.keys()
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    assert logit_rel < tol and grad_rel < 10 * tol
+
+
 @pytest.mark.parametrize("experts", ["grouped", "megatron"])
 def test_te_spec_matches_local_spec(hf_dir, experts):
     """Transformer Engine's layer spec against the local spec on the same weights (fp32), loaded through the name

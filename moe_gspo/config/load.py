@@ -142,8 +142,11 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML file (or nothing: defaults), apply overrides, validate."""
+    """Read a YAML file (or nothing: defaults), apply overrides, validate. A comparison's config gives its shared
+    config: the `compare:` section (variants and their settings, which `moe-gspo compare` reads) is left out, so
+    `moe-gspo train --config <comparison config> <a variant's overrides>` trains one run of it."""
     data: dict = read_yaml(path) if path is not None else {}
+    data.pop("compare", None)
     from_file = copy.deepcopy(data)
     data = apply_overrides(data, list(overrides or []))
     try:

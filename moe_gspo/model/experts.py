@@ -49,6 +49,29 @@ def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) ->
     return _ContiguousGrad.apply(torch._grouped_mm(x_MK, w_EKN, offs=offs_E))
 
 
+_KERNEL_RUNS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm computes forward and backward in `dtype` on `device`, tried once per device and
+    dtype on a 2-group problem. CPU kernels take fp32 and bf16. On CUDA, bf16 on sm90/sm100 runs CUTLASS's grouped
+    GEMM; other dtypes and GPUs run torch's fallback where torch has one (a C++ loop of GEMMs over the groups after
+    one host read of the offsets), which on an H200 in fp32 still halves the forward+backward of the per-expert
+    Python loop (docs/gpu.md). A torch without that fallback raises here, and the experts take the loop."""
+    key = (str(device), dtype)
+    if key not in _KERNEL_RUNS:
+        try:  # with autograd on: a model may be built under no_grad or inference_mode
+            with torch.inference_mode(False), torch.enable_grad():
+                x = torch.ones(8, 16, dtype=dtype, device=device, requires_grad=True)
+                w = torch.ones(2, 16, 16, dtype=dtype, device=device, requires_grad=True)
+                offs = torch.tensor([4, 8], dtype=torch.int32, device=device)
+                grouped_mm(x, w, offs).sum().backward()
+            _KERNEL_RUNS[key] = True
+        except (RuntimeError, NotImplementedError):
+            _KERNEL_RUNS[key] = False
+    return _KERNEL_RUNS[key]
+
+
 def aligned(width: int, dtype: torch.dtype) -> bool:
     """torch._grouped_mm needs 16-byte aligned row strides for its operands and gradients."""
     return width * torch.empty((), dtype=dtype).element_size() % 16 == 0
@@ -66,8 +89,9 @@ class GroupedGemmExperts(GroupedMLP):
     device from tokens_per_expert (no host sync). Where a device needs each group's row count aligned
     (`align_rows` > 1: the CUDA kernels' 16-byte rule for the transposed operand of the weight gradient), groups
     are zero-padded to that multiple, again without leaving the device. Widths whose rows are not 16-byte
-    aligned (H, F) fall back, at build time, to a loop over the stacked weights; so do fp32 weights under
-    torch.compile, whose tracing kernel of _grouped_mm takes bf16 only, and off the CPU (the same bf16 check).
+    aligned (H, F) fall back, at build time, to a loop over the stacked weights; so does a device and dtype whose
+    _grouped_mm kernel does not run (`grouped_mm_runs`), and fp32 weights under torch.compile, whose tracing kernel
+    of _grouped_mm takes bf16 only.
     """
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None, pg_collection=None):
@@ -97,9 +121,8 @@ class GroupedGemmExperts(GroupedMLP):
             setattr(w, "allreduce", not self.expert_parallel)
         self.register_load_state_dict_post_hook(_ignore_extra_state)
         on_cpu = self.weight1.device.type == "cpu"
-        # torch's CPU kernel takes fp32 and bf16 (measured); its tracing kernel, like CUDA's, checks for bf16
         self.use_grouped_mm = (aligned(H, c.params_dtype) and aligned(Fh, c.params_dtype)
-                               and (on_cpu or c.params_dtype == torch.bfloat16))
+                               and grouped_mm_runs(self.weight1.device, c.params_dtype))
         # CPU kernels take any group sizes (measured, forward and backward); CUDA's want 16-byte aligned groups
         self.align_rows = 1 if on_cpu else 16 // self.weight1.element_size()
 

@@ -14,8 +14,8 @@
 #   WHEELS=DIR       install the wheels in DIR first, without an index (for machines with no network; see
 #                    docs/gpu.md for the list and the pip download command); default .whl if it exists
 #   PYTHON=python3   the interpreter that holds a CUDA torch
-#   CONFIGSTEP_STEPS=N  RL steps of each whole-step run in the configstep stage (default 6; medians leave out
-#                    the first two)
+#   CONFIGSTEP_STEPS=N  RL steps of each whole-step run in the configstep stage (default 7; medians leave out
+#                    the first two and the profiled fourth)
 #   COMPARE_STEPS=N  RL steps per variant in the comparison stage (default 20)
 #   STEP_ARGS        extra arguments of bench_step.py at gpu_single (default: --profile 15, the 15 costliest
 #                    kernels of a step of each side)
@@ -127,13 +127,13 @@ EOF
                 $tf --json "$OUT/bench_step_fp32${tf:+_tf32}.json"
         done
         # whole RL steps at the config's batch, the run alone on the GPU: fp32 parameters (the config) against
-        # bf16 parameters with fp32 main params
+        # bf16 parameters with fp32 main params; step 4 profiled (profile_step_4.txt, .json.gz in the run dir)
         for prec in float32 bfloat16; do
             rm -rf "$OUT/train_$prec"
             stage "train_$prec" "$PY" -m moe_gspo.cli train --config configs/gpu_single.yaml \
                 rollout.engine=hf_static rollout.engine_dtype=bfloat16 model.params_dtype="$prec" \
-                train.cold_start_steps=0 train.steps="${CONFIGSTEP_STEPS:-6}" train.checkpoint_every=0 \
-                logging.progress=false train.out_dir="$OUT/train_$prec"
+                train.cold_start_steps=0 train.steps="${CONFIGSTEP_STEPS:-7}" train.checkpoint_every=0 \
+                logging.progress=false logging.profile_step=4 train.out_dir="$OUT/train_$prec"
         done
         ;;
     compare)
@@ -174,12 +174,12 @@ if (out / "junit.xml").exists():
         cases.append({"test": f"{c.get('classname')}::{c.get('name')}", "state": state,
                       "seconds": float(c.get("time", 0)), **({"message": msg} if state != "passed" else {})})
     res["tests"] = cases
-for prec in ("float32", "bfloat16"):  # the configstep stage's whole steps: medians after the first two
+for prec in ("float32", "bfloat16"):  # the configstep stage's whole steps
     metrics = sorted((out / f"train_{prec}").glob("**/metrics.jsonl"))
     if metrics:
         rows = [json.loads(l) for l in metrics[0].read_text().splitlines()]
         rows = [r for r in rows if "time/step" in r]
-        timed = rows[2:] or rows
+        timed = [r for i, r in enumerate(rows) if i >= 2 and i != 3] or rows  # step 4 is the profiled one
         med = lambda k: sorted(r.get(k, 0.0) for r in timed)[len(timed) // 2]  # noqa: E731
         res[f"train_{prec}"] = {"steps": len(rows), "per_step": [r["time/step"] for r in rows],
                                 **{k: med(k) for k in ("time/step", "time/rollout", "time/logprob", "time/train",

@@ -174,6 +174,26 @@ def test_the_engine_sleeps_from_its_rollout_to_the_weight_sync(tmp_path):
     assert eng.calls == ["sync"] + ["generate", "sleep", "wake", "sync"] * 2 and not eng.asleep, eng.calls
 
 
+def test_profile_step_writes_that_steps_phases_and_operators_and_a_trace(tmp_path):
+    import gzip
+    import json
+
+    from moe_gspo.train.loop import train
+
+    train(tiny_cfg("train.steps=2", "train.cold_start_steps=0", "logging.profile_step=2"), run_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("profile_step_*")) == ["profile_step_2.json.gz",
+                                                                       "profile_step_2.txt"]
+    text = (tmp_path / "profile_step_2.txt").read_text()
+    phases = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("moe_gspo/")}
+    assert set(phases) == {f"moe_gspo/{p}" for p in ("step", "rollout", "logprob", "train", "sync")}, text
+    assert phases["moe_gspo/step"] >= phases["moe_gspo/train"] + phases["moe_gspo/rollout"] > 0
+    assert "aten::mm" in text
+    events = json.loads(gzip.decompress((tmp_path / "profile_step_2.json.gz").read_bytes()))["traceEvents"]
+    assert {"moe_gspo/train", "moe_gspo/rollout"} <= {e.get("name") for e in events}
+    with pytest.raises(ConfigError, match="logging.profile_step=3 must be between 0"):
+        tiny_cfg("train.steps=2", "logging.profile_step=3")
+
+
 def test_empty_response_and_too_long_prompt_are_clear_errors(tmp_path):
     from moe_gspo.rollout.hf_engine import HFEngine
     from moe_gspo.tasks import CharTokenizer

@@ -243,6 +243,12 @@ class LoggingConfig:
     """Show a rich progress bar."""
     every: int = 1
     """Log every N steps."""
+    profile_step: int = 0
+    """Profile the N-th RL step (1-based, as metrics.jsonl numbers them; 0: none) with torch.profiler on trainer
+    rank 0: RUN_DIR/profile_step_N.txt (wall against busy time, each phase's profiled time and the costliest
+    operators and kernels, by device time on a GPU, CPU time otherwise) and RUN_DIR/profile_step_N.json.gz (a
+    Chrome trace, readable in Perfetto, with the step's phases marked). The profiled step's times include the
+    profiler's overhead."""
 
 
 @dataclass
@@ -263,6 +269,9 @@ class Config:
     """Metrics."""
 
     def __post_init__(self):
+        if not 0 <= self.logging.profile_step <= self.train.steps:
+            raise ConfigError(f"logging.profile_step={self.logging.profile_step} must be between 0 (off) and "
+                              f"train.steps={self.train.steps}")
         if self.train.max_staleness and self.rollout.placement != "separate":
             raise ConfigError(f"train.max_staleness={self.train.max_staleness} needs rollout.placement=separate "
                               "(colocated engines wait for the trainer: nothing to overlap)")

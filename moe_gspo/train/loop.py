@@ -33,7 +33,7 @@ from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.tasks import CharTokenizer, Task, task_from_config
 from moe_gspo.train import data
 from moe_gspo.train.checkpoint import Checkpoints
-from moe_gspo.train.metrics import MetricMean, MetricsWriter, Progress, StepTimer, reduce_across_ranks
+from moe_gspo.train.metrics import MetricMean, MetricsWriter, Progress, StepTimer, reduce_across_ranks, step_profile
 from moe_gspo.train.step import (OldPass, StepContext, cold_start, pi_old_pass, record_engine_routing,
                                  update_minibatch)
 
@@ -60,7 +60,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
     m: dict[str, float] = {}
     for step in range(run.start, cfg.train.steps):
         t = run.timer
-        with t("step"):
+        profiled = cfg.logging.profile_step == step + 1 and run.writer.active  # trainer rank 0
+        with step_profile(run.dir, step + 1, profiled), t("step"):
             with t("rollout"):  # separate placement: waiting for the batch the engine ranks sampled
                 batch, examples, texts = run.rollout(step)  # prompts x G responses, engine log-probs + routing
                 run.engine.sleep()  # rollout.engine_sleep: the engine's GPU memory goes to the trainer until the sync
@@ -80,6 +81,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
                 run.replay.clear()
         m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics(), **run.engine_metrics()},
                     tokens=int(pb.attention_mask.sum()))
+        if profiled:
+            _say(run.info, f"profile of step {step + 1} (its times include the profiler's overhead): "
+                           f"{run.dir / f'profile_step_{step + 1}.txt'}, .json.gz (Chrome trace)")
         last = step + 1 == cfg.train.steps
         if cfg.train.checkpoint_every and ((step + 1) % cfg.train.checkpoint_every == 0 or last):
             run.ckpts.save(step + 1, run.ctx, run.extra_state(step + 1))

@@ -6,8 +6,10 @@ group the trainer passes (its own ranks, never a rollout engine's). Only the tra
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,7 +86,8 @@ class StepTimer:
         self._sync()
         t0 = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"moe_gspo/{name}"):  # the phase, in a profile's trace
+                yield
         finally:
             self._sync()
             self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
@@ -93,6 +96,46 @@ class StepTimer:
         out = {f"time/{k}": v for k, v in self.t.items()}
         self.t = {}
         return out
+
+
+@contextmanager
+def step_profile(run_dir: Path, step: int, enabled: bool, top: int = 30):
+    """Profile the block with torch.profiler when `enabled` (CPU activity, and CUDA's when a GPU is present) and
+    write RUN_DIR/profile_step_<step>.txt, the summary, and RUN_DIR/profile_step_<step>.json.gz, a gzipped Chrome
+    trace. The summary gives the wall time (on a GPU also the kernels' summed time: well under the wall time, the
+    step waits on launches and host syncs rather than kernels), each `moe_gspo/<phase>` range the StepTimer marks,
+    and the `top` costliest operators and kernels."""
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = prof.key_averages()
+    busy = sum(getattr(e, key) for e in events) / 1e3
+    phases = sorted((e for e in events if e.key.startswith("moe_gspo/")), key=lambda e: -e.cpu_time_total)
+    ops = sorted((e for e in events if not e.key.startswith("moe_gspo/")), key=lambda e: -getattr(e, key))[:top]
+    where = "device" if cuda else "CPU"
+    head = f"RL step {step}, profiled: {wall * 1e3:.1f} ms wall"
+    lines = [head + (f", {busy:.1f} ms of kernel time on the device" if cuda else ""),
+             "", f"{'phase':40s} {'ms (wall, CPU side)':>20s}"]
+    lines += [f"{e.key:40s} {e.cpu_time_total / 1e3:20.1f}" for e in phases]
+    lines += ["", f"{'operator or kernel':80s} {'calls':>7s} {where + ' ms':>10s} {'share':>6s}"]
+    lines += [f"{e.key[:80]:80s} {e.count:7d} {getattr(e, key) / 1e3:10.2f} "
+              f"{getattr(e, key) / 1e3 / max(busy, 1e-9):6.1%}" for e in ops]
+    (run_dir / f"profile_step_{step}.txt").write_text("\n".join(lines) + "\n")
+    trace = run_dir / f"profile_step_{step}.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as z:  # a tenth of the size; Perfetto reads it
+        shutil.copyfileobj(f, z)
+    trace.unlink()
 
 
 class MetricsWriter:

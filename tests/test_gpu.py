@@ -338,3 +338,27 @@ def test_vllm_engine_sleeps_and_wakes_with_its_weights():
     assert freed > 0
     assert all(a.tolist() == b.tolist() for a, b in zip(before.response_ids, after.response_ids))
     eng.close()
+
+
+def test_device_busy_time_counts_each_kernel_once():
+    """A profile's kernel time (what bench_step and logging.profile_step report) against CUDA events around the
+    same back-to-back matmuls: equal within launch gaps, not doubled by the operators' own device-time rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_gspo.train.metrics import device_busy_ms
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            a @ a
+        end.record()
+        torch.cuda.synchronize()
+    elapsed = start.elapsed_time(end)
+    busy = device_busy_ms(prof.key_averages())
+    record("profile_busy_vs_events", busy_ms=busy, events_ms=elapsed, device=torch.cuda.get_device_name())
+    assert 0.7 * elapsed <= busy <= 1.05 * elapsed

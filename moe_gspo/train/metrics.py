@@ -98,6 +98,16 @@ class StepTimer:
         return out
 
 
+def device_busy_ms(events) -> float:
+    """Milliseconds the device spent in kernels, memcpys and memsets, from torch.profiler's key_averages(). Each
+    kernel is listed twice there, as a device row of its own and inside the self device time of the operator that
+    launched it, so only the device rows count (as torch's own table totals them), user annotations left out."""
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total for e in events
+               if e.device_type != DeviceType.CPU and not e.is_user_annotation) / 1e3
+
+
 @contextmanager
 def step_profile(run_dir: Path, step: int, enabled: bool, top: int = 30):
     """Profile the block with torch.profiler when `enabled` (CPU activity, and CUDA's when a GPU is present) and
@@ -119,7 +129,7 @@ def step_profile(run_dir: Path, step: int, enabled: bool, top: int = 30):
         wall = time.perf_counter() - t0
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = prof.key_averages()
-    busy = sum(getattr(e, key) for e in events) / 1e3
+    busy = device_busy_ms(events) if cuda else sum(e.self_cpu_time_total for e in events) / 1e3
     phases = sorted((e for e in events if e.key.startswith("moe_gspo/")), key=lambda e: -e.cpu_time_total)
     ops = sorted((e for e in events if not e.key.startswith("moe_gspo/")), key=lambda e: -getattr(e, key))[:top]
     where = "device" if cuda else "CPU"

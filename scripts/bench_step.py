@@ -23,10 +23,11 @@ only add time there). Each row also gives model TFLOP/s: 6 x (active parameters 
 input embedding's lookup) x tokens, plus causal attention's 6 x layers x sum(len^2) x heads x head_dim (QK^T and
 PV, fwd + bwd, half the square for the causal mask).
 
---variants grouped_fallback (CUDA, --dtype float32 only) adds the policy with its grouped experts forced onto
-torch._grouped_mm in fp32, which CUDA computes with a fallback (a C++ loop of GEMMs over the groups, one host read of
-the offsets) instead of the per-expert Python loop the policy takes in fp32 on a GPU. --tf32 lets fp32 matmuls run
-on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32 and cudnn's), for every model alike.
+--variants expert_loop adds the policy with its grouped experts forced onto their per-expert loop over the stacked
+weights (the path they take where torch._grouped_mm does not run), against the default grouped GEMM; on CUDA in
+fp32 the default is torch's fallback of _grouped_mm (a C++ loop of GEMMs over the groups after one host read of the
+offsets). --tf32 lets fp32 matmuls run on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32 and cudnn's),
+for every model alike.
 
 --optimizer adds a second table: a whole training step (forward, backward, optimizer step with clipping) of the
 policy under the trainer's optimizer (megatron DDP buffers, megatron's Adam on fp32 main params, its grad norm and
@@ -48,9 +49,9 @@ import torch
 warnings.filterwarnings("ignore")
 
 
-VARIANTS = ("sdpa", "local", "torch", "megatron", "hf_eager", "grouped_fallback")
+VARIANTS = ("sdpa", "local", "torch", "megatron", "hf_eager", "expert_loop")
 CUDA_VARIANTS = ("sdpa", "torch", "megatron")
-FALLBACK = "moe-gspo (megatron-core, SDPA, fp32 grouped_mm fallback)"
+LOOP = "moe-gspo (megatron-core, SDPA, experts on their loop)"
 
 
 def sync():
@@ -112,9 +113,6 @@ def main():
     if args.device == "cpu" and torch.cuda.is_available():
         raise SystemExit("error: --device cpu on a CUDA machine: the policy places itself on the GPU; use "
                          "--device cuda")
-    if "grouped_fallback" in variants and (args.device, args.dtype) != ("cuda", "float32"):
-        raise SystemExit("error: --variants grouped_fallback: needs --device cuda --dtype float32 (elsewhere the "
-                         "policy's experts already run torch._grouped_mm)")
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -169,16 +167,17 @@ def main():
     for impl in ("torch", "megatron"):  # the eager twins of the default grouped-GEMM experts
         if impl in variants:
             models[f"moe-gspo (megatron-core, SDPA, {impl} experts)"] = twin([f"model.experts={impl}"])
-    if "grouped_fallback" in variants:
+    if "expert_loop" in variants:
         from moe_gspo.model.experts import GroupedGemmExperts
 
-        forced = twin([])
-        experts = [mod for mod in forced.modules() if isinstance(mod, GroupedGemmExperts)]
-        if not experts or any(mod.use_grouped_mm for mod in experts):
-            raise SystemExit("error: --variants grouped_fallback: the policy has no grouped experts on the loop path")
+        looped = twin([])
+        experts = [mod for mod in looped.modules() if isinstance(mod, GroupedGemmExperts)]
+        if not experts or not all(mod.use_grouped_mm for mod in experts):
+            raise SystemExit("error: --variants expert_loop: the policy's experts are not on the grouped GEMM "
+                             "(model.experts=grouped, widths of 16-byte rows, a device and dtype _grouped_mm runs)")
         for mod in experts:
-            mod.use_grouped_mm = True
-        models[FALLBACK] = forced
+            mod.use_grouped_mm = False
+        models[LOOP] = looped
     if args.compile:
         fast = twin(["model.compile=true"])
         models["moe-gspo (megatron-core, SDPA, torch.compile)"] = fast
@@ -247,7 +246,7 @@ def main():
         print(f"torch.compile: first forward+backward (compiling) {compile_s:.1f} s")
     if args.profile:
         result["profile"] = {name: profile_step(name, step_fn(models[name], name), args.profile)
-                             for name in ("moe-gspo (megatron-core, SDPA)", FALLBACK, "transformers (default)")
+                             for name in ("moe-gspo (megatron-core, SDPA)", LOOP, "transformers (default)")
                              if name in models}
     if args.optimizer:
         result["optimizer_rows"] = optimizer_rows(args, cfg, policy, x, y, V)

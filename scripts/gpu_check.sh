@@ -21,8 +21,11 @@
 #                    kernels of a step of each side)
 #   RL_ARGS          arguments of bench_rl.py in the rl stage (default: --algos gspo --steps 3 --warmup 1)
 #   ENGINE_ARGS      extra arguments of bench_engine.py in the engine stage (default: none)
+#   ENGINE_SIZES, RL_SIZES  the sizes the engine and rl stages run (default "gpu_2b gpu_single" and
+#                    "gpu_single gpu_2b")
 #   STAGE_TIMEOUT=S  stop any stage after S seconds (default: no limit); TIMEOUT_<name>=S for one stage, by the
 #                    name its log has (TIMEOUT_rl_gpu_2b=150)
+#   DRY=1            print every stage's command without running anything (nor installing)
 #   COMPARE_ARGS     extra overrides for the comparison (default: the HF engine on the GPU, since SGLang is
 #                    checked by its own tests when importable)
 # Exits non-zero when a stage fails; every stage runs regardless, and gpu_check.json says which failed.
@@ -39,16 +42,24 @@ export PYTHONUNBUFFERED=1
 status=0
 declare -A RESULT
 
-if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+if [ -n "${DRY:-}" ]; then  # print each stage's command without running it (tests/test_gpu_check.py checks them)
+    :
+elif [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile "$WHEELS"/*.whl || { echo "wheel install failed"; exit 1; }
 fi
 # the package itself, editable (kernels/ is installed as moe_gspo.kernels), without touching its dependencies
-"$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || { echo "pip install -e . failed"; exit 1; }
+if [ -z "${DRY:-}" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || { echo "pip install -e . failed"; exit 1; }
+fi
 
 stage() {  # stage NAME COMMAND...: run, log to OUT/NAME.log, remember the exit code
     local name=$1; shift
     local t0=$SECONDS limit="TIMEOUT_$name"
     echo "== $name: $*"
+    if [ -n "${DRY:-}" ]; then
+        RESULT[$name]="0 0"
+        return
+    fi
     timeout "${!limit:-${STAGE_TIMEOUT:-0}}" "$@" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     RESULT[$name]="$rc $((SECONDS - t0))"
@@ -104,26 +115,28 @@ EOF
             --json "$OUT/bench_step_compile_gpu_single.json"
         ;;
     engine)  # gpu_2b first: its weight sync by bucket size is the figure no other stage gives
-        # shellcheck disable=SC2086
-        stage engine_gpu_2b "$PY" scripts/bench_engine.py --device cuda --config configs/gpu_2b.yaml \
-            --what generate,sync --json "$OUT/bench_engine_gpu_2b.json" ${ENGINE_ARGS:-}
-        # shellcheck disable=SC2086
-        stage engine_gpu_single "$PY" scripts/bench_engine.py --device cuda --config configs/gpu_single.yaml \
-            --what generate --json "$OUT/bench_engine_gpu_single.json" ${ENGINE_ARGS:-}
+        for size in ${ENGINE_SIZES:-gpu_2b gpu_single}; do
+            what=generate
+            [ "$size" = gpu_2b ] && what=generate,sync
+            # shellcheck disable=SC2086
+            stage "engine_$size" "$PY" scripts/bench_engine.py --device cuda --config "configs/$size.yaml" \
+                --what "$what" --json "$OUT/bench_engine_$size.json" ${ENGINE_ARGS:-}
+        done
         ;;
     rl)  # one size per stage, so that a stage cut off by its timeout leaves the other's results
-        for size in gpu_single gpu_2b; do
+        for size in ${RL_SIZES:-gpu_single gpu_2b}; do
             # shellcheck disable=SC2086
             stage "rl_$size" "$PY" scripts/bench_rl.py --device cuda --sizes "$size" --max-new-tokens 256 \
                 --json "$OUT/bench_rl_$size.json" ${RL_ARGS:---algos gspo --steps 3 --warmup 1}
         done
         ;;
     configstep)  # gpu_single.yaml's own step: where its fp32 training time goes, and the levers on it
-        # forward+backward at the config's micro-batch (64 rows of about 64 tokens): the fp32 per-expert loop
-        # against the same experts forced onto torch._grouped_mm's fp32 fallback, without and with TF32
+        # forward+backward at the config's micro-batch (64 rows of about 64 tokens): the default experts (on CUDA
+        # in fp32, torch._grouped_mm's fallback) against the same experts forced onto their per-expert loop, and
+        # transformers, without and with TF32
         for tf in "" "--tf32"; do
             stage "configstep_fp32${tf:+_tf32}" "$PY" scripts/bench_step.py --device cuda --dtype float32 \
-                --config configs/gpu_single.yaml --batch 64 --seq 64 --variants sdpa,grouped_fallback --profile 12 \
+                --config configs/gpu_single.yaml --batch 64 --seq 64 --variants sdpa,expert_loop --profile 12 \
                 $tf --json "$OUT/bench_step_fp32${tf:+_tf32}.json"
         done
         # whole RL steps at the config's batch, the run alone on the GPU: fp32 parameters (the config) against

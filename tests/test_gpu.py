@@ -362,3 +362,24 @@ def test_device_busy_time_counts_each_kernel_once():
     busy = device_busy_ms(prof.key_averages())
     record("profile_busy_vs_events", busy_ms=busy, events_ms=elapsed, device=torch.cuda.get_device_name())
     assert 0.7 * elapsed <= busy <= 1.05 * elapsed
+
+
+def _reads_a_value_back(x):
+    return x.sum().item()
+
+
+def test_host_syncs_are_counted_at_their_call_site_on_cuda():
+    """torch's sync debug mode, as logging.profile_step reports it: an .item() on a CUDA tensor counts once, at the
+    line of our code that asked for it; device-only work counts nothing; the mode is restored afterwards."""
+    from moe_gspo.train.metrics import host_syncs
+
+    x = torch.ones(16, device="cuda")
+    before = torch.cuda.get_sync_debug_mode()
+    with host_syncs() as sites:
+        y = x * 2 + 1  # no sync
+        for _ in range(2):
+            _reads_a_value_back(y)
+    line = _reads_a_value_back.__code__.co_firstlineno + 1
+    record("host_syncs", sites=dict(sites), device=torch.cuda.get_device_name())
+    assert sites[f"tests/test_gpu.py:{line} (_reads_a_value_back)"] == 2 and sum(sites.values()) == 2, dict(sites)
+    assert torch.cuda.get_sync_debug_mode() == before

@@ -453,3 +453,27 @@ def test_cpu_adam_steps_fused_and_equals_torch_adams_parameter_loop():
     assert any((a[k] - start[k]).abs().max() > 1e-3 for k in a)  # the steps moved the weights
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def _asks_the_device_for_a_value():
+    import warnings
+
+    from moe_gspo.train.metrics import SYNC_WARNING
+
+    warnings.warn(f"called a synchronizing CUDA operation ({SYNC_WARNING})")  # what torch's sync debug mode says
+
+
+def test_host_syncs_are_counted_where_our_code_asked_for_the_value():
+    # the attribution of torch's sync warnings (tests/test_gpu.py has the real ones on CUDA): the innermost frame
+    # outside torch and the warnings machinery, here the helper above; other warnings pass through
+    import warnings
+
+    from moe_gspo.train.metrics import host_syncs
+
+    with host_syncs() as sites:
+        for _ in range(3):
+            _asks_the_device_for_a_value()
+        with pytest.warns(UserWarning, match="unrelated"):
+            warnings.warn("unrelated")
+    line = _asks_the_device_for_a_value.__code__.co_firstlineno + 5
+    assert dict(sites) == {f"tests/test_trainer.py:{line} (_asks_the_device_for_a_value)": 3}

@@ -246,7 +246,8 @@ class LoggingConfig:
     profile_step: int = 0
     """Profile the N-th RL step (1-based, as metrics.jsonl numbers them; 0: none) with torch.profiler on trainer
     rank 0: RUN_DIR/profile_step_N.txt (wall against busy time, each phase's profiled time and the costliest
-    operators and kernels, by device time on a GPU, CPU time otherwise) and RUN_DIR/profile_step_N.json.gz (a
+    operators and kernels, by device time on a GPU, CPU time otherwise; on a GPU also the host syncs by call site)
+    and RUN_DIR/profile_step_N.json.gz (a
     Chrome trace, readable in Perfetto, with the step's phases marked). The profiled step's times include the
     profiler's overhead."""
 

@@ -108,20 +108,72 @@ def device_busy_ms(events) -> float:
                if e.device_type != DeviceType.CPU and not e.is_user_annotation) / 1e3
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's text under torch.cuda.set_sync_debug_mode
+
+
+@contextmanager
+def host_syncs():
+    """Count the block's device-to-host synchronizations by call site: yields a Counter of "file:line (function)"
+    -> syncs, filled as the block runs. On CUDA, torch.cuda.set_sync_debug_mode('warn') makes every synchronizing
+    operation (.item(), .tolist(), .cpu(), a boolean mask, nonzero) warn, and each warning is attributed to the
+    innermost frame of the Python stack outside torch itself, where our code or megatron's asked for the value.
+    Elsewhere nothing synchronizes and the Counter stays empty."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    sites: Counter = Counter()
+    torch_dir = str(Path(torch.__file__).parent)
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if SYNC_WARNING not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if not f.filename.startswith(torch_dir) and f.filename != __file__
+                  and not f.filename.endswith(("warnings.py", "contextlib.py"))]
+        f = frames[-1] if frames else None
+        where = f"{_short_path(f.filename)}:{f.lineno} ({f.name})" if f else f"{filename}:{lineno}"
+        sites[where] += 1
+
+    cuda = torch.cuda.is_available()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")  # every one, not once per site
+        shown = warnings.showwarning
+        warnings.showwarning = record
+        mode = torch.cuda.get_sync_debug_mode() if cuda else None
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield sites
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(mode)
+
+
+def _short_path(filename: str) -> str:
+    """A source path from its package root on (moe_gspo/..., megatron/..., transformers/...)."""
+    parts = Path(filename).parts
+    for root in ("moe_gspo", "megatron", "transformers", "kernels", "scripts", "tests"):
+        if root in parts:
+            return "/".join(parts[len(parts) - parts[::-1].index(root) - 1:])
+    return filename
+
+
 @contextmanager
 def step_profile(run_dir: Path, step: int, enabled: bool, top: int = 30):
     """Profile the block with torch.profiler when `enabled` (CPU activity, and CUDA's when a GPU is present) and
     write RUN_DIR/profile_step_<step>.txt, the summary, and RUN_DIR/profile_step_<step>.json.gz, a gzipped Chrome
     trace. The summary gives the wall time (on a GPU also the kernels' summed time: well under the wall time, the
     step waits on launches and host syncs rather than kernels), each `moe_gspo/<phase>` range the StepTimer marks,
-    and the `top` costliest operators and kernels."""
+    the `top` costliest operators and kernels, and on a GPU the host syncs by call site (`host_syncs`)."""
     if not enabled:
         yield
         return
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with (profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof,
+          host_syncs() as syncs):
         t0 = time.perf_counter()
         yield
         if cuda:
@@ -140,6 +192,9 @@ def step_profile(run_dir: Path, step: int, enabled: bool, top: int = 30):
     lines += ["", f"{'operator or kernel':80s} {'calls':>7s} {where + ' ms':>10s} {'share':>6s}"]
     lines += [f"{e.key[:80]:80s} {e.count:7d} {getattr(e, key) / 1e3:10.2f} "
               f"{getattr(e, key) / 1e3 / max(busy, 1e-9):6.1%}" for e in ops]
+    if cuda:  # each one stalls the host until the device drains its queue: no launches run ahead meanwhile
+        lines += ["", f"host syncs: {sum(syncs.values())} (torch.cuda.set_sync_debug_mode), by call site",
+                  *(f"{n:7d}  {where}" for where, n in syncs.most_common(top))]
     (run_dir / f"profile_step_{step}.txt").write_text("\n".join(lines) + "\n")
     trace = run_dir / f"profile_step_{step}.json"
     prof.export_chrome_trace(str(trace))

@@ -247,9 +247,8 @@ class LoggingConfig:
     """Profile the N-th RL step (1-based, as metrics.jsonl numbers them; 0: none) with torch.profiler on trainer
     rank 0: RUN_DIR/profile_step_N.txt (wall against busy time, each phase's profiled time and the costliest
     operators and kernels, by device time on a GPU, CPU time otherwise; on a GPU also the host syncs by call site)
-    and RUN_DIR/profile_step_N.json.gz (a
-    Chrome trace, readable in Perfetto, with the step's phases marked). The profiled step's times include the
-    profiler's overhead."""
+    and RUN_DIR/profile_step_N.json.gz (a Chrome trace, readable in Perfetto, with the step's phases marked). The
+    profiled step's times include the profiler's overhead."""
 
 
 @dataclass

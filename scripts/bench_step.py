@@ -256,11 +256,11 @@ def main():
 
 
 def profile_step(label: str, step, top: int) -> list[dict]:
-    """The `top` costliest operators of one step (after one untimed step), by self time on the device (CUDA) or the
-    CPU, printed as a table and returned as rows."""
+    """The `top` costliest operators and kernels of one step (after one untimed step), by self time on the device
+    (CUDA) or the CPU, printed as a table and returned as rows after a first row of the step's wall and busy ms."""
     from torch.profiler import ProfilerActivity, profile
 
-    from moe_gspo.train.metrics import device_busy_ms
+    from moe_gspo.train.metrics import costliest
 
     cuda = torch.cuda.is_available()
     step()
@@ -270,19 +270,14 @@ def profile_step(label: str, step, top: int) -> list[dict]:
         step()
         sync()
         wall = time.perf_counter() - t0
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
-    # on the device: kernel time only (an operator's self device time repeats its kernels' rows)
-    total = (device_busy_ms(events) * 1e3 if cuda else sum(e.self_cpu_time_total for e in events)) or 1.0
-    rows = [{"name": e.key, "calls": e.count, "self_ms": getattr(e, key) / 1e3, "share": getattr(e, key) / total}
-            for e in events[:top]]
+    busy, rows = costliest(prof.key_averages(), top)
     # on a GPU, busy time well under the wall time means the step waits on launches and host syncs, not kernels
     print(f"\none step of {label}, profiled: {wall * 1e3:.1f} ms wall (under the profiler), "
-          f"{total / 1e3:.1f} ms {'of kernels on the device' if cuda else 'of CPU self time'}\n"
+          f"{busy:.1f} ms {'of kernels on the device' if cuda else 'of CPU self time'}\n"
           f"{'operator or kernel':70s} {'calls':>6s} {'self ms':>9s} {'share':>6s}")
     for r in rows:
-        print(f"{r['name'][:70]:70s} {r['calls']:6d} {r['self_ms']:9.2f} {r['share']:6.1%}")
-    return [{"name": "(step)", "wall_ms": wall * 1e3, "busy_ms": total / 1e3}, *rows]
+        print(f"{r['name'][:70]:70s} {r['calls']:6d} {r['ms']:9.2f} {r['share']:6.1%}")
+    return [{"name": "(step)", "wall_ms": wall * 1e3, "busy_ms": busy}, *rows]
 
 
 def optimizer_rows(args, cfg, policy, x, y, V):

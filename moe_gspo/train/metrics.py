@@ -108,6 +108,18 @@ def device_busy_ms(events) -> float:
                if e.device_type != DeviceType.CPU and not e.is_user_annotation) / 1e3
 
 
+def costliest(events, top: int) -> tuple[float, list[dict]]:
+    """(busy ms, the `top` costliest operators and kernels as {name, calls, ms, share}) of torch.profiler's
+    key_averages(): on a GPU by self device time, busy being the kernels' own time (device_busy_ms); otherwise by
+    self CPU time, busy being all of it. The StepTimer's `moe_gspo/<phase>` ranges are left out."""
+    cuda = any(e.device_type != torch.autograd.DeviceType.CPU for e in events)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = device_busy_ms(events) if cuda else sum(e.self_cpu_time_total for e in events) / 1e3
+    ops = sorted((e for e in events if not e.key.startswith("moe_gspo/")), key=lambda e: -getattr(e, key))[:top]
+    return busy, [{"name": e.key, "calls": e.count, "ms": getattr(e, key) / 1e3,
+                   "share": getattr(e, key) / 1e3 / max(busy, 1e-9)} for e in ops]
+
+
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's text under torch.cuda.set_sync_debug_mode
 
 
@@ -179,19 +191,16 @@ def step_profile(run_dir: Path, step: int, enabled: bool, top: int = 30):
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = prof.key_averages()
-    busy = device_busy_ms(events) if cuda else sum(e.self_cpu_time_total for e in events) / 1e3
+    busy, ops = costliest(events, top)
     phases = sorted((e for e in events if e.key.startswith("moe_gspo/")), key=lambda e: -e.cpu_time_total)
-    ops = sorted((e for e in events if not e.key.startswith("moe_gspo/")), key=lambda e: -getattr(e, key))[:top]
     where = "device" if cuda else "CPU"
     head = f"RL step {step}, profiled: {wall * 1e3:.1f} ms wall"
     lines = [head + (f", {busy:.1f} ms of kernel time on the device" if cuda else ""),
              "", f"{'phase':40s} {'ms (wall, CPU side)':>20s}"]
     lines += [f"{e.key:40s} {e.cpu_time_total / 1e3:20.1f}" for e in phases]
     lines += ["", f"{'operator or kernel':80s} {'calls':>7s} {where + ' ms':>10s} {'share':>6s}"]
-    lines += [f"{e.key[:80]:80s} {e.count:7d} {getattr(e, key) / 1e3:10.2f} "
-              f"{getattr(e, key) / 1e3 / max(busy, 1e-9):6.1%}" for e in ops]
+    lines += [f"{r['name'][:80]:80s} {r['calls']:7d} {r['ms']:10.2f} {r['share']:6.1%}" for r in ops]
     if cuda:  # each one stalls the host until the device drains its queue: no launches run ahead meanwhile
         lines += ["", f"host syncs: {sum(syncs.values())} (torch.cuda.set_sync_debug_mode), by call site",
                   *(f"{n:7d}  {where}" for where, n in syncs.most_common(top))]

@@ -44,7 +44,7 @@ def parse_only(script: str, args: list[str], monkeypatch) -> argparse.Namespace:
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
     monkeypatch.setattr(sys, "argv", [script, *args])
-    monkeypatch.syspath_prepend(str((ROOT / script).parent))  # as `python scripts/x.py` has it: its own folder
+    monkeypatch.syspath_prepend(str((ROOT / script).parent))  # as running the script has it: its own folder first
     with pytest.raises(_Parsed) as parsed:
         runpy.run_path(str(ROOT / script), run_name="__main__")
     return parsed.value.args[0]

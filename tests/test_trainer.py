@@ -477,3 +477,14 @@ def test_host_syncs_are_counted_where_our_code_asked_for_the_value():
             warnings.warn("unrelated")
     line = _asks_the_device_for_a_value.__code__.co_firstlineno + 5
     assert dict(sites) == {f"tests/test_trainer.py:{line} (_asks_the_device_for_a_value)": 3}
+
+
+def test_host_floats_equals_float_of_each_value():
+    from moe_gspo.train.metrics import host_floats
+
+    m = {"pg_loss": torch.tensor(0.1234567, dtype=torch.float32), "n": 3, "frac": torch.tensor([0.25]),
+         "ratio": torch.tensor(1.5, dtype=torch.bfloat16), "kl": 2e-9, "count": torch.tensor(7)}
+    out = host_floats(m)
+    assert list(out) == list(m)
+    assert out == {k: float(v) for k, v in m.items()} and all(type(v) is float for v in out.values())
+    assert host_floats({"a": 1.0}) == {"a": 1.0}

@@ -73,6 +73,16 @@ def reduce_across_ranks(m: dict[str, float], group: dist.ProcessGroup | None) ->
     return out
 
 
+def host_floats(m: dict) -> dict[str, float]:
+    """{key: float(value)} of a metrics dict whose values are Python numbers or one-element tensors, the tensors
+    read to the host together (one device-to-host copy, not one synchronization per metric)."""
+    keys = [k for k, v in m.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in m.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        out.update(zip(keys, torch.stack([m[k].detach().reshape(()).double() for k in keys]).tolist()))
+    return {k: out[k] for k in m}
+
+
 class StepTimer:
     """`with timer("rollout"): ...` accumulates wall seconds per phase; `pop()` returns {'time/<phase>': s}."""
 

@@ -48,6 +48,7 @@ from moe_gspo.parallel.state import comm_device, max_over_ranks, trainer_group
 from moe_gspo.rollout.batch import PaddedRollout, rollout_probs_diff
 from moe_gspo.routing import SCORE_DTYPES, ExpertFlipTracker, OldRouterScores, RoutingReplayCache
 from moe_gspo.train.logprob import batch_logprobs, hidden_loss
+from moe_gspo.train.metrics import host_floats
 from moe_gspo.train.micro import MicroBatch, micro_batches
 from moe_gspo.train.optim import Optimizer
 
@@ -332,10 +333,9 @@ def minibatch_metrics(ctx: StepContext, rows: LossRows, logp, gamma, response, d
     if gamma is not None:
         rows = dataclasses.replace(rows, router_shift_weight=router_shift_weight(gamma, floor))
     m = {**rows_loss(ctx, rows, logp, denom)[1], **corr_m}
-    out = {k: float(v) for k, v in m.items()}
     if gamma is not None:  # over this minibatch's response tokens (the loop averages minibatches, then ranks)
-        out.update({k: float(v) for k, v in router_shift_metrics(gamma[response], floor).items()})
-    return out
+        m.update(router_shift_metrics(gamma[response], floor))
+    return host_floats(m)
 
 
 def _router_shift_ratio(old_router: OldRouterScores, cap: RoutingCapture, old_src, shape_BT) -> torch.Tensor:

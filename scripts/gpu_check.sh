@@ -131,12 +131,12 @@ EOF
         done
         ;;
     configstep)  # gpu_single.yaml's own step: where its fp32 training time goes, and the levers on it
-        # forward+backward at the config's micro-batch (64 rows of about 64 tokens): the default experts (on CUDA
+        # forward+backward at the config's micro-batch (128 rows of about 64 tokens): the default experts (on CUDA
         # in fp32, torch._grouped_mm's fallback) against the same experts forced onto their per-expert loop, and
         # transformers, without and with TF32
         for tf in "" "--tf32"; do
             stage "configstep_fp32${tf:+_tf32}" "$PY" scripts/bench_step.py --device cuda --dtype float32 \
-                --config configs/gpu_single.yaml --batch 64 --seq 64 --variants sdpa,expert_loop --profile 12 \
+                --config configs/gpu_single.yaml --batch 128 --seq 64 --variants sdpa,expert_loop --profile 12 \
                 $tf --json "$OUT/bench_step_fp32${tf:+_tf32}.json"
         done
         # whole RL steps at the config's batch, the run alone on the GPU: fp32 parameters (the config) against

@@ -172,13 +172,16 @@ class GroupedGemmExperts(GroupedMLP):
         return out_NH, None
 
     def _forward_loop(self, x_NH, tokens_per_expert, p_N):
-        """The same math one expert at a time (widths grouped_mm cannot take); needs the counts on the host."""
+        """The same math one expert at a time (widths grouped_mm cannot take); needs the counts on the host. The
+        stacked weights are unbound once, so the backward stacks the experts' gradients in one op instead of
+        adding each expert's into a zero-filled gradient of the whole stacked weight."""
         w1_EHF2, w2_EFH = self._stacked()
+        w1s, w2s = w1_EHF2.unbind(0), w2_EFH.unbind(0)
         counts = tokens_per_expert.tolist()
         out = []
         for e, (x, p) in enumerate(zip(torch.split(x_NH, counts), torch.split(p_N, counts), strict=True)):
-            gate, up = torch.chunk(x @ w1_EHF2[e], 2, dim=-1)
-            out.append((((F.silu(gate) * up) * p.unsqueeze(-1)).to(x.dtype)) @ w2_EFH[e])
+            gate, up = torch.chunk(x @ w1s[e], 2, dim=-1)
+            out.append((((F.silu(gate) * up) * p.unsqueeze(-1)).to(x.dtype)) @ w2s[e])
         return torch.cat(out, dim=0)
 
 

@@ -38,11 +38,10 @@ DEVICE_OVERRIDES = {"cpu": ["model.params_dtype=float32", "rollout.engine_dtype=
 
 
 def load_cfg(path: str, device: str, extra: list[str]):
-    from moe_gspo.config import apply_overrides, config_from_dict, read_yaml
+    """The config at path (a comparison's: its shared config) with the device's overrides, then extra."""
+    from moe_gspo.config import load_config
 
-    data = read_yaml(path)
-    data.pop("compare", None)
-    return config_from_dict(apply_overrides(data, DEVICE_OVERRIDES[device] + list(extra)))
+    return load_config(path, DEVICE_OVERRIDES[device] + list(extra))
 
 
 def timed(fn, sync):

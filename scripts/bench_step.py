@@ -123,17 +123,11 @@ def main():
         torch.set_num_threads(args.threads)
 
     import moe_gspo
-    from moe_gspo.config import ConfigError, apply_overrides, config_from_dict, read_yaml
+    from moe_gspo.config import ConfigError, load_config
     from transformers import Qwen3MoeForCausalLM
 
-    def load_config(path, overrides=()):
-        """The config at path with overrides; a comparison's config gives its policy (its variants are dropped)."""
-        data = read_yaml(path)
-        data.pop("compare", None)
-        return config_from_dict(apply_overrides(data, [*base_overrides, *overrides]))
-
-    try:
-        cfg = load_config(args.config)
+    try:  # a comparison's config gives its shared config (load_config leaves its variants out)
+        cfg = load_config(args.config, base_overrides)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
@@ -151,7 +145,7 @@ def main():
 
     def twin(overrides):
         """A policy of the same weights with overrides on the config."""
-        source = load_config(args.config, overrides)
+        source = load_config(args.config, [*base_overrides, *overrides])
         m = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
         m.load_full_megatron_state(policy.full_megatron_state())
         return m

@@ -10,7 +10,8 @@
 #                    bench_engine_gpu_2b.json (hf_static vs hf generation; weight sync by bucket size at gpu_2b),
 #                    bench_step_gpu_single.json and bench_step_gpu_2b.json (bf16 forward+backward against
 #                    transformers), bench_rl_gpu_single.json and bench_rl_gpu_2b.json (the RL step against TRL),
-#                    compare/ (the comparison run)
+#                    bench_step_fp32.json, bench_step_fp32_tf32.json and train_float32/, train_bfloat16/ (the
+#                    configstep stage), compare/ (the comparison run)
 #   WHEELS=DIR       install the wheels in DIR first, without an index (for machines with no network; see
 #                    docs/gpu.md for the list and the pip download command); default .whl if it exists
 #   PYTHON=python3   the interpreter that holds a CUDA torch
@@ -42,14 +43,14 @@ export PYTHONUNBUFFERED=1
 status=0
 declare -A RESULT
 
-if [ -n "${DRY:-}" ]; then  # print each stage's command without running it (tests/test_gpu_check.py checks them)
-    :
-elif [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile "$WHEELS"/*.whl || { echo "wheel install failed"; exit 1; }
-fi
-# the package itself, editable (kernels/ is installed as moe_gspo.kernels), without touching its dependencies
-if [ -z "${DRY:-}" ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || { echo "pip install -e . failed"; exit 1; }
+if [ -z "${DRY:-}" ]; then  # DRY prints each stage's command without installing or running (tests/test_gpu_check.py)
+    if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile "$WHEELS"/*.whl ||
+            { echo "wheel install failed"; exit 1; }
+    fi
+    # the package itself, editable (kernels/ is installed as moe_gspo.kernels), without touching its dependencies
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . ||
+        { echo "pip install -e . failed"; exit 1; }
 fi
 
 stage() {  # stage NAME COMMAND...: run, log to OUT/NAME.log, remember the exit code

@@ -56,8 +56,9 @@ def test_every_stage_command_is_valid_before_a_lease(tmp_path, monkeypatch, plan
     from moe_gspo.experiments.compare import read_compare_config
 
     commands = stage_commands(tmp_path, PLANS[plan])
-    assert {"tests", "bench", "step_gpu_single", "train_float32", "rl_gpu_2b", "engine_gpu_2b"} <= set(commands) \
-        if plan == 0 else {"rl_gpu_2b", "engine_gpu_2b"} <= set(commands)
+    expected = ({"tests", "bench", "step_gpu_single", "train_float32", "rl_gpu_2b", "engine_gpu_2b"} if plan == 0
+                else {"rl_gpu_2b", "engine_gpu_2b"})
+    assert expected <= set(commands), sorted(commands)
     monkeypatch.chdir(ROOT)
     for name, args in commands.items():
         if args == ["-"]:  # the env stage: a heredoc

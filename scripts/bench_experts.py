@@ -1,10 +1,11 @@
-"""Forward+backward of one MoE layer's experts alone: model.experts grouped vs torch vs megatron, same weights and
-routed rows, timed interleaved in one process (so background load hits all three alike).
+"""Forward+backward of one MoE layer's experts alone: model.experts grouped vs torch vs megatron, and grouped on its
+per-expert loop (grouped_loop: where torch._grouped_mm cannot run), same weights and routed rows, timed interleaved in
+one process (so background load hits all of them alike).
 
-    python scripts/bench_experts.py [--threads 1] [--iters 20] [--json runs/bench_experts.json]
+    python scripts/bench_experts.py [--threads 1] [--iters 20] [--experts 8] [--json runs/bench_experts.json]
 
-Each case is (hidden H, expert width F, routed rows N) with 8 local experts and rows spread over them as a top-2
-router over random tokens spreads them (uneven counts).
+Each case is (hidden H, expert width F, routed rows N) with --experts local experts (default 8) and rows spread over
+them as a top-2 router over random tokens spreads them (uneven counts).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--experts", type=int, default=8, help="local experts of the layer")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -35,16 +37,17 @@ def main():
     rows = []
     for H, F, N in CASES:
         mc = ModelConfig(vocab_size=64, hidden_size=H, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                         num_key_value_heads=2, head_dim=16, num_experts=args.experts, num_experts_per_tok=2,
                          moe_intermediate_size=F)
         mods = {}
-        for impl in ("grouped", "torch", "megatron"):
-            source = dataclasses.replace(mc, experts=impl)
+        for impl in ("grouped", "torch", "megatron", "grouped_loop"):
+            source = dataclasses.replace(mc, experts=impl.removesuffix("_loop"))
             p = moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
             mods[impl] = p.gpt.decoder.layers[0].mlp.experts
+        mods["grouped_loop"].use_grouped_mm = False  # the loop the grouped experts take where _grouped_mm cannot run
         g = torch.Generator().manual_seed(0)
-        expert = torch.multinomial(torch.rand(8, generator=g) + 0.2, N, replacement=True, generator=g)
-        counts = torch.bincount(expert, minlength=8)
+        expert = torch.multinomial(torch.rand(args.experts, generator=g) + 0.2, N, replacement=True, generator=g)
+        counts = torch.bincount(expert, minlength=args.experts)
         x = torch.randn(N, H, generator=g)
         probs = torch.rand(N, generator=g)
         dy = torch.randn(N, H, generator=g)
@@ -71,7 +74,7 @@ def main():
               f"{med['megatron'] / med['grouped']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "iters": args.iters, "rows": rows}, f, indent=2)
+            json.dump({"threads": args.threads, "iters": args.iters, "experts": args.experts, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

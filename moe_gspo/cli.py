@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as e:  # anything else is a bug here and keeps its traceback
+        if getattr(e, "detail", None):
+            print(e.detail.rstrip("\n"), file=sys.stderr, flush=True)
         print(f"moe-gspo {args.command}: error: {_rank_prefix()}{e}", file=sys.stderr, flush=True)
         return 2
     finally:

@@ -6,7 +6,14 @@ from __future__ import annotations
 class UserError(Exception):
     """Something the user gave is wrong: a config value, a data row, a path, a size, a world size. The message
     names the field, file, line or rank at fault, and the CLI prints it as one line (exit 2, no traceback). Any
-    other exception is a bug in this package and keeps its traceback."""
+    other exception is a bug in this package and keeps its traceback.
+
+    `detail` (optional) is printed before that line: the frames of a user's own code that failed (a reward
+    function), never this package's."""
+
+    def __init__(self, message: str = "", detail: str | None = None):
+        super().__init__(message)
+        self.detail = detail
 
 
 class ConfigError(UserError, ValueError):

@@ -15,13 +15,17 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Example:
     prompt: str
-    """Text the model is conditioned on (the tokenizer adds bos)."""
+    """Text the model is conditioned on (the tokenizer adds bos); for a chat prompt, its messages as text (what
+    logs show and the held-out split hashes)."""
     answer: str
     """Gold answer the reward compares against."""
     meta: dict = field(default_factory=dict, compare=False, hash=False)
     """Task-specific data the reward needs (countdown: numbers, target)."""
     demonstration: str | None = None
     """Gold completion for supervised cold start; None means `answer`."""
+    messages: list | None = field(default=None, compare=False, hash=False)
+    """A chat prompt as the data set holds it: [{"role": ..., "content": ...}, ...]; the tokenizer's chat template
+    turns it into ids (rollout.chat_template). None: `prompt` is used as it is."""
 
     @property
     def completion(self) -> str:

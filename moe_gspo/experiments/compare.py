@@ -115,7 +115,8 @@ def cold_start_key(cfg) -> str:
     """What the cold start of `cfg` depends on (model, parallel layout, task, seed and cold-start settings)."""
     d = to_dict(cfg)
     train = {k: v for k, v in d["train"].items() if k not in _RL_ONLY_TRAIN}
-    task = {k: d["rollout"][k] for k in ("task", "task_args", "dataset_path")}
+    task = {k: d["rollout"][k] for k in ("task", "task_args", "dataset_path", "prompt_field", "answer_field",
+                                         "demonstration_field", "chat_template", "chat_template_kwargs")}
     return json.dumps([d["model"], d["parallel"], task, train], sort_keys=True)
 
 
@@ -125,16 +126,20 @@ def cold_start_state(cfg) -> dict:
     from moe_gspo.model.load import init_parallel, load_policy
     from moe_gspo.parallel.state import parallel_info
     from moe_gspo.tasks import task_from_config
-    from moe_gspo.train.data import build_tokenizer
+    from moe_gspo.train.data import build_tokenizer, cold_start_plan
     from moe_gspo.train.optim import release_ddp, wrap_ddp
     from moe_gspo.train.step import cold_start
 
     groups = init_parallel(cfg)
     policy = load_policy(cfg, groups)
     info = parallel_info(groups)
-    if cfg.train.cold_start_steps:
+    task = task_from_config(cfg.rollout)
+    steps, why_not = cold_start_plan(cfg, task, False)
+    if why_not:
+        _say(why_not)
+    if steps:
         ddp = wrap_ddp(policy, cfg.train.distributed_optimizer)
-        cold_start(policy, ddp, cfg.train, task_from_config(cfg.rollout), build_tokenizer(cfg), info.dp, info.dp_rank)
+        cold_start(policy, ddp, cfg.train, task, build_tokenizer(cfg), info.dp, info.dp_rank)
         release_ddp(ddp)
     return {k: v.detach().clone().contiguous() for k, v in policy.full_megatron_state().items()}
 

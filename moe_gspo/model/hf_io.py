@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moe_gspo.config import ConfigError, ModelConfig
+from moe_gspo.config.model import model_config_from_hf  # noqa: F401 - read by model.load
 
 HF_ARCH = "Qwen3MoeForCausalLM"
 
@@ -51,43 +52,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def model_config_from_hf(path: Path, overrides: ModelConfig | None = None) -> ModelConfig:
-    """Read config.json; refuse other architectures and MoE features this policy does not implement. The
-    architecture comes from config.json; how to run it (params_dtype, spec, attention, experts, compile) and
-    how to train it (the load-balancing loss) from `overrides`."""
-    f = path / "config.json"
-    if not f.is_file():
-        raise ConfigError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
-    try:
-        c = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{f}: invalid JSON ({e})") from None
-    mt = c.get("model_type")
-    if mt != "qwen3_moe":
-        raise ConfigError(f"{f}: model_type={mt!r}, architectures={c.get('architectures')}; "
-                          f"moe-gspo loads Qwen3-MoE checkpoints (model_type 'qwen3_moe') only")
-    if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
-        raise ConfigError(f"{f}: dense layers (mlp_only_layers / decoder_sparse_step) are not supported")
-    rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
-    base = overrides or ModelConfig()
-    try:
-        return ModelConfig(
-            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_hidden_layers"],
-            num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
-            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-            num_experts=c.get("num_experts") or c["num_local_experts"],
-            num_experts_per_tok=c["num_experts_per_tok"], moe_intermediate_size=c["moe_intermediate_size"],
-            norm_topk_prob=bool(c.get("norm_topk_prob", False)), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope), max_position_embeddings=c.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            initializer_range=c.get("initializer_range", 0.02), params_dtype=base.params_dtype,
-            spec=base.spec, attention=base.attention, experts=base.experts, compile=base.compile,
-            moe_router_load_balancing_type=base.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=base.moe_aux_loss_coeff, init_from=str(path))
-    except KeyError as e:
-        raise ConfigError(f"{f}: missing field {e.args[0]!r}") from None
 
 
 # ---------------------------------------------------------------- names (full, unsharded tensors)

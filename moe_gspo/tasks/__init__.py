@@ -14,15 +14,14 @@ from moe_gspo.tasks.synthetic import AdditionTask, ColumnAdditionTask, Countdown
 from moe_gspo.tasks.tokenizer import CharTokenizer
 
 TASKS = {"addition": AdditionTask, "multiplication": MultiplicationTask, "countdown": CountdownTask,
-         "column_addition": ColumnAdditionTask, "jsonl": DatasetTask, "parquet": DatasetTask}
+         "column_addition": ColumnAdditionTask, "dataset": DatasetTask, "jsonl": DatasetTask,
+         "parquet": DatasetTask}
 
 
 def get_task(name: str, **knobs) -> Task:
     """Task registered under `name` built with its difficulty knobs; an unknown name lists the valid ones."""
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; valid: {sorted(TASKS)}")
-    if name in ("jsonl", "parquet"):
-        knobs.setdefault("fmt", name)
     return TASKS[name](**knobs)
 
 
@@ -46,20 +45,28 @@ def parse_task_args(text: str) -> dict:
 
 
 def task_from_config(rollout_cfg) -> Task:
-    """The task a `RolloutConfig` names: a built-in task with its rollout.task_args knobs, or a dataset file."""
+    """The task a `RolloutConfig` names: a built-in task with its rollout.task_args knobs, or a data set with its
+    columns; its reward is rollout.reward when set (a built-in name or a user's file.py:function)."""
     from moe_gspo.config import ConfigError
+    from moe_gspo.rewards import load_reward
 
-    if rollout_cfg.task in ("jsonl", "parquet"):
-        if not rollout_cfg.dataset_path:
-            raise ConfigError(f"rollout.task={rollout_cfg.task!r} needs rollout.dataset_path")
-        return get_task(rollout_cfg.task, path=rollout_cfg.dataset_path)
-    kwargs = parse_task_args(rollout_cfg.task_args) if rollout_cfg.task_args else {}
+    rc = rollout_cfg
+    if rc.task in ("dataset", "jsonl", "parquet"):
+        if not rc.dataset_path:
+            raise ConfigError(f"rollout.task={rc.task!r} needs rollout.dataset_path")
+        return get_task(rc.task, path=rc.dataset_path, prompt_field=rc.prompt_field, answer_field=rc.answer_field,
+                        demonstration_field=rc.demonstration_field, reward=rc.reward or "math",
+                        eval_path=rc.eval_dataset_path)
+    kwargs = parse_task_args(rc.task_args) if rc.task_args else {}
     try:
-        return get_task(rollout_cfg.task, **kwargs)
+        task = get_task(rc.task, **kwargs)
     except TypeError as e:
-        raise ConfigError(f"rollout.task_args={rollout_cfg.task_args!r} for task {rollout_cfg.task!r}: {e}") from None
+        raise ConfigError(f"rollout.task_args={rc.task_args!r} for task {rc.task!r}: {e}") from None
     except KeyError as e:
         raise ConfigError(f"rollout.task: {e.args[0] if e.args else e}") from None
+    if rc.reward is not None:
+        task.reward_fn = load_reward(rc.reward)
+    return task
 
 
 __all__ = ["AdditionTask", "CharTokenizer", "ColumnAdditionTask", "CountdownTask", "DatasetError", "DatasetTask",

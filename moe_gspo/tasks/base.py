@@ -43,6 +43,8 @@ class Task:
     name: str = "task"
     reward_fn: Callable[[str, Example], float]
     heldout_fraction: float = 0.1
+    has_demonstrations: bool = True
+    """Whether examples carry a gold completion the cold start can train on (a synthetic task's answer is one)."""
 
     def _draw(self, rng: random.Random) -> Example:
         raise NotImplementedError
@@ -61,6 +63,10 @@ class Task:
     def examples(self, n: int, seed: int = 0, split: str = "train") -> list[Example]:
         rng = random.Random(seed)
         return [self.sample(rng, split) for _ in range(n)]
+
+    def eval_examples(self, n: int) -> list[Example]:
+        """n held-out examples for evaluation during training (the same ones every time; 0: 64)."""
+        return self.examples(n or 64, seed=1234, split="test")
 
     def reward(self, response: str, example: Example) -> float:
         return self.reward_fn(response, example)

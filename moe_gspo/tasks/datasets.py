@@ -1,12 +1,15 @@
-"""Prompts from a JSONL or parquet file with a declared schema (which field is the prompt, which the answer).
+"""Prompts from a data set file with a declared schema: which column is the prompt, which the gold answer.
 
-    task = DatasetTask("data/math.jsonl", prompt_field="problem", answer_field="answer", reward="math")
+    task = DatasetTask("data/gsm8k/train.parquet", answer_field="reward_model.ground_truth", reward="gsm8k")
     rows = load_examples("data/math.jsonl", prompt_field="problem", answer_field="answer")
 
-Each row must be an object whose prompt field is a non-empty string and whose answer field is a string or a
-number; optional `demonstration_field` gives the cold-start completion. Any other shape raises DatasetError
-naming the file and the line (JSONL, 1-based) or row (parquet, 1-based). Blank JSONL lines are skipped.
-Parquet needs `pyarrow` (imported only when a parquet file is read).
+Files: .jsonl (JSON lines), .json (an array of rows, or JSON lines as `datasets.Dataset.to_json` writes them),
+.parquet, or a folder of .parquet shards (read in name order). Each row is an object whose prompt column is a
+non-empty string or a list of chat messages ({"role": str, "content": str}), and whose answer (a column, or a
+dotted path into one: verl's `reward_model.ground_truth`) is a string or a number. The optional demonstration
+column gives the cold start's completion. Every other column reaches the reward in `Example.meta` (verl's
+`data_source` and `extra_info`, TRL's extra columns). Any other shape raises DatasetError naming the file and the
+line (JSON lines, 1-based) or row (parquet and JSON arrays, 1-based). Parquet needs `pyarrow`.
 """
 
 from __future__ import annotations
@@ -18,42 +21,90 @@ from pathlib import Path
 from moe_gspo.config import UserError
 from moe_gspo.tasks.base import Example, Task
 
+FORMATS = ("jsonl", "json", "parquet")
+
 
 class DatasetError(UserError, ValueError):
     """A dataset file is missing or a row does not match the declared schema (message names file and line)."""
 
 
+def _lookup(row: dict, path: str):
+    """row['a']['b'] for path 'a.b'; None where any part is missing."""
+    node = row
+    for part in path.split("."):
+        if not isinstance(node, dict) or node.get(part) is None:
+            return None
+        node = node[part]
+    return node
+
+
+def _messages(prompt, where: str, field: str) -> list[dict] | None:
+    """The prompt as chat messages when it is a list of {role, content} strings; None for a string prompt."""
+    if isinstance(prompt, str):
+        return None
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise DatasetError(f"{where}: field {field!r} must be a non-empty string or a list of chat messages, got "
+                           f"{type(prompt).__name__}")
+    out = []
+    for j, m in enumerate(prompt):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DatasetError(f"{where}: field {field!r} message {j} must be {{'role': str, 'content': str}}, got "
+                               f"{str(m)[:80]}")
+        out.append({k: v for k, v in m.items() if v is not None})  # parquet fills absent struct fields with None
+    return out
+
+
 def _row_to_example(row, where: str, prompt_field: str, answer_field: str, demo_field: str | None) -> Example:
     if not isinstance(row, dict):
-        raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    schema = f"(declared schema: prompt_field={prompt_field!r}, answer_field={answer_field!r})"
+        raise DatasetError(f"{where}: expected an object, got {type(row).__name__}")
+    schema = f"(declared schema: rollout.prompt_field={prompt_field!r}, rollout.answer_field={answer_field!r})"
     for name in (prompt_field, answer_field):
-        if name not in row or row[name] is None:
+        if _lookup(row, name) is None:
             raise DatasetError(f"{where}: missing field {name!r} {schema}; row has {sorted(row)}")
-    prompt, answer = row[prompt_field], row[answer_field]
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise DatasetError(f"{where}: field {prompt_field!r} must be a non-empty string, got {prompt!r}")
+    prompt, answer = _lookup(row, prompt_field), _lookup(row, answer_field)
+    messages = _messages(prompt, where, prompt_field)
+    if messages is None and not prompt.strip():
+        raise DatasetError(f"{where}: field {prompt_field!r} must be a non-empty string or a list of chat messages; "
+                           "it is empty")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise DatasetError(f"{where}: field {answer_field!r} must be a string or a number, got "
                            f"{type(answer).__name__}")
     demo = None
     if demo_field is not None:
-        demo = row.get(demo_field)
+        demo = _lookup(row, demo_field)
         if demo is not None and not isinstance(demo, str):
             raise DatasetError(f"{where}: field {demo_field!r} must be a string, got {type(demo).__name__}")
-    meta = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
-    return Example(prompt, str(answer), meta, demo)
+    text = prompt if messages is None else "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    meta = {k: v for k, v in row.items() if k != prompt_field}
+    return Example(text, str(answer), meta, demo, messages)
+
+
+def _read_json_lines(path: Path, lines):
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{lineno}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
 
 
 def _read_jsonl(path: Path):
     with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        yield from _read_json_lines(path, f)
+
+
+def _read_json(path: Path):
+    text = path.read_text(encoding="utf-8")
+    if not text.lstrip().startswith("["):  # JSON lines under a .json name
+        yield from _read_json_lines(path, text.splitlines())
+        return
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    for i, row in enumerate(rows, start=1):
+        yield f"{path}: row {i}", row
 
 
 def _read_parquet(path: Path):
@@ -64,40 +115,67 @@ def _read_parquet(path: Path):
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a broken file
-        raise DatasetError(f"{path}: cannot read parquet: {e}") from None
+        raise DatasetError(f"{path}: cannot read parquet: {' '.join(str(e).split())}") from None
     for i, row in enumerate(rows, start=1):
         yield f"{path}: row {i}", row
 
 
-def load_examples(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer",
-                  demonstration_field: str | None = None, fmt: str | None = None) -> list[Example]:
-    """Read every row of a .jsonl/.json-lines or .parquet file into Examples; fmt overrides the suffix."""
-    path = Path(path)
+def _files(path: Path, fmt: str | None) -> list[tuple[Path, str]]:
+    """(file, format) pairs of a file or of a folder of parquet shards."""
+    if path.is_dir():
+        shards = sorted(path.glob("*.parquet"))
+        if not shards:
+            raise DatasetError(f"{path}: a folder data set must hold .parquet shards; found none")
+        return [(p, "parquet") for p in shards]
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
-    fmt = fmt or ("parquet" if path.suffix == ".parquet" else "jsonl")
-    if fmt not in ("jsonl", "parquet"):
-        raise DatasetError(f"{path}: format {fmt!r} is not one of ['jsonl', 'parquet']")
-    reader = _read_parquet if fmt == "parquet" else _read_jsonl
-    out = [_row_to_example(row, where, prompt_field, answer_field, demonstration_field) for where, row in reader(path)]
+    if fmt in (None, "dataset"):
+        fmt = {".parquet": "parquet", ".json": "json"}.get(path.suffix, "jsonl")
+    if fmt not in FORMATS:
+        raise DatasetError(f"{path}: format {fmt!r} is not one of {list(FORMATS)}")
+    return [(path, fmt)]
+
+
+def load_examples(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer",
+                  demonstration_field: str | None = None, fmt: str | None = None) -> list[Example]:
+    """Every row of a data set file (or folder of parquet shards) as Examples; fmt overrides the suffix."""
+    path = Path(path)
+    readers = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet}
+    out = [_row_to_example(row, where, prompt_field, answer_field, demonstration_field)
+           for f, kind in _files(path, fmt) for where, row in readers[kind](f)]
     if not out:
         raise DatasetError(f"{path}: no rows")
     return out
 
 
 class DatasetTask(Task):
-    """A task whose prompts come from a file; reward by name ('math' by default, or 'exact')."""
+    """A task whose prompts come from a file; its reward a built-in name ('math' by default) or a user's
+    function (moe_gspo.rewards.load_reward). With an eval file, the "test" split draws from it."""
 
     name = "dataset"
 
     def __init__(self, path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer",
                  demonstration_field: str | None = None, reward: str = "math", fmt: str | None = None,
-                 heldout_fraction: float = 0.0):
-        from moe_gspo.rewards import get_reward_fn
+                 heldout_fraction: float = 0.0, eval_path: str | Path | None = None):
+        from moe_gspo.rewards import load_reward
 
         self.rows = load_examples(path, prompt_field, answer_field, demonstration_field, fmt)
-        self.reward_fn = get_reward_fn(reward)
+        self.eval_rows = (load_examples(eval_path, prompt_field, answer_field, demonstration_field)
+                          if eval_path is not None else [])
+        self.reward_fn = load_reward(reward)
         self.heldout_fraction = heldout_fraction
+        self.has_demonstrations = any(ex.demonstration is not None for ex in self.rows)
 
     def _draw(self, rng: random.Random) -> Example:
         return self.rows[rng.randrange(len(self.rows))]
+
+    def sample(self, rng: random.Random, split: str = "train") -> Example:
+        if split == "test" and self.eval_rows:
+            return self.eval_rows[rng.randrange(len(self.eval_rows))]
+        return super().sample(rng, split)
+
+    def eval_examples(self, n: int) -> list[Example]:
+        """The first n rows of the eval file (0: all of them)."""
+        if not self.eval_rows:
+            raise DatasetError("this data set has no held-out prompts: set rollout.eval_dataset_path")
+        return self.eval_rows[:n] if n else list(self.eval_rows)

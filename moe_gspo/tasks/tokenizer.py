@@ -1,4 +1,7 @@
-"""A character-level tokenizer shipped with the repo: printable ASCII plus newline, ids < 128.
+"""Tokenizers behind one interface (encode(text, bos, eos), decode(ids), pad_id / bos_id / eos_id, stop_ids):
+the character-level tokenizer shipped with the repo, and a checkpoint's own transformers tokenizer.
+
+The character tokenizer: printable ASCII plus newline, ids < 128.
 
     tok = CharTokenizer()
     ids = tok.encode("12+34=", bos=True)     # [1, 20, 21, ...]
@@ -25,6 +28,10 @@ class CharTokenizer:
     bos_id = BOS
     eos_id = EOS
     unk_id = UNK
+    stop_ids = (EOS,)
+    """Ids that end a response."""
+    chat_template = "role: content"
+    """A plain chat template of its own (see apply_chat_template), so chat-message data runs on the tiny policy."""
     vocab_size = 128
     """Embedding rows the ids are sized for (ids in use: `num_tokens`)."""
 
@@ -61,6 +68,59 @@ class CharTokenizer:
                 out.append(_SPECIALS[t])
         return "".join(out)
 
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> list[int]:
+        """bos, then 'role: content' per message, one per line, then 'assistant: ' (the generation prompt);
+        template variables (kwargs) are accepted and unused."""
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return self.encode(text, bos=True)
+
     def token_to_str(self, tid: int) -> str:
         tid = int(tid)
         return _SPECIALS[tid] if tid < len(_SPECIALS) else self._itos.get(tid, "")
+
+
+class HFTokenizer:
+    """A checkpoint's transformers tokenizer behind CharTokenizer's interface.
+
+    bos is prepended only where the tokenizer has one (Qwen's has none: prompts start with their first token).
+    Responses stop at every eos id the checkpoint names: the tokenizer's and generation_config.json's
+    `eos_token_id` (an int or a list: Qwen3's chat models end a turn with <|im_end|> and a text with
+    <|endoftext|>). Without a pad token, eos pads (padding is masked everywhere)."""
+
+    def __init__(self, path: str):
+        import json
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.eos_id = self.tok.eos_token_id
+        gen = Path(path) / "generation_config.json"
+        gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        if self.eos_id is None and gen_eos:
+            self.eos_id = gen_eos[0]
+        if self.eos_id is None:
+            from moe_gspo.config import ConfigError
+
+            raise ConfigError(f"{path}: the tokenizer has no eos token and generation_config.json names none, so "
+                              "no response could end; set eos_token in tokenizer_config.json")
+        self.stop_ids = tuple(dict.fromkeys([self.eos_id, *gen_eos]))
+        self.has_bos = self.tok.bos_token_id is not None
+        self.bos_id = self.tok.bos_token_id if self.has_bos else self.eos_id
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+        self.num_tokens = len(self.tok)
+        self.chat_template = self.tok.chat_template
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return ([self.bos_id] if bos and self.has_bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> list[int]:
+        """The ids of `messages` rendered by the tokenizer's chat template, the assistant's turn opened (the text is
+        rendered, then encoded: the template writes its own special tokens, bos included where it has one)."""
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return self.tok.encode(text, add_special_tokens=False)

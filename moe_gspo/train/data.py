@@ -12,27 +12,8 @@ import torch
 
 from moe_gspo.config import Config, ConfigError, UserError
 from moe_gspo.tasks import Example, Task
-from moe_gspo.tasks.tokenizer import CharTokenizer
-
-
-class HFTokenizer:
-    """A transformers tokenizer behind CharTokenizer's interface (encode(text, bos, eos), decode, *_id)."""
-
-    def __init__(self, path: str):
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(path)
-        self.eos_id = self.tok.eos_token_id
-        self.bos_id = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.eos_id
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
-        self.num_tokens = len(self.tok)
-
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False)
-        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
-
-    def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+from moe_gspo.tasks.prompts import encode_prompt
+from moe_gspo.tasks.tokenizer import CharTokenizer, HFTokenizer
 
 
 def build_tokenizer(cfg: Config):
@@ -115,16 +96,28 @@ def hash_seed(*parts: int) -> int:
     return h
 
 
-def encode_prompts(examples: list[Example], tok: CharTokenizer, max_new_tokens: int, context: int) -> list[list[int]]:
-    """bos + prompt ids; raise ConfigError naming the prompt when prompt + max_new_tokens exceeds the context."""
+def encode_prompts(examples: list[Example], tok, rollout_cfg, context: int) -> list[list[int]]:
+    """Prompt ids (moe_gspo.tasks.prompts.encode_prompt with rollout.chat_template); raise ConfigError naming the
+    prompt when its ids + rollout.max_new_tokens exceed the context."""
     out = []
     for i, ex in enumerate(examples):
-        ids = tok.encode(ex.prompt, bos=True)
-        if len(ids) + max_new_tokens > context:
+        ids = encode_prompt(tok, ex, rollout_cfg.chat_template, rollout_cfg.chat_template_kwargs)
+        if len(ids) + rollout_cfg.max_new_tokens > context:
             raise ConfigError(f"prompt {i} ({ex.prompt[:40]!r}...) has {len(ids)} tokens; with rollout.max_new_tokens="
-                              f"{max_new_tokens} it exceeds the context model.max_position_embeddings={context}")
+                              f"{rollout_cfg.max_new_tokens} it exceeds the context model.max_position_embeddings="
+                              f"{context}")
         out.append(ids)
     return out
+
+
+def sampling_params(cfg: Config, tok, seed: int):
+    """SamplingParams of the config, stopping at every eos id of the tokenizer."""
+    from moe_gspo.rollout import SamplingParams
+
+    sp = SamplingParams.from_config(cfg.rollout, seed=seed)
+    sp.stop_token_ids = [int(t) for t in getattr(tok, "stop_ids", ())]
+    sp.return_routing = sp.return_routing or cfg.algorithm.routing_replay == "r3"
+    return sp
 
 
 def check_responses(batch, step: int) -> None:
@@ -153,10 +146,49 @@ def handle_bad_rewards(rewards: torch.Tensor, errors: list, examples: list[Examp
 def step_prompts(cfg: Config, task: Task, tok, layout: Layout, step: int, dp_rank: int):
     """(examples, prompt ids, SamplingParams) of data-parallel rank dp_rank at this step: a function of the seed,
     the step and dp_rank only, so any rank (an engine replica, an engine rank) can build the prompts it samples."""
-    from moe_gspo.rollout import SamplingParams
-
     examples = step_examples(task, cfg.train.seed, step, dp_rank, layout.prompts_local)
-    prompts = encode_prompts(examples, tok, cfg.rollout.max_new_tokens, cfg.model.max_position_embeddings)
-    sp = SamplingParams.from_config(cfg.rollout, seed=hash_seed(cfg.train.seed, step, dp_rank, 1) % 2**31)
-    sp.return_routing = sp.return_routing or cfg.algorithm.routing_replay == "r3"
-    return examples, prompts, sp
+    prompts = encode_prompts(examples, tok, cfg.rollout, cfg.model.max_position_embeddings)
+    return examples, prompts, sampling_params(cfg, tok, hash_seed(cfg.train.seed, step, dp_rank, 1) % 2**31)
+
+
+def check_prompts(cfg: Config, task: Task, tok) -> None:
+    """Before anything is built: a data set's chat prompts against rollout.chat_template and the tokenizer (the
+    first row that cannot be encoded is named), so a template problem never waits for the first step."""
+    from moe_gspo.tasks.prompts import check_chat_template
+
+    rows = getattr(task, "rows", [])
+    first_chat = next((ex for ex in rows if ex.messages is not None), None)
+    for ex in rows[:1] + ([first_chat] if first_chat is not None else []):
+        check_chat_template(tok, ex, cfg.rollout.chat_template)
+
+
+def cold_start_plan(cfg: Config, task: Task, has_init_state: bool) -> tuple[int, str | None]:
+    """(supervised steps to run, the line that says why the cold start does not run, or None)."""
+    steps = cfg.train.cold_start_steps
+    if not steps or has_init_state:  # none asked for, or the caller hands the weights RL starts from
+        return 0, None
+    if cfg.model.init_from and not cfg.train.cold_start_pretrained:
+        return 0, (f"cold start skipped: model.init_from={cfg.model.init_from} is pretrained (set "
+                   f"train.cold_start_pretrained=true to run train.cold_start_steps={steps} supervised steps on it)")
+    if not getattr(task, "has_demonstrations", True):
+        return 0, (f"cold start skipped: train.cold_start_steps={steps}, but the data set has no demonstrations "
+                   "(rollout.demonstration_field names a column of gold completions)")
+    return steps, None
+
+
+class ColdStartLog:
+    """`log(step, loss)` for moe_gspo.train.step.cold_start: about `lines` progress lines on stderr, each with the
+    mean loss since the line before."""
+
+    def __init__(self, steps: int, lines: int = 10):
+        self.steps, self.every = steps, max(1, steps // lines)
+        self.since: list[float] = []
+
+    def __call__(self, step: int, loss: float) -> None:
+        import sys
+
+        self.since.append(loss)
+        if (step + 1) % self.every == 0 or step + 1 == self.steps:
+            print(f"cold start: step {step + 1}/{self.steps}, loss {sum(self.since) / len(self.since):.4f}",
+                  file=sys.stderr, flush=True)
+            self.since.clear()

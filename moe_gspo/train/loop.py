@@ -33,6 +33,7 @@ from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.tasks import CharTokenizer, Task, task_from_config
 from moe_gspo.train import data
 from moe_gspo.train.checkpoint import Checkpoints
+from moe_gspo.train.evaluate import check_eval_set, evaluate
 from moe_gspo.train.metrics import MetricMean, MetricsWriter, Progress, StepTimer, reduce_across_ranks, step_profile
 from moe_gspo.train.step import (OldPass, StepContext, cold_start, pi_old_pass, record_engine_routing,
                                  update_minibatch)
@@ -79,8 +80,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
                 run.engine.wake()
                 run.engine.update_weights(run.policy.weights())
                 run.replay.clear()
+        evals = run.evaluate(step)  # train.eval_every: the updated policy on held-out prompts
         m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics(), **run.engine_metrics()},
-                    tokens=int(pb.attention_mask.sum()))
+                    tokens=int(pb.attention_mask.sum()), extra=evals)
         if profiled:
             _say(run.info, f"profile of step {step + 1} (its times include the profiler's overhead): "
                            f"{run.dir / f'profile_step_{step + 1}.txt'}, .json.gz (Chrome trace)")
@@ -113,6 +115,7 @@ class Run:
     timer: StepTimer
     placement: EnginePlacement | None  # None with rollout.placement=separate (engine is an EngineClient)
     start: int = 0
+    held_out: list = dataclasses.field(default_factory=list)  # train.eval_every's prompts
     async_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last received batch's
 
     @classmethod
@@ -132,6 +135,7 @@ class Run:
             raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} does not divide the world size "
                               f"{data.world_size()}")
         task = task or task_from_config(cfg.rollout)
+        data.check_prompts(cfg, task, tok)
         groups = init_parallel(cfg)  # megatron's ProcessGroupCollection, handed to everything below
         policy = load_policy(cfg, groups)
         info = parallel_info(groups)
@@ -153,12 +157,19 @@ class Run:
         ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
         start = ckpts.latest() if resume else 0
         _say(info, f"run directory: {run_dir}")
+        if cfg.checkpoint_overrides:
+            _say(info, f"model.init_from={cfg.model.init_from} defines the architecture; it replaces the config's "
+                       f"{', '.join(cfg.checkpoint_overrides)}")
         if not start:
             if resume:
                 _say(info, f"no complete checkpoint in {ckpts.root}: starting from step 0")
-            if cfg.train.cold_start_steps and init_state is None:
-                _say(info, f"cold start: {cfg.train.cold_start_steps} supervised steps on {cfg.rollout.task}")
-                cold_start(policy, ddp, cfg.train, task, tok, info.dp, info.dp_rank)
+            steps, why_not = data.cold_start_plan(cfg, task, init_state is not None)
+            if why_not:
+                _say(info, why_not)
+            if steps:
+                _say(info, f"cold start: {steps} supervised steps on {cfg.rollout.task}")
+                cold_start(policy, ddp, cfg.train, task, tok, info.dp, info.dp_rank,
+                           log=data.ColdStartLog(steps) if info.rank == 0 and cfg.logging.progress else None)
         # pi_ref: the weights RL starts from (restored below on resume)
         reference = policy.frozen_copy() if cfg.algorithm.kl_beta > 0 else None
         optim = Optimizer.from_config(ddp, policy, cfg.train, total_steps=cfg.train.steps * cfg.train.minibatches)
@@ -182,8 +193,12 @@ class Run:
         writer = MetricsWriter(run_dir, logc.jsonl, logc.tensorboard, active=info.rank == 0)
         writer.truncate_after(start)  # a fresh run (start 0) replaces old metrics; a resumed one rewrites after start
         progress = Progress(cfg.train.steps, start, label or run_dir.name, logc.progress and info.rank == 0)
+        held_out = []
+        if cfg.train.eval_every:  # the same held-out prompts at every evaluation
+            held_out = task.eval_examples(cfg.rollout.eval_prompts)
+            check_eval_set(held_out, layout.dp, "rollout.eval_prompts")
         return cls(cfg, run_dir, policy, ctx, engine, task, tok, replay, tracker, layout, info, writer, progress,
-                   ckpts, StepTimer(), placement, start)
+                   ckpts, StepTimer(), placement, start, held_out)
 
     # ---------------------------------------------------------------- the steps of the loop
     def prompts(self, step: int, dp_rank: int):
@@ -241,6 +256,14 @@ class Run:
         moe_gspo.train.step.pi_old_pass."""
         return pi_old_pass(self.ctx, pb, sids)
 
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The eval/ metrics after this step's update when train.eval_every says so (and after the last step)."""
+        every = self.cfg.train.eval_every
+        if not every or ((step + 1) % every and step + 1 != self.cfg.train.steps):
+            return {}
+        return evaluate(self.cfg, self.task, self.tok, self.engine, self.placement, self.held_out,
+                        self.info.dp_rank, self.layout.dp, self.ctx.trainer_group, step)
+
     def minibatches(self, step: int) -> list[torch.Tensor]:
         """The local responses shuffled (seeded by step) and cut into train.minibatches equal parts."""
         g = torch.Generator().manual_seed(data.hash_seed(self.cfg.train.seed, step, self.info.dp_rank, 2))
@@ -261,11 +284,13 @@ class Run:
         self.tracker.clear()
         return m
 
-    def log(self, step: int, m: dict[str, float], tokens: int) -> dict[str, float]:
+    def log(self, step: int, m: dict[str, float], tokens: int, extra: dict[str, float] | None = None
+            ) -> dict[str, float]:
+        """Reduce the step's metrics over ranks and write them; `extra` holds figures already the same on every rank."""
         times = self.timer.pop()
         router_lr = self.ctx.optim.router_lr  # None unless train.router_lr_scale != 1
         m = {**m, "lr": self.ctx.optim.lr, **({"router_lr": router_lr} if router_lr is not None else {}), **times}
-        m = reduce_across_ranks(m, self.ctx.trainer_group)
+        m = {**reduce_across_ranks(m, self.ctx.trainer_group), **(extra or {})}
         tokens_all = tokens * self.layout.dp
         m["perf/tokens_per_s"] = tokens_all / max(m["time/step"], 1e-9)
         if (step + 1) % self.cfg.logging.every == 0 or step + 1 == self.cfg.train.steps:

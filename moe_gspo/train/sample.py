@@ -3,8 +3,9 @@
     moe-gspo rollout --config configs/tiny_cpu.yaml --num-prompts 4 --out rollout.jsonl [--seed 0] [a.b=c ...]
     moe-gspo rollout --from runs/train_tiny_cpu --out rollout.jsonl       # a trained run's newest checkpoint
 
-Writes one JSON line per response (prompt, response text, token ids, log-probs, reward or reward error, finish
-reason, routed-experts shape); returns the reward metrics and the engine-vs-training log-prob difference
+Takes the same data, chat-template and reward settings as `moe-gspo train` (rollout.*). Writes one JSON line per
+response (prompt, chat messages when the prompt is a conversation, prompt ids as the engine saw them, response text
+and ids, log-probs, reward or reward error, finish reason, routed-experts shape); returns the reward metrics and the engine-vs-training log-prob difference
 (rollout_probs_diff_*). `run_rollout` is the body `rollout_command` (the CLI's) and the tests call.
 """
 
@@ -56,11 +57,11 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
                 engine=None) -> dict[str, float]:
     """Generate cfg.rollout.group_size responses for `num_prompts` task prompts; write JSONL; return metrics."""
     from moe_gspo.rewards import score_responses
-    from moe_gspo.rollout.base import SamplingParams, engine_from_config
+    from moe_gspo.rollout.base import engine_from_config
     from moe_gspo.kernels import token_logprobs_from_logits
     from moe_gspo.rollout.batch import rollout_probs_diff
     from moe_gspo.tasks import task_from_config
-    from moe_gspo.train.data import build_tokenizer
+    from moe_gspo.train.data import build_tokenizer, encode_prompts, sampling_params
 
     if num_prompts < 1:
         raise UserError(f"--num-prompts={num_prompts} must be >= 1")
@@ -68,9 +69,9 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
     seed = cfg.train.seed if seed is None else seed
     task = task_from_config(cfg.rollout)
     examples = task.examples(num_prompts, seed=seed)
-    prompts = [tok.encode(ex.prompt, bos=True) for ex in examples]
+    prompts = encode_prompts(examples, tok, cfg.rollout, cfg.model.max_position_embeddings)
     engine = engine or engine_from_config(cfg.rollout, policy, tokenizer=tok)
-    sampling = SamplingParams.from_config(cfg.rollout, seed=seed)
+    sampling = sampling_params(cfg, tok, seed)
     batch = engine.generate(prompts, cfg.rollout.group_size, sampling)
 
     texts = [tok.decode(r.tolist()) for r in batch.response_ids]
@@ -88,7 +89,8 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
             ex = per_response[i]
             line = {
                 "sample_id": int(batch.sample_ids[i]), "group_id": int(batch.group_ids[i]),
-                "prompt": ex.prompt, "answer": ex.answer, "response": texts[i],
+                "prompt": ex.prompt, **({"messages": ex.messages} if ex.messages is not None else {}),
+                "answer": ex.answer, "response": texts[i],
                 "prompt_ids": batch.prompt_ids[i].tolist(), "response_ids": batch.response_ids[i].tolist(),
                 "logprobs": [round(x, 6) for x in batch.logprobs[i].tolist()],
                 "reward": None if not bool(scored.valid[i]) else float(scored.rewards[i]),

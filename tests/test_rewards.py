@@ -1,4 +1,5 @@
-"""Rewards: the math verifier's table of equivalent and wrong forms, exact task rewards, failure reporting."""
+"""Rewards: the math verifier's table of equivalent and wrong forms, exact task rewards, GSM8K's `####` and
+`\\boxed{}` answers, failure reporting."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import math
 import pytest
 import torch
 
-from moe_gspo.rewards import countdown, exact_match, get_reward_fn, math_verify_reward, score_responses
+from moe_gspo.rewards import (boxed_reward, countdown, exact_match, get_reward_fn, gsm8k_reward, math_verify_reward,
+                              score_responses)
+from moe_gspo.rewards.text import last_boxed
 from moe_gspo.tasks import Example
 
 # (gold, response, expected reward)
@@ -83,3 +86,85 @@ def test_registry_lists_valid_names():
     assert get_reward_fn("math") is math_verify_reward
     with pytest.raises(KeyError, match="valid"):
         get_reward_fn("fuzzy")
+
+
+GSM8K_COT = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+             "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n")
+
+# (gold, response, expected reward)
+GSM8K_TABLE = [
+    ("72", GSM8K_COT + "#### 72", 1.0),
+    ("72", GSM8K_COT + "#### 72.", 1.0),  # trailing period
+    ("72", GSM8K_COT + "####72", 1.0),
+    ("72", "#### 72.00", 1.0),  # compared as numbers
+    ("1,234", "The total is 1,234 dollars.\n#### 1,234", 1.0),
+    ("1234", "#### $1,234", 1.0),  # commas and dollar sign dropped
+    ("1,234", "#### 1234", 1.0),
+    ("-3", "The temperature fell to -3.\n#### -3", 1.0),
+    ("18", "First guess:\n#### 20\nWait, I double counted.\n#### 18", 1.0),  # the last #### counts
+    ("20", "First guess:\n#### 20\nWait, I double counted.\n#### 18", 0.0),
+    ("72", GSM8K_COT + "The answer is 72.", 0.0),  # no ####: strict
+    ("72", GSM8K_COT + "#### seventy-two", 0.0),
+    ("72", GSM8K_COT + "#### 27", 0.0),
+    ("72", "#### 172", 0.0),
+    ("72", "", 0.0),
+]
+
+
+@pytest.mark.parametrize("gold,response,expected", GSM8K_TABLE)
+def test_gsm8k_table(gold, response, expected):
+    assert gsm8k_reward(response, Example("q", gold)) == expected
+    assert get_reward_fn("gsm8k") is gsm8k_reward
+
+
+# (text, content of its last box)
+BOXED_EXTRACT = [
+    ("so $x = \\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}} is the answer", "\\frac{\\sqrt{3}}{2}"),
+    ("first \\boxed{3}, then corrected: \\boxed{4}", "4"),
+    ("$\\boxed 5$", "5"),
+    ("\\boxed {7}", "{7}"),
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
+    ("\\boxed{\\frac{1}{2}", None),  # unclosed
+    ("the answer is 5", None),
+    ("\\boxed", None),
+]
+
+
+@pytest.mark.parametrize("text,content", BOXED_EXTRACT)
+def test_last_boxed(text, content):
+    assert last_boxed(text) == content
+
+
+LATEX_COT = ("We have $2x + 1 = 2$, so $2x = 1$.\n"
+             "Dividing both sides by $2$ gives\n\\[\n  x = \\frac{1}{2}.\n\\]\n")
+
+# (gold, response, expected reward)
+BOXED_TABLE = [
+    ("\\frac{1}{2}", LATEX_COT + "Therefore the answer is $\\boxed{\\frac{1}{2}}$.", 1.0),
+    ("\\frac{1}{2}", "\\boxed{\\dfrac{1}{2}}", 1.0),
+    ("\\frac12", "\\boxed{\\frac{1}{2}}", 0.0),  # no LaTeX parsing: a different string
+    ("0.5", "\\boxed{0.50}", 1.0),  # numbers compare as numbers
+    ("1234", "\\boxed{1,234}", 1.0),
+    ("0.5", "\\boxed{1/2}", 0.0),  # no symbolic equivalence
+    ("(1,2)", "\\boxed{\\left( 1, 2 \\right)}", 1.0),
+    ("x^2+1", "\\boxed{x^2 + 1.}", 1.0),
+    ("3\\sqrt{2}", "\\boxed{3\\!\\sqrt{2}}", 1.0),
+    ("5", "$\\boxed 5$.", 1.0),
+    ("\\boxed{4}", "so \\boxed{4}", 1.0),  # a boxed gold answer
+    ("4", "first \\boxed{4}, no wait: \\boxed{5}", 0.0),
+    ("\\frac{1}{2}", LATEX_COT + "so x = 1/2", 0.0),  # no box
+]
+
+
+@pytest.mark.parametrize("gold,response,expected", BOXED_TABLE)
+def test_boxed_table(gold, response, expected):
+    assert boxed_reward(response, Example("q", gold)) == expected
+    assert get_reward_fn("boxed") is boxed_reward
+
+
+def test_text_rewards_report_a_gold_answer_they_cannot_use():
+    res = score_responses(gsm8k_reward, ["#### 3", "#### 3"], [Example("q", "three"), Example("q", "3")], warn=False)
+    assert res.errors[0] == "ValueError: gold answer 'three' is not a number" and res.rewards[1] == 1.0
+    with pytest.raises(ValueError, match="empty"):
+        boxed_reward("\\boxed{1}", Example("q", " $ "))

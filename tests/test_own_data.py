@@ -1,0 +1,169 @@
+"""A user's own data from the config: data set formats and fields, chat templates, the checkpoint's architecture,
+the cold start's rules, and config errors in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_gspo.config import ConfigError, load_config
+from moe_gspo.tasks import CharTokenizer, DatasetError, load_examples, task_from_config
+from moe_gspo.tasks.prompts import encode_prompt
+from moe_gspo.tasks.tokenizer import HFTokenizer
+from moe_gspo.train.data import cold_start_plan, encode_prompts
+from tests.hf_fixtures import user_checkpoint
+
+DATA = Path(__file__).parent / "data"
+VERL = DATA / "gsm8k_verl_sample"
+TRL = DATA / "trl_sample.jsonl"
+RAW = DATA / "gsm8k_raw_sample.jsonl"
+TINY = "configs/train_tiny_cpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return user_checkpoint(tmp_path_factory.mktemp("user_ckpt") / "ckpt")
+
+
+def _raw():
+    return [json.loads(line) for line in RAW.read_text().splitlines()]
+
+
+def test_verl_parquet_read_unchanged():
+    """verl's rows: chat-message prompts, the answer inside reward_model, every other column in meta."""
+    rows = load_examples(VERL / "train.parquet", answer_field="reward_model.ground_truth")
+    raw = _raw()
+    assert len(rows) == 20
+    for ex, r in zip(rows, raw):
+        assert ex.messages[0]["role"] == "user" and ex.messages[0]["content"].startswith(r["question"])
+        assert ex.answer == r["answer"].rsplit("####", 1)[1].strip()
+        assert ex.meta["data_source"] == "openai/gsm8k" and ex.meta["extra_info"]["question"] == r["question"]
+        assert "prompt" not in ex.meta and ex.meta["reward_model"]["ground_truth"] == ex.answer
+    demo = load_examples(VERL / "train.parquet", answer_field="reward_model.ground_truth",
+                         demonstration_field="extra_info.answer")
+    assert demo[3].completion == raw[3]["answer"]
+
+
+def test_formats_agree(tmp_path):
+    """The same rows as JSON lines, a JSON array, JSON lines under .json, one parquet file and a folder of shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in TRL.read_text().splitlines()]
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    (tmp_path / "lines.json").write_text(TRL.read_text())
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "one.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:7]), shards / "part-00000.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[7:]), shards / "part-00001.parquet")
+    want = [(e.prompt, e.answer, e.meta) for e in load_examples(TRL)]
+    for p in (tmp_path / "array.json", tmp_path / "lines.json", tmp_path / "one.parquet", shards):
+        assert [(e.prompt, e.answer, e.meta) for e in load_examples(p)] == want, p
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"prompt": [{"role": "user"}], "answer": "1"}, "message 0 must be"),
+    ({"prompt": [], "answer": "1"}, "non-empty string or a list of chat messages"),
+    ({"prompt": 5, "answer": "1"}, "non-empty string or a list of chat messages"),
+    ({"prompt": "q", "reward_model": {"style": "rule"}}, "missing field 'reward_model.ground_truth'"),
+])
+def test_bad_rows_name_file_and_line(tmp_path, row, message):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"prompt": "ok", "reward_model": {"ground_truth": "1"}, "answer": "1"}) + "\n"
+                 + json.dumps(row) + "\n")
+    with pytest.raises(DatasetError, match=message) as e:
+        load_examples(p, answer_field="reward_model.ground_truth" if "reward_model" in row else "answer")
+    assert f"{p}:2:" in str(e.value)
+
+
+def test_empty_shard_folder(tmp_path):
+    with pytest.raises(DatasetError, match="must hold .parquet shards"):
+        load_examples(tmp_path)
+
+
+def test_chat_template_modes(ckpt):
+    tok = HFTokenizer(str(ckpt))
+    ex = load_examples(TRL)[0]
+    want = tok.tok.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True)
+    assert tok.tok.decode(encode_prompt(tok, ex, "auto")) == want
+    assert tok.tok.decode(encode_prompt(tok, ex, "auto", {"enable_thinking": False})).endswith(
+        "<|im_start|>assistant\n<think></think>")
+    with pytest.raises(ConfigError, match="rollout.chat_template='none'"):
+        encode_prompt(tok, ex, "none")
+    plain = load_examples(VERL / "train.parquet", answer_field="reward_model.ground_truth")[0]
+    text = plain.messages[0]["content"]
+    string_ex = type(plain)(text, plain.answer)
+    assert tok.tok.decode(encode_prompt(tok, string_ex, "auto")) == text  # no bos: the tokenizer has none
+    wrapped = tok.tok.decode(encode_prompt(tok, string_ex, "always"))
+    assert wrapped == f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    # the character tokenizer: strings unchanged, messages by its own plain template
+    ct = CharTokenizer()
+    assert encode_prompt(ct, string_ex, "auto") == ct.encode(text, bos=True)
+    assert ct.decode(encode_prompt(ct, ex, "auto")) == f"user: {ex.messages[0]['content']}\nassistant: "
+
+
+def test_stop_ids_from_generation_config(ckpt):
+    tok = HFTokenizer(str(ckpt))
+    im_end, eot = tok.tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert tok.eos_id == im_end and tok.stop_ids == (im_end, eot) and tok.pad_id == eot and not tok.has_bos
+
+
+def test_checkpoint_defines_architecture(ckpt):
+    cfg = load_config(TINY, [f"model.init_from={ckpt}"])
+    assert (cfg.model.num_hidden_layers, cfg.model.num_experts, cfg.model.vocab_size) == (2, 16, 112)
+    assert "num_hidden_layers 4 -> 2" in cfg.checkpoint_overrides and "num_experts 8 -> 16" in cfg.checkpoint_overrides
+    assert cfg.model.params_dtype == "float32" and cfg.model.experts == "grouped"  # how to run it: the config's
+    same = load_config(TINY, [f"model.init_from={ckpt}", "model.num_hidden_layers=2", "model.num_experts=16"])
+    assert "num_experts 8 -> 16" not in same.checkpoint_overrides
+
+
+def test_cold_start_plan(ckpt):
+    task = task_from_config(load_config(TINY).rollout)
+    assert cold_start_plan(load_config(TINY), task, False) == (150, None)
+    assert cold_start_plan(load_config(TINY), task, True) == (0, None)
+    pre = load_config(TINY, [f"model.init_from={ckpt}"])
+    steps, why = cold_start_plan(pre, task, False)
+    assert steps == 0 and "is pretrained" in why and "train.cold_start_pretrained=true" in why
+    asked = load_config(TINY, [f"model.init_from={ckpt}", "train.cold_start_pretrained=true"])
+    assert cold_start_plan(asked, task, False) == (150, None)
+    data = ["rollout.task=dataset", "rollout.task_args=", f"rollout.dataset_path={TRL}"]
+    no_demo = load_config(TINY, data)
+    steps, why = cold_start_plan(no_demo, task_from_config(no_demo.rollout), False)
+    assert steps == 0 and "no demonstrations" in why
+    demo = load_config(TINY, data[:2] + [f"rollout.dataset_path={VERL / 'train.parquet'}",
+                                         "rollout.answer_field=reward_model.ground_truth",
+                                         "rollout.demonstration_field=extra_info.answer"])
+    assert cold_start_plan(demo, task_from_config(demo.rollout), False) == (150, None)
+
+
+def test_prompt_longer_than_context_names_it(ckpt):
+    cfg = load_config(TINY, ["rollout.task=dataset", "rollout.task_args=", f"rollout.dataset_path={TRL}"])
+    ex = load_examples(TRL)[:2]
+    with pytest.raises(ConfigError, match="exceeds the context model.max_position_embeddings=64"):
+        encode_prompts(ex, CharTokenizer(), cfg.rollout, cfg.model.max_position_embeddings)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.task=dataset"], "rollout.task='dataset' needs rollout.dataset_path"),
+    (["rollout.task=dataset", f"rollout.dataset_path={TRL}"], "rollout.task_args='max_digits=1,num_operands=3' holds"),
+    (["rollout.prompt_field=question"], "rollout.prompt_field read a data set, but rollout.task='addition'"),
+    (["rollout.answer_field=a..b"], "rollout.answer_field"),
+    (["rollout.reward=nope.py:f"], "no such file nope.py"),
+    (["rollout.reward=rewards.txt:f"], "'path/to/file.py:function'"),
+    (["rollout.chat_template=never"], "rollout.chat_template='never' is not one of"),
+    (["rollout.eval_samples=0"], "rollout.eval_samples=0 must be > 0"),
+    (["train.eval_every=2", "rollout.task=dataset", "rollout.task_args=", f"rollout.dataset_path={TRL}"],
+     "needs rollout.eval_dataset_path"),
+    (["rollout.chat_template_kwargs=5"], "rollout.chat_template_kwargs=5 must be a mapping"),
+])
+def test_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.").replace("[", r"\[")):
+        load_config(TINY, overrides)
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_config(TINY, [f"model.init_from={tmp_path}"])

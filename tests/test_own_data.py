@@ -167,3 +167,27 @@ def test_config_errors(overrides, message):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         load_config(TINY, [f"model.init_from={tmp_path}"])
+
+
+def test_prepare_gsm8k_writes_verl_rows(tmp_path):
+    """scripts/prepare_gsm8k.py turns GSM8K's own rows into the verl rows the shipped sample holds."""
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "gsm8k"
+    subprocess.run([sys.executable, "scripts/prepare_gsm8k.py", "--out", str(out), "--train", str(RAW), "--test",
+                    str(DATA / "gsm8k_raw_sample_test.jsonl")], check=True, capture_output=True)
+    for split in ("train", "test"):
+        assert pq.read_table(out / f"{split}.parquet").to_pylist() == \
+            pq.read_table(VERL / f"{split}.parquet").to_pylist()
+    row = pq.read_table(out / "train.parquet").to_pylist()[0]
+    assert row["reward_model"] == {"style": "rule", "ground_truth": "27"} and row["data_source"] == "openai/gsm8k"
+    assert row["prompt"][0]["content"].endswith('output the final answer after "####".')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "no final answer"}) + "\n")
+    r = subprocess.run([sys.executable, "scripts/prepare_gsm8k.py", "--out", str(out), "--train", str(bad), "--test",
+                        str(bad)], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "prepare_gsm8k: error: train row 1: ValueError: no '####' in the solution 'no final answer'"]

@@ -1,0 +1,150 @@
+"""A new user's run from config to exported model: their own tiny Qwen3-MoE checkpoint (another shape than the
+YAML, its own tokenizer and chat template), verl-format parquet data, a reward file of theirs (verl's signature,
+then TRL's), two RL steps with evaluation, and an export that transformers loads with the trained policy's logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from moe_gspo.config import load_config
+from tests.hf_fixtures import user_checkpoint
+
+DATA = Path(__file__).parent / "data"
+VERL = DATA / "gsm8k_verl_sample"
+
+VERL_REWARD = '''
+import json
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    with open({log!r}, "a") as f:
+        f.write(json.dumps({{"data_source": data_source, "ground_truth": ground_truth, "extra_info": extra_info,
+                            "response": solution_str}}) + "\\n")
+    return {{"score": (ord(solution_str[0]) % 5) / 4 if solution_str else 0.0}}  # varied: the groups learn
+'''
+
+TRL_REWARD = '''
+import json
+
+def reward(prompts, completions, answer, difficulty, **kwargs):
+    with open({log!r}, "a") as f:
+        f.write(json.dumps({{"prompts": prompts, "completions": completions, "answer": answer,
+                            "difficulty": difficulty, "other": sorted(kwargs)}}) + "\\n")
+    return [len(c[0]["content"]) % 3 / 2 for c in completions]
+'''
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return user_checkpoint(tmp_path_factory.mktemp("user") / "ckpt")
+
+
+def _overrides(ckpt, reward, data):
+    return [f"model.init_from={ckpt}", "rollout.task=dataset", "rollout.task_args=", *data,
+            f"rollout.reward={reward}", "rollout.chat_template_kwargs={enable_thinking: false}",
+            "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=2",
+            "train.minibatches=2", "train.micro_batch_size=8", "train.checkpoint_every=1", "train.eval_every=2",
+            "rollout.eval_prompts=4", "logging.progress=false", "logging.tensorboard=false"]
+
+
+def _train(overrides, run_dir, capfd):
+    from moe_gspo.train.loop import train
+
+    train(load_config("configs/train_tiny_cpu.yaml", overrides), run_dir=run_dir)
+    return capfd.readouterr().err
+
+
+def _rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_verl_data_and_reward_to_export(ckpt, tmp_path, capfd):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moe_gspo.model.load import init_parallel, load_policy
+    from moe_gspo.train.checkpoint import Checkpoints
+    from moe_gspo.train.export import export_run
+
+    log = tmp_path / "calls.jsonl"
+    reward = tmp_path / "my_reward.py"
+    reward.write_text(VERL_REWARD.format(log=str(log)))
+    run = tmp_path / "run"
+    data = [f"rollout.dataset_path={VERL / 'train.parquet'}", "rollout.answer_field=reward_model.ground_truth",
+            f"rollout.eval_dataset_path={VERL / 'test.parquet'}"]
+    err = _train(_overrides(ckpt, f"{reward}:compute_score", data), run, capfd)
+
+    # the checkpoint's shape everywhere: the line that says so, config.yaml, the per-layer and per-expert metrics
+    assert "replaces the config's" in err and "num_hidden_layers 4 -> 2" in err and "num_experts 8 -> 16" in err
+    assert "cold start skipped: model.init_from=" in err  # train_tiny_cpu.yaml asks for 150 steps
+    model = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert (model["num_hidden_layers"], model["num_experts"], model["vocab_size"]) == (2, 16, 112)
+    metrics = _rows(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert {k for k in metrics[0] if k.startswith("moe/flip_rate/layer_")} == {"moe/flip_rate/layer_0",
+                                                                               "moe/flip_rate/layer_1"}
+    assert "moe/churn_in/expert_15" in metrics[0]
+    assert "eval/accuracy" in metrics[1] and metrics[1]["eval/prompts"] == 4 and "eval/accuracy" not in metrics[0]
+    assert metrics[0]["grad_norm"] > 0  # the varied rewards moved the policy
+
+    # the reward saw each response's own row: ground truth, data_source and extra_info of the same problem
+    raw = {r["question"]: r["answer"].rsplit("####", 1)[1].strip()
+           for f in ("gsm8k_raw_sample.jsonl", "gsm8k_raw_sample_test.jsonl") for r in _rows(DATA / f)}
+    calls = _rows(log)
+    assert len(calls) == 2 * 2 * 4 + 4  # 2 steps x 2 prompts x 4 responses, then 4 greedy eval responses
+    for c in calls:
+        assert c["data_source"] == "openai/gsm8k" and c["ground_truth"] == raw[c["extra_info"]["question"]]
+    assert {c["extra_info"]["split"] for c in calls[:16]} == {"train"} and {c["extra_info"]["split"]
+                                                                             for c in calls[16:]} == {"test"}
+
+    # export: transformers loads it, with the trained policy's logits and the tokenizer's ids
+    out = export_run(run, tmp_path / "hf")
+    cfg = load_config(run / "config.yaml")
+    policy = load_policy(cfg, init_parallel(cfg))
+    Checkpoints(run / "checkpoints").load_weights(2, policy)
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = policy(ids), hf(ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    initial = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (initial(ids).logits - theirs).abs().max() > 1e-4  # the export holds the trained weights
+    tok = AutoTokenizer.from_pretrained(str(out))
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert tok.chat_template and gen["eos_token_id"][0] == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_trl_data_and_reward(ckpt, tmp_path, capfd):
+    """TRL's format and signature: chat prompts, completions as assistant messages, every other column as lists;
+    and `moe-gspo rollout` writes the templated prompt ids the engine saw."""
+    from transformers import AutoTokenizer
+
+    from moe_gspo.train.sample import rollout_command
+
+    log = tmp_path / "calls.jsonl"
+    reward = tmp_path / "trl_reward.py"
+    reward.write_text(TRL_REWARD.format(log=str(log)))
+    data = [f"rollout.dataset_path={DATA / 'trl_sample.jsonl'}"]
+    overrides = [o for o in _overrides(ckpt, f"{reward}:reward", data) if not o.startswith("train.eval_every")]
+    _train(overrides, tmp_path / "run", capfd)
+    rows = {json.dumps(r["prompt"]): r for r in _rows(DATA / "trl_sample.jsonl")}
+    calls = _rows(log)
+    assert len(calls) == 2  # once per step, batched
+    for c in calls:
+        assert len(c["prompts"]) == len(c["completions"]) == len(c["answer"]) == 8
+        for p, comp, ans, diff in zip(c["prompts"], c["completions"], c["answer"], c["difficulty"]):
+            row = rows[json.dumps(p)]  # the prompt as the data set holds it: chat messages
+            assert (ans, diff) == (row["answer"], row["difficulty"])
+            assert len(comp) == 1 and comp[0]["role"] == "assistant" and isinstance(comp[0]["content"], str)
+
+    out = tmp_path / "rollouts.jsonl"
+    rollout_command(None, str(tmp_path / "run"), [], 2, out)
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    for line in _rows(out):
+        text = tok.apply_chat_template(line["messages"], tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=False)
+        assert tok.decode(line["prompt_ids"]) == text and text.endswith("<|im_start|>assistant\n<think></think>")

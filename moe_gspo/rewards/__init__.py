@@ -19,23 +19,12 @@ package (response, example). An exception raised in it stops the run with Reward
 
 from __future__ import annotations
 
+from moe_gspo.rewards.builtin import REWARD_FNS, get_reward_fn
 from moe_gspo.rewards.math_verifier import math_verify_reward
 from moe_gspo.rewards.score import RewardResult, score_responses
 from moe_gspo.rewards.synthetic import countdown, countdown_value, exact_match
 from moe_gspo.rewards.text import boxed_reward, gsm8k_reward
 from moe_gspo.rewards.user import RewardFunctionError, UserReward, load_reward
-
-REWARD_FNS = {"exact": exact_match, "countdown": countdown, "math": math_verify_reward, "gsm8k": gsm8k_reward,
-              "boxed": boxed_reward}
-
-
-def get_reward_fn(name: str):
-    """Reward function registered under `name`; an unknown name lists the valid ones."""
-    try:
-        return REWARD_FNS[name]
-    except KeyError:
-        raise KeyError(f"unknown reward function {name!r}; valid: {sorted(REWARD_FNS)}") from None
-
 
 __all__ = ["REWARD_FNS", "RewardFunctionError", "RewardResult", "UserReward", "boxed_reward", "countdown",
            "countdown_value", "exact_match", "get_reward_fn", "gsm8k_reward", "load_reward", "math_verify_reward",

@@ -282,7 +282,7 @@ def load_reward(spec: str, field: str = "rollout.reward"):
     """The reward function `spec` names: a built-in (REWARD_FNS), or `path/to/file.py:function` wrapped as a
     UserReward (a relative path is relative to the working directory; the file is imported, running its code).
     Any problem raises a one-line ConfigError naming `field` and the file."""
-    from moe_gspo.rewards import REWARD_FNS, get_reward_fn
+    from moe_gspo.rewards.builtin import REWARD_FNS, get_reward_fn
 
     if spec in REWARD_FNS:
         return get_reward_fn(spec)

@@ -191,3 +191,20 @@ def test_prepare_gsm8k_writes_verl_rows(tmp_path):
                         str(bad)], capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         "prepare_gsm8k: error: train row 1: ValueError: no '####' in the solution 'no final answer'"]
+
+
+def test_cold_start_demonstrations_use_the_rollout_prompt(ckpt):
+    """A demonstration is the prompt exactly as the engine is given it (chat template included), then the
+    completion and eos, with the loss on those."""
+    from moe_gspo.tasks.sft import demonstration_batch
+    from moe_gspo.train.data import PromptIds, build_tokenizer
+
+    cfg = load_config("configs/gsm8k_tiny_cpu.yaml", [f"model.init_from={ckpt}",
+                                                      "rollout.chat_template_kwargs={enable_thinking: false}"])
+    tok, task = build_tokenizer(cfg), task_from_config(cfg.rollout)
+    ex = task.rows[0]
+    prompt = encode_prompts([ex], tok, cfg.rollout, cfg.model.max_position_embeddings)[0]
+    ids, mask = demonstration_batch([ex], tok, prompt_ids=PromptIds(cfg, tok))
+    completion = tok.encode(ex.completion, eos=True)
+    assert ids[0].tolist() == prompt + completion and tok.tok.decode(prompt).endswith("<think></think>")
+    assert mask[0].tolist() == [False] * len(prompt) + [True] * len(completion)

@@ -126,7 +126,7 @@ def cold_start_state(cfg) -> dict:
     from moe_gspo.model.load import init_parallel, load_policy
     from moe_gspo.parallel.state import parallel_info
     from moe_gspo.tasks import task_from_config
-    from moe_gspo.train.data import build_tokenizer, cold_start_plan
+    from moe_gspo.train.data import PromptIds, build_tokenizer, cold_start_plan
     from moe_gspo.train.optim import release_ddp, wrap_ddp
     from moe_gspo.train.step import cold_start
 
@@ -139,7 +139,8 @@ def cold_start_state(cfg) -> dict:
         _say(why_not)
     if steps:
         ddp = wrap_ddp(policy, cfg.train.distributed_optimizer)
-        cold_start(policy, ddp, cfg.train, task, build_tokenizer(cfg), info.dp, info.dp_rank)
+        tok = build_tokenizer(cfg)
+        cold_start(policy, ddp, cfg.train, task, tok, info.dp, info.dp_rank, prompt_ids=PromptIds(cfg, tok))
         release_ddp(ddp)
     return {k: v.detach().clone().contiguous() for k, v in policy.full_megatron_state().items()}
 
@@ -191,6 +192,9 @@ def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: b
     if (out / "compare.json").exists() and not (overwrite or resume):
         raise ConfigError(f"{out} holds a previous comparison (compare.json): pass --resume to keep its finished "
                           f"runs and run the rest, --overwrite to replace it, or choose another --out")
+    from moe_gspo.train.loop import writable_dir
+
+    writable_dir(out, "--out directory")
     seed_list = [config_from_dict(copy.deepcopy(base)).train.seed + i for i in range(settings.seeds)]
     plan, files = plan_jobs(out, base, variants, seed_list)
     kept_cold, kept_runs = reusable_work(plan, files, base) if resume else ({}, {})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_gspo.config import ConfigError
 from moe_gspo.tasks.base import Example, Task
 from moe_gspo.tasks.tokenizer import CharTokenizer
 
@@ -28,12 +29,23 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def demonstration_batch(examples: list[Example], tokenizer: CharTokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids (B, T) int64 right-padded with pad_id, and loss_mask (B, T) bool on completion+eos tokens."""
+def demonstration_batch(examples: list[Example], tokenizer: CharTokenizer, context: int | None = None,
+                        prompt_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids (B, T) int64 right-padded with pad_id, and loss_mask (B, T) bool on completion+eos tokens.
+
+    context: the model's model.max_position_embeddings; a demonstration longer than that raises ConfigError naming
+    it (the model's forward would fail on the whole batch, deep inside). prompt_ids: `fn(example) -> ids` of the
+    prompt as the engine sees it (moe_gspo.tasks.prompts.encode_prompt: chat template included); default bos +
+    the prompt text."""
     seqs, masks = [], []
     for ex in examples:
-        prompt = tokenizer.encode(ex.prompt, bos=True)
+        prompt = prompt_ids(ex) if prompt_ids is not None else tokenizer.encode(ex.prompt, bos=True)
         completion = tokenizer.encode(ex.completion, eos=True)
+        if context is not None and len(prompt) + len(completion) > context:
+            shown = repr(ex.prompt[:40]) + ("..." if len(ex.prompt) > 40 else "")
+            raise ConfigError(f"cold start: demonstration {shown} has {len(prompt) + len(completion)} tokens (bos + "
+                              f"prompt + completion + eos), more than the context model.max_position_embeddings="
+                              f"{context}")
         seqs.append(prompt + completion)
         masks.append([False] * len(prompt) + [True] * len(completion))
     T = max(map(len, seqs))

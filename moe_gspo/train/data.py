@@ -192,3 +192,13 @@ class ColdStartLog:
             print(f"cold start: step {step + 1}/{self.steps}, loss {sum(self.since) / len(self.since):.4f}",
                   file=sys.stderr, flush=True)
             self.since.clear()
+
+
+class PromptIds:
+    """`fn(example) -> prompt ids` as the engine sees them (rollout.chat_template), for the cold start."""
+
+    def __init__(self, cfg: Config, tok):
+        self.tok, self.rollout = tok, cfg.rollout
+
+    def __call__(self, example: Example) -> list[int]:
+        return encode_prompt(self.tok, example, self.rollout.chat_template, self.rollout.chat_template_kwargs)

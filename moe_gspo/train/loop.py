@@ -169,7 +169,8 @@ class Run:
             if steps:
                 _say(info, f"cold start: {steps} supervised steps on {cfg.rollout.task}")
                 cold_start(policy, ddp, cfg.train, task, tok, info.dp, info.dp_rank,
-                           log=data.ColdStartLog(steps) if info.rank == 0 and cfg.logging.progress else None)
+                           log=data.ColdStartLog(steps) if info.rank == 0 and cfg.logging.progress else None,
+                           prompt_ids=data.PromptIds(cfg, tok))
         # pi_ref: the weights RL starts from (restored below on resume)
         reference = policy.frozen_copy() if cfg.algorithm.kl_beta > 0 else None
         optim = Optimizer.from_config(ddp, policy, cfg.train, total_steps=cfg.train.steps * cfg.train.minibatches)
@@ -190,7 +191,7 @@ class Run:
                 engine.update_weights(policy.weights())
             placement = EnginePlacement.build(cfg.rollout.engine_tp, info.dp_rank, groups.tp)
         logc = cfg.logging
-        writer = MetricsWriter(run_dir, logc.jsonl, logc.tensorboard, active=info.rank == 0)
+        writer = MetricsWriter.for_run(run_dir, logc, to_dict(cfg), active=info.rank == 0, resume=start > 0)
         writer.truncate_after(start)  # a fresh run (start 0) replaces old metrics; a resumed one rewrites after start
         progress = Progress(cfg.train.steps, start, label or run_dir.name, logc.progress and info.rank == 0)
         held_out = []
@@ -316,11 +317,33 @@ class Run:
 
 
 def _check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to start a fresh run over a previous one unless told to continue it or to replace it."""
+    """Refuse to start a fresh run over a previous one unless told to continue it or to replace it, and a run
+    directory this process cannot write."""
     held = [n for n in ("metrics.jsonl", "checkpoints") if (run_dir / n).exists()]
     if held and not (resume or overwrite):
         raise ConfigError(f"run directory {run_dir} holds a previous run ({', '.join(held)}): pass --resume to "
                           f"continue it or --overwrite to replace it (or choose another --out / train.out_dir)")
+    writable_dir(run_dir, "run directory")
+
+
+def writable_dir(path: Path, what: str) -> None:
+    """Raise ConfigError, in one line naming the directory, when this process could not create `path` or write
+    in it (a read-only directory, a regular file where a directory belongs): before anything is built rather than
+    at the first file a run writes. It writes and removes a file in the deepest directory of `path` that exists,
+    and creates nothing, so that a run refused later for another reason leaves no directory behind. `what` names
+    the directory in the message ("run directory")."""
+    import tempfile
+
+    path = existing = Path(path)
+    try:
+        while not existing.exists() and existing != existing.parent:  # up to the working directory or /
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ConfigError(f"{what} {path} cannot be created: {existing} is not a directory")
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".moe_gspo_write_test_"):  # a name of its own per rank
+            pass
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be written: {existing}: {e.strerror or e}") from None
 
 
 def _say(info, msg: str) -> None:

@@ -148,3 +148,35 @@ def test_trl_data_and_reward(ckpt, tmp_path, capfd):
         text = tok.apply_chat_template(line["messages"], tokenize=False, add_generation_prompt=True,
                                        enable_thinking=False)
         assert tok.decode(line["prompt_ids"]) == text and text.endswith("<|im_start|>assistant\n<think></think>")
+
+
+EVAL_REWARD = '''
+import json
+
+def reward(response, example):
+    with open({log!r}, "a") as f:
+        f.write(json.dumps({{"prompt": example.prompt, "response": response}}) + "\\n")
+    return 1.0 if response[:1] in "aeiou0123" else 0.25
+'''
+
+
+def test_eval_pass_at_k(ckpt, tmp_path, capfd):
+    """eval/ figures with rollout.eval_samples = 4: recomputed from the responses the reward was given."""
+    log = tmp_path / "calls.jsonl"
+    reward = tmp_path / "r.py"
+    reward.write_text(EVAL_REWARD.format(log=str(log)))
+    data = [f"rollout.dataset_path={VERL / 'train.parquet'}", "rollout.answer_field=reward_model.ground_truth",
+            f"rollout.eval_dataset_path={VERL / 'test.parquet'}"]
+    run = tmp_path / "run"
+    _train(_overrides(ckpt, f"{reward}:reward", data) + ["rollout.eval_samples=4", "rollout.eval_prompts=0",
+                                                         "train.steps=1", "train.eval_every=1"], run, capfd)
+    (m,) = _rows(run / "metrics.jsonl")
+    calls = _rows(log)[2 * 4:]  # after the step's 2 prompts x 4 responses: 8 held-out prompts x 4 samples
+    assert len(calls) == 8 * 4 and m["eval/prompts"] == 8
+    scores = [1.0 if c["response"][:1] in "aeiou0123" else 0.25 for c in calls]
+    assert m["eval/reward_mean"] == pytest.approx(sum(scores) / 32)
+    assert m["eval/accuracy"] == pytest.approx(sum(s == 1.0 for s in scores) / 32)
+    passed = [any(s == 1.0 for s in scores[4 * i:4 * i + 4]) for i in range(8)]
+    assert m["eval/pass@4"] == pytest.approx(sum(passed) / 8)
+    assert 0 < m["eval/accuracy"] < m["eval/pass@4"]  # the sampled responses differ within a prompt
+    assert {c["prompt"] for c in calls[:4]} == {calls[0]["prompt"]}  # a prompt's 4 samples are adjacent

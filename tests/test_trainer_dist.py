@@ -17,7 +17,7 @@ from helpers import TINY, strip_timing
 @pytest.mark.slow
 def test_sigkill_mid_run_resumes_and_matches_uninterrupted(tmp_path):
     overrides = TINY + ["parallel.ep=2", "train.steps=5", "train.checkpoint_every=2", "train.cold_start_steps=2",
-                         "train.keep_checkpoints=1"]
+                         "train.keep_checkpoints=1", "train.eval_every=2", "rollout.eval_prompts=6"]
     run_torchrun(ROOT / "tests/dist/trainer_fault.py", "--out", tmp_path, "--kill-after", "3", *overrides,
                  torchrun_args=["--max-restarts=1"])
     assert (tmp_path / "run" / "attempts.txt").read_text() == "2"  # it really was killed and restarted
@@ -27,19 +27,25 @@ def test_sigkill_mid_run_resumes_and_matches_uninterrupted(tmp_path):
     run = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in run] == [1, 2, 3, 4, 5]
     assert [strip_timing(x) for x in run] == [strip_timing(x) for x in ref]
+    # evaluation after steps 2, 4 and the last: the 6 held-out prompts dealt over the 2 data-parallel ranks, once each
+    assert [x["step"] for x in run if "eval/accuracy" in x] == [2, 4, 5]
+    assert {x["eval/prompts"] for x in run if "eval/prompts" in x} == {6.0}
     # keep 1; the last step is always checkpointed
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000005"]
 
 
 @pytest.mark.slow
 def test_tp2_fused_logprobs_match_eager_and_an_rl_step_runs(tmp_path):
-    overrides = TINY + ["model.num_key_value_heads=2", "parallel.tp=2", "train.steps=1", "train.cold_start_steps=1"]
+    overrides = TINY + ["model.num_key_value_heads=2", "parallel.tp=2", "train.steps=1", "train.cold_start_steps=1",
+                        "train.eval_every=1", "rollout.eval_prompts=5", "rollout.eval_samples=2"]
     run_torchrun(ROOT / "tests/dist/trainer_tp.py", "--out", tmp_path, *overrides)
     assert (tmp_path / "ok").exists()
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     # a group with reward variance gives a non-zero advantage, hence a gradient
     assert rec["grad_norm"] > 0 or rec["groups/with_variance"] == 0
     assert rec["rollout_probs_diff_max"] < 1e-4  # engine (full weights) == TP=2 trainer
+    # the two TP ranks hold the same held-out responses: counted once
+    assert rec["eval/prompts"] == 5 and 0 <= rec["eval/accuracy"] <= rec["eval/pass@2"] <= 1
 
 
 # the cold start learns the task enough for reward variance, so the RL steps have gradients and Adam moments to check

@@ -38,8 +38,8 @@ def main():
     if attempt == 0:
         log = trainer.Run.log
 
-        def log_then_die(self, step, m, tokens):
-            res = log(self, step, m, tokens)
+        def log_then_die(self, step, m, tokens, **kw):
+            res = log(self, step, m, tokens, **kw)
             if step + 1 == args.kill_after and dist.get_rank() == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             return res

@@ -10,10 +10,13 @@
                               [a.b=v ...]
     moe-gspo report volatility RUN_DIR [RUN_DIR ...] [--out FILE.html]
     moe-gspo report compare DIR
+    moe-gspo export RUN_DIR --out DIR [--step N] [--overwrite]   # a checkpoint as a Hugging Face folder
+    moe-gspo launch [torchrun options] -- COMMAND [args]          # COMMAND on torchrun's ranks, errors in one line
     torchrun --nproc-per-node 2 -m moe_gspo.cli train --config C parallel.ep=2      # any command, distributed
 
 An error the user can cause (a config field, a file, a checkpoint, a world size) ends in one line on stderr,
-`moe-gspo <command>: error: ...` (with the rank under torchrun), and exit code 2; a bug still shows its traceback.
+`moe-gspo <command>: error: ...` (with the rank under torchrun; one line for the whole job under scripts/launch.sh,
+i.e. `moe-gspo launch`), and exit code 2; a bug still shows its traceback.
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ import sys
 from pathlib import Path
 
 from moe_gspo.config import UserError
+from moe_gspo.config.checks import error_line
 
 
-def _rank_prefix() -> str:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return f"rank {os.environ.get('RANK', '0')}: " if world > 1 else ""
+def _rank() -> int | None:
+    """This process's rank in a multi-rank job, None alone."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+
+
 
 
 def _leave_process_group() -> None:
@@ -185,6 +191,37 @@ def _report_compare(args) -> int:
     return 0
 
 
+PREFLIGHT = ("train", "train-lm", "rollout")
+"""The commands whose --config is a run config that load_config reads (compare and study read their own)."""
+
+
+def _preflight(command: list[str]) -> None:
+    """Parse a moe-gspo command line (argparse's usage error exits 2 here) and load a run config once, raising its
+    UserError before any rank starts."""
+    from moe_gspo.config import load_config
+
+    args = build_parser().parse_args(command)
+    if args.command in PREFLIGHT and getattr(args, "config", None):
+        load_config(args.config, args.overrides)
+
+
+def _launch(args) -> int:
+    from moe_gspo.parallel.launch import launch
+
+    rest = list(args.rest)
+    if "--" not in rest or rest.index("--") == len(rest) - 1:
+        raise UserError("launch needs a command after `--`: moe-gspo launch [torchrun options] -- COMMAND [args]")
+    cut = rest.index("--")
+    return launch(rest[:cut], rest[cut + 1:], _preflight)
+
+
+def _export(args) -> int:
+    from moe_gspo.train.export import export_run, summary_lines
+
+    print("\n".join(summary_lines(export_run(args.run_dir, args.out, step=args.step, overwrite=args.overwrite))))
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-gspo", description=__doc__.splitlines()[0],
@@ -255,6 +292,20 @@ def build_parser() -> argparse.ArgumentParser:
     rc = kinds.add_parser("compare", help="(re)write DIR/report.html of a `moe-gspo compare` run")
     rc.add_argument("dir", metavar="DIR")
     rc.set_defaults(func=_report_compare)
+
+    ex = sub.add_parser("export", help="a run's checkpoint as a Hugging Face folder (transformers, vLLM)")
+    ex.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory (config.yaml, checkpoints/)")
+    ex.add_argument("--out", required=True, help="folder to write: config.json, safetensors, generation_config.json "
+                                                 "and the tokenizer when the run used a checkpoint's own")
+    ex.add_argument("--step", type=int, default=None, help="the checkpoint step to export (default: the newest)")
+    ex.add_argument("--overwrite", action="store_true",
+                    help="replace --out even when it is not empty and not an earlier export")
+    ex.set_defaults(func=_export)
+
+    la = sub.add_parser("launch", help="COMMAND on torchrun's ranks (scripts/launch.sh); a user error in one line",
+                        add_help=False, prefix_chars="\0")
+    la.add_argument("rest", nargs=argparse.REMAINDER, metavar="[torchrun options] -- COMMAND [args]")
+    la.set_defaults(func=_launch)
     return p
 
 
@@ -263,10 +314,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as e:  # anything else is a bug here and keeps its traceback
+        from moe_gspo.parallel.launch import report_user_error
+
         if getattr(e, "detail", None):
             print(e.detail.rstrip("\n"), file=sys.stderr, flush=True)
-        print(f"moe-gspo {args.command}: error: {_rank_prefix()}{e}", file=sys.stderr, flush=True)
+        if not report_user_error(args.command, str(e)):  # under `moe-gspo launch` the launcher prints it, once
+            print(error_line(args.command, str(e), _rank()), file=sys.stderr, flush=True)
         return 2
+    except Exception:
+        from moe_gspo.parallel.launch import another_rank_reported
+
+        if another_rank_reported():  # a consequence of a peer's user error (a collective it left): that one line
+            return 1
+        raise
     finally:
         _leave_process_group()
 

@@ -35,6 +35,8 @@ def files(tmp_path_factory):
     (d / "hf_garbled" / "config.json").write_text("{not json")
     (d / "previous_run").mkdir()
     (d / "previous_run" / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    (d / "a_file").write_text("")
+    (d / "long.jsonl").write_text(json.dumps({"prompt": "1+" * 30 + "1=", "answer": "31"}) + "\n")
     (d / "compare_done").mkdir()
     (d / "compare_done" / "compare.json").write_text(json.dumps({"variants": {"gspo": []}}))
     return d
@@ -62,12 +64,14 @@ CASES = [
     ("unknown loss implementation", TRAIN + ["train.loss_impl=triton", "--out", "{d}/r"], "train.loss_impl='triton' is not one of ['fused', 'eager']"),
     ("minibatches do not divide", TRAIN + ["train.minibatches=3", "--out", "{d}/r"], "train.minibatches=3 does not divide"),
     ("dataset without path", TRAIN + ["rollout.task=jsonl", "--out", "{d}/r"], "rollout.task='jsonl' needs rollout.dataset_path"),
-    ("dataset file missing", TRAIN + ["rollout.task=jsonl", "rollout.dataset_path={d}/none.jsonl", "--out", "{d}/r"], "dataset file not found: {d}/none.jsonl"),
-    ("dataset line not json", TRAIN + ["rollout.task=jsonl", "rollout.dataset_path={d}/bad.jsonl", "--out", "{d}/r"], "{d}/bad.jsonl:2: invalid JSON"),
-    ("dataset row without answer", TRAIN + ["rollout.task=jsonl", "rollout.dataset_path={d}/no_answer.jsonl", "--out", "{d}/r"], "{d}/no_answer.jsonl:1"),
+    ("dataset file missing", TRAIN + ["rollout.task=jsonl", "rollout.task_args=", "rollout.dataset_path={d}/none.jsonl", "--out", "{d}/r"], "dataset file not found: {d}/none.jsonl"),
+    ("dataset line not json", TRAIN + ["rollout.task=jsonl", "rollout.task_args=", "rollout.dataset_path={d}/bad.jsonl", "--out", "{d}/r"], "{d}/bad.jsonl:2: invalid JSON"),
+    ("dataset row without answer", TRAIN + ["rollout.task=jsonl", "rollout.task_args=", "rollout.dataset_path={d}/no_answer.jsonl", "--out", "{d}/r"], "{d}/no_answer.jsonl:1"),
     ("checkpoint dir missing", TRAIN + ["model.init_from={d}/nothing", "--out", "{d}/r"], "{d}/nothing: no config.json"),
     ("checkpoint config garbled", TRAIN + ["model.init_from={d}/hf_garbled", "--out", "{d}/r"], "{d}/hf_garbled"),
     ("run dir holds a run", TRAIN + ["--out", "{d}/previous_run"], "run directory {d}/previous_run holds a previous run"),
+    ("run dir under a file", TRAIN + ["--out", "{d}/a_file/run"], "run directory {d}/a_file/run cannot be created: {d}/a_file is not a directory"),
+    ("demonstration longer than the context", TRAIN + ["rollout.task=jsonl", "rollout.task_args=", "rollout.dataset_path={d}/long.jsonl", "rollout.demonstration_field=answer", "model.max_position_embeddings=32", "--out", "{d}/r"], "cold start: demonstration '1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+'... has 66 tokens (bos + prompt + completion + eos), more than the context model.max_position_embeddings=32"),
     ("resume and overwrite", TRAIN + ["--resume", "--overwrite", "--out", "{d}/r"], "--resume and --overwrite exclude each other"),
     ("te spec without TE", TRAIN + ["model.spec=te", "--out", "{d}/r"], "model.spec='te' needs Transformer Engine on CUDA"),
     ("vocabulary smaller than the tokenizer", TRAIN + ["model.vocab_size=16", "--out", "{d}/r"], "model.vocab_size=16 is smaller than the character tokenizer's"),
@@ -96,6 +100,39 @@ def test_user_error_is_one_line(files, capsys, monkeypatch, argv, expect):
     assert len(lines) == 1 and "Traceback" not in "\n".join(err), err
     assert lines[0].startswith(f"moe-gspo {argv[0]}: error: "), lines[0]
     assert expect.format(d=files) in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("argv,what", [(TRAIN + ["--out", "{out}"], "run directory"),
+                                       (["train-lm", "--config", "configs/tiny_cpu.yaml", "train.out_dir={out}"],
+                                        "train.out_dir"),
+                                       (["compare", "--config", "configs/compare_tiny_cpu.yaml", "--out", "{out}"],
+                                        "--out directory")],
+                         ids=["train", "train-lm", "compare"])
+def test_an_output_directory_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch, argv, what):
+    """--out (train.out_dir) under a read-only directory is refused in one line naming it, before anything is built
+    (building would fail the test). Root writes into a read-only directory anyway, so as root the directory is asked
+    for under a regular file instead, which nobody can create."""
+    import moe_gspo.model.load
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built before the output directory was checked")
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(moe_gspo.model.load, "init_parallel", built)
+    if os.geteuid() == 0:
+        (tmp_path / "file").write_text("")
+        out, why = tmp_path / "file" / "run", f"cannot be created: {tmp_path / 'file'} is not a directory"
+    else:
+        (tmp_path / "ro").mkdir()
+        (tmp_path / "ro").chmod(0o555)
+        out, why = tmp_path / "ro" / "run", f"cannot be written: {tmp_path / 'ro'}: Permission denied"
+    try:
+        rc = main([a.format(out=out) for a in argv])
+    finally:
+        (tmp_path / "ro").exists() and (tmp_path / "ro").chmod(0o755)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [f"moe-gspo {argv[0]}: error: {what} {out} {why}"], err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("argv", [["train", "--config", "configs/train_tiny_cpu.yaml", "parallel.tp=3"],

@@ -56,6 +56,43 @@ def test_paired_verdicts():
     assert t_interval(better).covers(float(grpo.mean()))
 
 
+def test_equal_differences_at_every_seed_give_no_direction(tmp_path):
+    """Two seeds whose paired differences are equal (exactly, as dyadic rewards make them): their standard deviation
+    is 0, so the t-interval has zero width, away from 0, and measures no noise. The verdict is the covers-0 one with
+    the reason instead of "gspo lower than grpo", there is no p-value, and the terminal summary and the report's
+    difference table print no bracket."""
+    import json
+
+    from moe_gspo.config import CompareConfig
+    from moe_gspo.report.compare_data import diff_rows, load_variants, summary_lines, variant_stats
+    from moe_gspo.report.stats import paired_p
+
+    grpo = np.array([0.5, 0.25])
+    gspo = grpo - 0.125
+    d = t_interval(gspo - grpo)
+    assert (d.mean, d.lo, d.hi, d.n) == (-0.125, -0.125, -0.125, 2) and not d.covers(0.0)
+    assert d.missing == "no spread across seeds" and t_interval([0.1, 0.3]).missing is None
+    assert verdict("gspo", "grpo", d) == "not distinguishable at this budget (no spread across seeds)"
+    assert paired_p(gspo - grpo) is None
+    assert verdict("x", "grpo", t_interval([float("nan"), 0.5])) == "not distinguishable at this budget (values not " \
+                                                                       "finite)"
+
+    for name, finals in (("grpo", grpo), ("gspo", gspo)):
+        for seed, r in enumerate(finals):
+            run = tmp_path / name / f"seed_{seed}"
+            run.mkdir(parents=True)
+            run.joinpath("metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": float(r)}) + "\n"
+                                                             for s in range(1, 13)))
+    (tmp_path / "compare.json").write_text(json.dumps({"variants": {"grpo": [], "gspo": []}, "seeds": [0, 1]}))
+    variants = load_variants(tmp_path, ["grpo", "gspo"], [0, 1])
+    base, stats = variant_stats(variants, CompareConfig())
+    assert stats["gspo"].verdict == "not distinguishable at this budget (no spread across seeds)"
+    assert diff_rows(variants, stats, base)[0][3] == "\u2014 (no spread across seeds)"
+    line = next(ln for ln in summary_lines(tmp_path) if ln.startswith("gspo"))
+    assert "-0.125 " in line and "not distinguishable at this budget (no spread across seeds)" in line, line
+    assert "lower" not in line and "[-0.125" not in line, line
+
+
 def test_band_across_seeds():
     rows = np.array([[0.0, 1.0], [2.0, 1.0], [4.0, 1.0]])
     mean, lo, hi = band(rows)

@@ -124,7 +124,7 @@ def test_the_repository_names_no_file_outside_itself():
     """Every repository path a file names exists in the repository, none climbs out of it (../), and every
     Markdown file named is one of the repository's own."""
     path_re = re.compile(r"(?<![\w./-])((?:\.\./)*(?:docs|tests|scripts|configs|moe_gspo|kernels|\.ci)/[\w./-]*\w"
-                         r"\.(?:md|py|yaml|sh|json|toml))")
+                         r"\.(?:md|py|yaml|sh|json|toml))(?!\w)")
     md_re = re.compile(r"(?<![\w.-])([\w-]+\.md)\b")
     installed = {"moe_gspo/kernels/__init__.py", "moe_gspo/kernels/chunked.py"}  # paths inside the built wheel
     own_md = {f.name for f in ROOT.rglob("*.md") if ".venv" not in f.parts}

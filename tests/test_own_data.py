@@ -13,7 +13,7 @@ from moe_gspo.tasks import CharTokenizer, DatasetError, load_examples, task_from
 from moe_gspo.tasks.prompts import encode_prompt
 from moe_gspo.tasks.tokenizer import HFTokenizer
 from moe_gspo.train.data import cold_start_plan, encode_prompts
-from tests.hf_fixtures import user_checkpoint
+from hf_fixtures import user_checkpoint
 
 DATA = Path(__file__).parent / "data"
 VERL = DATA / "gsm8k_verl_sample"

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from moe_gspo.config import load_config
-from tests.hf_fixtures import user_checkpoint
+from hf_fixtures import user_checkpoint
 
 DATA = Path(__file__).parent / "data"
 VERL = DATA / "gsm8k_verl_sample"

@@ -16,6 +16,11 @@ class UserError(Exception):
         self.detail = detail
 
 
+def error_line(command: str, message: str, rank: int | None = None) -> str:
+    """The line an error a user can cause ends in: `moe-gspo <command>: error: [rank N: ]<message>`."""
+    return f"moe-gspo {command}: error: {'' if rank is None else f'rank {rank}: '}{message}"
+
+
 class ConfigError(UserError, ValueError):
     """A configuration value is unknown, of the wrong type or out of range (the message names the field)."""
 

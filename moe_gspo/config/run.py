@@ -326,6 +326,19 @@ class LoggingConfig:
     operators and kernels, by device time on a GPU, CPU time otherwise; on a GPU also the host syncs by call site)
     and RUN_DIR/profile_step_N.json.gz (a Chrome trace, readable in Perfetto, with the step's phases marked). The
     profiled step's times include the profiler's overhead."""
+    wandb_project: str | None = None
+    """Weights & Biases project that trainer rank 0 also logs every step's metrics to, with the run's config
+    (None: no W&B, and this package never imports wandb). Needs `pip install wandb`; wandb's own environment applies
+    (WANDB_MODE=offline keeps the run on disk, under RUN_DIR/wandb/). A resumed run continues the same W&B run."""
+    wandb_run_name: str | None = None
+    """The run's name in W&B (None: the run directory's name)."""
+    wandb_entity: str | None = None
+    """The W&B user or team that owns the project (None: the logged-in user's default entity)."""
+
+    def __post_init__(self):
+        for name in ("wandb_project", "wandb_run_name", "wandb_entity"):
+            if getattr(self, name) == "":
+                raise ConfigError(f"logging.{name}='' must be a name or null")
 
 
 @dataclass

@@ -76,9 +76,11 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                      + f"<p class='note'>Per seed, the variant's final reward minus {html.esc(base)}'s at the same "
                      "seed (same cold start, same prompts); the interval is the Student-t interval of these "
                      "differences. An interval that covers 0 reads \u201cnot distinguishable at this budget\u201d: "
-                     "more seeds or steps could still separate them. Collapse counts are compared by Fisher's exact "
-                     "two-sided test. These are per-comparison figures; with several comparisons, a claim needs the "
-                     "family's correction (docs/training.md, one multiple-comparison policy).</p>")
+                     "more seeds or steps could still separate them. So does a difference that is the same at "
+                     "every seed: without spread across seeds there is no interval to judge it by. Collapse counts "
+                     "are compared by Fisher's exact two-sided test. These are per-comparison figures; with several "
+                     "comparisons, a claim needs the family's correction (docs/training.md, one multiple-comparison "
+                     "policy).</p>")
     parts.append("<h2>Clipping, expert volatility and engine mismatch</h2>"
                  + html.table(METRIC_HEADER, metric_rows(variants, base))
                  + "<p class='note'>Each run's mean over its steps (the clip fraction and the flip rate over the "

@@ -130,7 +130,9 @@ def summary_rows(variants: Sequence[Variant], stats: dict[str, Stats], base: str
 
 
 def _interval_cell(iv: Interval) -> str:
-    return "\u2014 (1 seed)" if iv.lo is None else f"[{iv.lo:.3g}, {iv.hi:.3g}]"
+    """A final reward's or a paired difference's interval; a dash with the reason where it measures nothing (one
+    seed, or no spread across seeds: a zero-width interval would read as certainty)."""
+    return f"\u2014 ({iv.missing})" if iv.missing else f"[{iv.lo:.3g}, {iv.hi:.3g}]"
 
 
 def collapse_p(stats: dict[str, Stats], name: str, base: str) -> float:
@@ -382,10 +384,12 @@ def read_meta(out: Path) -> tuple[dict, CompareConfig]:
 
 
 def _fmt(iv: Interval | None, signed: bool = False) -> str:
+    """A final reward or a paired difference with its interval; the mean alone where the interval measures nothing
+    (Interval.missing; the verdict column says why)."""
     if iv is None:
         return "\u2014"
     f = "+.3f" if signed else ".3f"
-    return f"{iv.mean:{f}}" + ("" if iv.lo is None else f" [{iv.lo:{f}}, {iv.hi:{f}}]")
+    return f"{iv.mean:{f}}" + ("" if iv.missing else f" [{iv.lo:{f}}, {iv.hi:{f}}]")
 
 
 def _pct(iv: Interval | None) -> str:

@@ -9,6 +9,8 @@
 The interval is the Student-t interval of a mean: mean +- t_{(1+level)/2, n-1} * s / sqrt(n), s the sample standard
 deviation (ddof=1). It assumes the n seed-level values are independent draws of a roughly normal quantity; with
 3-5 seeds it is wide, which is the honest answer at that budget. One seed gives no interval (lo = hi = None).
+Values without spread (all equal: s = 0) give a zero-width interval, which measures no noise: a verdict drawn from
+it says so (`Interval.missing`) instead of a direction.
 Quantiles, p-values and power come from scipy.stats (t, ttest_1samp, fisher_exact, nct, binom); no I/O.
 
     paired_power(0.1, sd=0.2, n=8, alpha=0.05 / 4)          # power of a paired t-test at a Bonferroni level
@@ -44,6 +46,16 @@ class Interval:
     hi: float | None
     n: int
     level: float = 0.95
+
+    @property
+    def missing(self) -> str | None:
+        """Why the interval measures nothing ('1 seed', 'values not finite', 'no spread across seeds': lo = hi);
+        None when it has a width."""
+        if self.lo is None:
+            return "1 seed"
+        if not all(map(math.isfinite, (self.mean, self.lo, self.hi))):
+            return "values not finite"
+        return "no spread across seeds" if self.lo == self.hi else None
 
     def covers(self, x: float) -> bool | None:
         return None if self.lo is None else self.lo <= x <= self.hi
@@ -126,9 +138,12 @@ def band(rows: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray 
 
 
 def verdict(name: str, base: str, diff: Interval) -> str:
-    """Plain words for the paired difference `name - base`."""
+    """Plain words for the paired difference `name - base`: a direction only from an interval with a width that
+    excludes 0."""
     if diff.lo is None:
         return "1 seed: no interval, cannot tell"
+    if diff.missing:  # e.g. equal differences at every seed: a zero-width interval, no noise measured
+        return f"not distinguishable at this budget ({diff.missing})"
     if diff.covers(0.0):
         return "not distinguishable at this budget"
     return f"{name} {'higher' if diff.mean > 0 else 'lower'} than {base}"

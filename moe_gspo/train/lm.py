@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moe_gspo.config import Config
+from moe_gspo.config import Config, ConfigError
 
 
 def progression_batch(batch: int, seq_len: int, vocab: int, g: torch.Generator) -> torch.Tensor:
@@ -31,14 +31,16 @@ def progression_batch(batch: int, seq_len: int, vocab: int, g: torch.Generator) 
 
 def train_lm(cfg: Config, log=print) -> list[dict]:
     from moe_gspo.model.load import init_parallel, load_policy
+    from moe_gspo.train.loop import writable_dir
     from moe_gspo.train.optim import Optimizer, release_ddp, wrap_ddp
 
     tc = cfg.train
+    writable_dir(Path(tc.out_dir), "train.out_dir")  # before anything is built
     groups = init_parallel(cfg)
     policy = load_policy(cfg, groups)
     dp, dp_rank = groups.dp.size(), groups.dp.rank()
     if tc.batch_size % dp:
-        raise ValueError(f"train.batch_size={tc.batch_size} does not divide over {dp} data-parallel ranks")
+        raise ConfigError(f"train.batch_size={tc.batch_size} does not divide over {dp} data-parallel ranks")
     per_rank = tc.batch_size // dp
     micro = min(tc.micro_batch_size, per_rank)
     opt = Optimizer.from_config(wrap_ddp(policy, tc.distributed_optimizer), policy, tc, total_steps=tc.steps)

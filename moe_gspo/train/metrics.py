@@ -1,4 +1,5 @@
-"""Step metrics: averaging over micro-batches, minibatches and ranks; JSONL, tensorboard and a progress bar.
+"""Step metrics: averaging over micro-batches, minibatches and ranks; JSONL, tensorboard, Weights & Biases
+(logging.wandb_project) and a progress bar.
 
 Keys ending in `_max` / `_min` are reduced with max / min, everything else is averaged, over the ranks of the
 group the trainer passes (its own ranks, never a rollout engine's). Only the trainer's rank 0 writes. Timing keys (`time/*`, `tokens_per_s`) are the only ones that differ between identical runs.
@@ -12,11 +13,14 @@ import math
 import shutil
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
+from moe_gspo.config import ConfigError
 from moe_gspo.parallel.state import comm_device
 
 TIMING_PREFIXES = ("time/", "perf/")
@@ -223,9 +227,11 @@ def step_profile(run_dir: Path, step: int, enabled: bool, top: int = 30):
 
 
 class MetricsWriter:
-    """metrics.jsonl (one line per step) + tensorboard event files in the run directory; no-op off rank 0."""
+    """metrics.jsonl (one line per step), tensorboard event files in the run directory and, with a W&B project,
+    a Weights & Biases run; no-op off rank 0."""
 
-    def __init__(self, run_dir: Path, jsonl: bool = True, tensorboard: bool = True, active: bool = True):
+    def __init__(self, run_dir: Path, jsonl: bool = True, tensorboard: bool = True, active: bool = True,
+                 wandb_run: WandbRun | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.active, self.jsonl = active, jsonl
         self.tb = None
@@ -236,6 +242,17 @@ class MetricsWriter:
                 self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
             except ImportError:  # tensorboard missing: JSONL still works
                 self.tb = None
+        self.wandb = wandb_run.start(Path(run_dir)) if active and wandb_run is not None else None  # the run object
+
+    @classmethod
+    def for_run(cls, run_dir: Path, logc, config: dict, active: bool, resume: bool) -> MetricsWriter:
+        """The writer a run's `logging:` section (logc) asks for; config: the run's config as a dict (what W&B
+        shows for the run); resume: the run continues from a checkpoint (and so does its W&B run)."""
+        wb = None
+        if logc.wandb_project is not None:
+            wb = WandbRun(logc.wandb_project, logc.wandb_run_name or Path(run_dir).name, logc.wandb_entity, config,
+                          resume)
+        return cls(run_dir, logc.jsonl, logc.tensorboard, active, wb)
 
     def truncate_after(self, step: int) -> None:
         """Drop lines with step > `step` (a resumed run rewrites them; step 0 empties the file)."""
@@ -260,10 +277,43 @@ class MetricsWriter:
             for k, v in m.items():
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(m, step=step)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+@dataclass(frozen=True)
+class WandbRun:
+    """What the writing rank's Weights & Biases run is (logging.wandb_*); only `start` imports wandb, so that this
+    package never imports it for a run without a project."""
+
+    project: str
+    name: str
+    entity: str | None
+    config: dict
+    resume: bool
+    ID_FILE: ClassVar[str] = "wandb_run_id"
+    """RUN_DIR/wandb_run_id: the W&B run's id, which a resumed run continues."""
+
+    def start(self, run_dir: Path):
+        """wandb.init in RUN_DIR (its files under RUN_DIR/wandb/); the run object. A resumed run reuses the id it
+        finds in RUN_DIR/wandb_run_id; W&B drops the steps it already holds when they are logged again."""
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError(f"logging.wandb_project={self.project!r} needs wandb: pip install wandb") from None
+        id_file = run_dir / self.ID_FILE
+        same = {"id": id_file.read_text().strip(), "resume": "allow"} if self.resume and id_file.is_file() else {}
+        run = wandb.init(project=self.project, name=self.name, entity=self.entity, config=self.config,
+                         dir=str(run_dir), **same)
+        id_file.write_text(run.id + "\n")
+        return run
 
 
 class Progress:

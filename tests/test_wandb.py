@@ -86,7 +86,8 @@ def test_a_project_without_wandb_is_one_line(tmp_path, monkeypatch, capsys):
     from moe_gspo.cli import main
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets where it is not installed
-    rc = main([*TRAIN, "logging.wandb_project=p", "train.cold_start_steps=0", "--out", str(tmp_path / "run")])
+    rc = main([*TRAIN, "logging.wandb_project=p", "train.cold_start_steps=150", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1] == "moe-gspo train: error: logging.wandb_project='p' needs wandb: pip install wandb", err
     assert "Traceback" not in "\n".join(err)
+    assert not any("cold start" in line for line in err)  # refused before anything is built or trained

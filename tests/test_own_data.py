@@ -158,6 +158,9 @@ def test_prompt_longer_than_context_names_it(ckpt):
     (["train.eval_every=2", "rollout.task=dataset", "rollout.task_args=", f"rollout.dataset_path={TRL}"],
      "needs rollout.eval_dataset_path"),
     (["rollout.chat_template_kwargs=5"], "rollout.chat_template_kwargs=5 must be a mapping"),
+    (["rollout.eval_prompts=-1"], "rollout.eval_prompts=-1 must be >= 0"),
+    (["train.eval_every=-1"], "train.eval_every=-1 must be >= 0"),
+    (["rollout.eval_dataset_path=x.jsonl"], "rollout.eval_dataset_path read a data set"),
 ])
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.").replace("[", r"\[")):
@@ -208,3 +211,10 @@ def test_cold_start_demonstrations_use_the_rollout_prompt(ckpt):
     completion = tok.encode(ex.completion, eos=True)
     assert ids[0].tolist() == prompt + completion and tok.tok.decode(prompt).endswith("<think></think>")
     assert mask[0].tolist() == [False] * len(prompt) + [True] * len(completion)
+
+
+def test_missing_eval_file_names_it(tmp_path):
+    cfg = load_config(TINY, ["rollout.task=dataset", "rollout.task_args=", f"rollout.dataset_path={TRL}",
+                             f"rollout.eval_dataset_path={tmp_path / 'held_out.jsonl'}"])
+    with pytest.raises(DatasetError, match=f"dataset file not found: {tmp_path / 'held_out.jsonl'}"):
+        task_from_config(cfg.rollout)

@@ -386,6 +386,7 @@ class Checkpoints:
                 ctx.optim.optimizer.load_state_dict(out["optimizer"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{d / SHARDS}: optimizer state does not fit ({_first_line(e)})") from None
+        sharded_state.own_steps(ctx.optim.optimizer)  # megatron's distributed optimizer shares one step tensor
         ctx.optim.load_scheduler_state(state["scheduler"])
         key = f"rank_{rank:05d}" if len(rng) == world else "rank_00000"
         torch.set_rng_state(rng[key])

@@ -101,3 +101,19 @@ def set_steps(tree, step: int) -> None:
     elif isinstance(tree, list):
         for v in tree:
             set_steps(v, step)
+
+
+def own_steps(optimizer) -> None:
+    """Give every parameter's Adam state a `step` tensor of its own, after load_state_dict.
+
+    megatron-core 0.16.1's DistributedOptimizer.load_state_dict (the path without Apex or Transformer Engine) sets
+    every state's "step" to one shared tensor. torch's Adam advances each parameter's step in place, so a shared
+    one moves once per parameter per optimizer step: bias correction then runs on an inflated, per-rank count and the
+    resumed run trains differently from the uninterrupted one. A single process uses another optimizer class and
+    never shares. tests/test_trainer_dist.py::test_sigkill_mid_run_resumes_and_matches_uninterrupted fails without
+    this; when megatron copies the step itself, this becomes a no-op (each tensor is then already its own)."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()

@@ -218,3 +218,15 @@ def test_missing_eval_file_names_it(tmp_path):
                              f"rollout.eval_dataset_path={tmp_path / 'held_out.jsonl'}"])
     with pytest.raises(DatasetError, match=f"dataset file not found: {tmp_path / 'held_out.jsonl'}"):
         task_from_config(cfg.rollout)
+
+
+def test_chat_prompts_need_a_template(ckpt):
+    tok = HFTokenizer(str(ckpt))
+    tok.chat_template = None  # a base model's tokenizer ships none
+    ex = load_examples(TRL)[0]
+    with pytest.raises(ConfigError, match="the tokenizer \\(HFTokenizer\\) has no chat template"):
+        encode_prompt(tok, ex, "auto")
+    string_ex = type(ex)(ex.messages[0]["content"], ex.answer)
+    assert encode_prompt(tok, string_ex, "auto") == tok.encode(string_ex.prompt)  # strings need none
+    with pytest.raises(ConfigError, match="rollout.chat_template='always' wraps as a user message"):
+        encode_prompt(tok, string_ex, "always")

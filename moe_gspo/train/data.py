@@ -67,6 +67,18 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def world_rank() -> int:
+    """This process's rank in the job: the default group's once torch.distributed is initialized, before that
+    torchrun's RANK (0 outside torchrun)."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 def check_names(cfg: Config) -> None:
     """Registered names the config refers to (advantage estimator, rollout engine), checked before anything is
     built (the loss checks itself at config load)."""

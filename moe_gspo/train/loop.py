@@ -36,6 +36,7 @@ from moe_gspo.train.checkpoint import Checkpoints
 from moe_gspo.train.evaluate import check_eval_set, evaluate
 from moe_gspo.train.metrics import (MetricMean, MetricsWriter, Progress, StepTimer, WandbRun, reduce_across_ranks,
                                     step_profile)
+from moe_gspo.train.run_lock import RunLock
 from moe_gspo.train.step import (OldPass, StepContext, cold_start, pi_old_pass, record_engine_routing,
                                  update_minibatch)
 
@@ -58,40 +59,50 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
         if roles.is_engine:
             serve(cfg, roles)
             return {}
-    run = Run.setup(cfg, run_dir, task, engine, init_state, resume, label, overwrite, roles)
-    m: dict[str, float] = {}
-    for step in range(run.start, cfg.train.steps):
-        t = run.timer
-        profiled = cfg.logging.profile_step == step + 1 and run.writer.active  # trainer rank 0
-        with step_profile(run.dir, step + 1, profiled), t("step"):
-            with t("rollout"):  # separate placement: waiting for the batch the engine ranks sampled
-                batch, examples, texts = run.rollout(step)  # prompts x G responses, engine log-probs + routing
-                run.engine.sleep()  # rollout.engine_sleep: the engine's GPU memory goes to the trainer until the sync
-                adv, valid, reward_m = run.score(batch, examples, texts, step)  # rewards -> group advantages
-                pb, sids = run.pad(batch, valid)  # (B, T) training tensors on the policy's device
-                record_engine_routing(run.ctx, pb, sids)  # R3: the engine's routing into the replay cache
-                adv = adv.to(pb.input_ids.device)
-            with t("logprob"):
-                old, diff = run.old_logprobs(pb, sids)  # pi_old (and pi_ref); R2 records; flip reference
-            with t("train"):
-                train_m = MetricMean()
-                for idx in run.minibatches(step):  # one optimizer step per minibatch
-                    train_m.add(update_minibatch(run.ctx, pb, old, adv, sids, idx))
-            with t("sync"):  # separate placement: the push of the next version, when a later batch needs it
-                run.engine.wake()
-                run.engine.update_weights(run.policy.weights())
-                run.replay.clear()
-        evals = run.evaluate(step)  # train.eval_every: the updated policy on held-out prompts
-        m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics(), **run.engine_metrics()},
-                    tokens=int(pb.attention_mask.sum()), extra=evals)
-        if profiled:
-            _say(run.info, f"profile of step {step + 1} (its times include the profiler's overhead): "
-                           f"{run.dir / f'profile_step_{step + 1}.txt'}, .json.gz (Chrome trace)")
-        last = step + 1 == cfg.train.steps
-        if cfg.train.checkpoint_every and ((step + 1) % cfg.train.checkpoint_every == 0 or last):
-            run.ckpts.save(step + 1, run.ctx, run.extra_state(step + 1))
-    run.close()
+    run_dir = Path(run_dir or cfg.train.out_dir)
+    _check_run_dir(run_dir, resume, overwrite)  # before the lock writes anything there
+    with RunLock.held(run_dir, active=data.world_rank() == 0):  # one run per directory
+        run = Run.setup(cfg, run_dir, task, engine, init_state, resume, label, overwrite, roles)
+        m: dict[str, float] = {}
+        for step in range(run.start, cfg.train.steps):
+            m = rl_step(run, step)
+        run.close()
     _say(run.info, f"run directory: {run.dir} (metrics.jsonl, checkpoints/, tensorboard/)")
+    return m
+
+
+def rl_step(run: Run, step: int) -> dict[str, float]:
+    """One RL step of the run (0-based `step`): rollout, rewards, old log-probs, the minibatch updates, the weight
+    sync, then evaluation, metrics and the checkpoint when they are due; the step's logged metrics."""
+    cfg, t = run.cfg, run.timer
+    profiled = cfg.logging.profile_step == step + 1 and run.writer.active  # trainer rank 0
+    with step_profile(run.dir, step + 1, profiled), t("step"):
+        with t("rollout"):  # separate placement: waiting for the batch the engine ranks sampled
+            batch, examples, texts = run.rollout(step)  # prompts x G responses, engine log-probs + routing
+            run.engine.sleep()  # rollout.engine_sleep: the engine's GPU memory goes to the trainer until the sync
+            adv, valid, reward_m = run.score(batch, examples, texts, step)  # rewards -> group advantages
+            pb, sids = run.pad(batch, valid)  # (B, T) training tensors on the policy's device
+            record_engine_routing(run.ctx, pb, sids)  # R3: the engine's routing into the replay cache
+            adv = adv.to(pb.input_ids.device)
+        with t("logprob"):
+            old, diff = run.old_logprobs(pb, sids)  # pi_old (and pi_ref); R2 records; flip reference
+        with t("train"):
+            train_m = MetricMean()
+            for idx in run.minibatches(step):  # one optimizer step per minibatch
+                train_m.add(update_minibatch(run.ctx, pb, old, adv, sids, idx))
+        with t("sync"):  # separate placement: the push of the next version, when a later batch needs it
+            run.engine.wake()
+            run.engine.update_weights(run.policy.weights())
+            run.replay.clear()
+    evals = run.evaluate(step)  # train.eval_every: the updated policy on held-out prompts
+    m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics(), **run.engine_metrics()},
+                tokens=int(pb.attention_mask.sum()), extra=evals)
+    if profiled:
+        _say(run.info, f"profile of step {step + 1} (its times include the profiler's overhead): "
+                       f"{run.dir / f'profile_step_{step + 1}.txt'}, .json.gz (Chrome trace)")
+    last = step + 1 == cfg.train.steps
+    if cfg.train.checkpoint_every and ((step + 1) % cfg.train.checkpoint_every == 0 or last):
+        run.ckpts.save(step + 1, run.ctx, run.extra_state(step + 1))
     return m
 
 
@@ -125,8 +136,7 @@ class Run:
         from moe_gspo.parallel.state import parallel_info, validate_sizes
         from moe_gspo.train.optim import Optimizer, wrap_ddp
 
-        run_dir = Path(run_dir or cfg.train.out_dir)
-        _check_run_dir(run_dir, resume, overwrite)
+        run_dir = Path(run_dir)  # checked and locked by train()
         tok = data.build_tokenizer(cfg)
         data.check_names(cfg)  # fail before building anything
         WandbRun.check(cfg.logging.wandb_project)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 import shutil
 import time
 from contextlib import contextmanager
@@ -265,7 +266,9 @@ class MetricsWriter:
                     keep.append(line)
             except json.JSONDecodeError:  # a line cut by a crash
                 continue
-        self.path.write_text("".join(x + "\n" for x in keep))
+        tmp = self.path.with_name(f".{self.path.name}.tmp")  # whole or not at all: written aside, then renamed
+        tmp.write_text("".join(x + "\n" for x in keep))
+        os.replace(tmp, self.path)
 
     def write(self, step: int, m: dict[str, float]) -> None:
         if not self.active:

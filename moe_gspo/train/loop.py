@@ -60,15 +60,35 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
             serve(cfg, roles)
             return {}
     run_dir = Path(run_dir or cfg.train.out_dir)
-    _check_run_dir(run_dir, resume, overwrite)  # before the lock writes anything there
+    tok, task = preflight(cfg, task, roles)  # what needs nothing built, before the lock writes anything
+    _check_run_dir(run_dir, resume, overwrite)
     with RunLock.held(run_dir, active=data.world_rank() == 0):  # one run per directory
-        run = Run.setup(cfg, run_dir, task, engine, init_state, resume, label, overwrite, roles)
+        run = Run.setup(cfg, run_dir, task, engine, init_state, resume, label, overwrite, roles, tok=tok)
         m: dict[str, float] = {}
         for step in range(run.start, cfg.train.steps):
             m = rl_step(run, step)
         run.close()
     _say(run.info, f"run directory: {run.dir} (metrics.jsonl, checkpoints/, tensorboard/)")
     return m
+
+
+def preflight(cfg: Config, task, roles) -> tuple:
+    """(tokenizer, task) after every check that needs nothing built: names, sizes, the batch layout, the prompts'
+    chat template, W&B; raises the first UserError."""
+    from moe_gspo.parallel.state import validate_sizes
+
+    tok = data.build_tokenizer(cfg)
+    data.check_names(cfg)
+    WandbRun.check(cfg.logging.wandb_project)
+    validate_sizes(cfg.parallel, data.world_size(), cfg.model.num_experts, cfg.model.num_key_value_heads,
+                   None if cfg.model.init_from else cfg.model.vocab_size)
+    data.check_layout(cfg, data.world_size() // cfg.parallel.tp)
+    if roles is None and data.world_size() % cfg.rollout.engine_tp:
+        raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} does not divide the world size "
+                          f"{data.world_size()}")
+    task = task or task_from_config(cfg.rollout)
+    data.check_prompts(cfg, task, tok)
+    return tok, task
 
 
 def rl_step(run: Run, step: int) -> dict[str, float]:
@@ -131,23 +151,17 @@ class Run:
     async_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last received batch's
 
     @classmethod
-    def setup(cls, cfg, run_dir, task, engine, init_state, resume, label, overwrite=False, roles=None) -> Run:
+    def setup(cls, cfg, run_dir, task, engine, init_state, resume, label, overwrite=False, roles=None,
+              tok=None) -> Run:
+        """Build the run in `run_dir` (train() has checked and locked it); `tok` and `task` as preflight returns
+        them, or built here."""
         from moe_gspo.model.load import init_parallel, load_policy
-        from moe_gspo.parallel.state import parallel_info, validate_sizes
+        from moe_gspo.parallel.state import parallel_info
         from moe_gspo.train.optim import Optimizer, wrap_ddp
 
-        run_dir = Path(run_dir)  # checked and locked by train()
-        tok = data.build_tokenizer(cfg)
-        data.check_names(cfg)  # fail before building anything
-        WandbRun.check(cfg.logging.wandb_project)
-        validate_sizes(cfg.parallel, data.world_size(), cfg.model.num_experts, cfg.model.num_key_value_heads,
-                       None if cfg.model.init_from else cfg.model.vocab_size)
-        data.check_layout(cfg, data.world_size() // cfg.parallel.tp)
-        if roles is None and data.world_size() % cfg.rollout.engine_tp:
-            raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} does not divide the world size "
-                              f"{data.world_size()}")
-        task = task or task_from_config(cfg.rollout)
-        data.check_prompts(cfg, task, tok)
+        run_dir = Path(run_dir)
+        if tok is None:
+            tok, task = preflight(cfg, task, roles)
         groups = init_parallel(cfg)  # megatron's ProcessGroupCollection, handed to everything below
         policy = load_policy(cfg, groups)
         info = parallel_info(groups)

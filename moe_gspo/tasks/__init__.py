@@ -47,13 +47,11 @@ def parse_task_args(text: str) -> dict:
 def task_from_config(rollout_cfg) -> Task:
     """The task a `RolloutConfig` names: a built-in task with its rollout.task_args knobs, or a data set with its
     columns; its reward is rollout.reward when set (a built-in name or a user's file.py:function)."""
-    from moe_gspo.config import ConfigError
+    from moe_gspo.config import ConfigError, RolloutConfig
     from moe_gspo.rewards import load_reward
 
     rc = rollout_cfg
-    if rc.task in ("dataset", "jsonl", "parquet"):
-        if not rc.dataset_path:
-            raise ConfigError(f"rollout.task={rc.task!r} needs rollout.dataset_path")
+    if rc.task in RolloutConfig.DATASET_TASKS:  # RolloutConfig has checked that dataset_path is set
         return get_task(rc.task, path=rc.dataset_path, prompt_field=rc.prompt_field, answer_field=rc.answer_field,
                         demonstration_field=rc.demonstration_field, reward=rc.reward or "math",
                         eval_path=rc.eval_dataset_path)

@@ -37,16 +37,11 @@ def evaluate(cfg: Config, task, tok, engine, placement, held_out: list, dp_rank:
     """The eval/ metrics of the held-out prompts (collective over the trainer's ranks and the engine placement)."""
     rc = cfg.rollout
     n = rc.eval_samples
-    seed = hash_seed(cfg.train.seed, step, 3) % 2**31
-
-    def part(d: int):
-        sp = sampling_params(cfg, tok, seed)
-        sp.return_routing = False
-        if n == 1:
-            sp = dataclasses.replace(sp, temperature=0.0)
-        return encode_prompts(held_out[d::dp], tok, rc, cfg.model.max_position_embeddings), sp
-
-    batch = placement.generate(engine, {d: part(d) for d in placement.serves}, n, dp_rank)
+    sp = dataclasses.replace(sampling_params(cfg, tok, hash_seed(cfg.train.seed, step, 3) % 2**31),
+                             return_routing=False, **({"temperature": 0.0} if n == 1 else {}))
+    parts = {d: (encode_prompts(held_out[d::dp], tok, rc, cfg.model.max_position_embeddings), sp)
+             for d in placement.serves}
+    batch = placement.generate(engine, parts, n, dp_rank)
     mine = held_out[dp_rank::dp]
     per_response = [mine[i // n] for i in range(len(batch))]
     texts = [tok.decode(r.tolist()) for r in batch.response_ids]

@@ -151,17 +151,15 @@ class Run:
     async_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last received batch's
 
     @classmethod
-    def setup(cls, cfg, run_dir, task, engine, init_state, resume, label, overwrite=False, roles=None,
-              tok=None) -> Run:
-        """Build the run in `run_dir` (train() has checked and locked it); `tok` and `task` as preflight returns
-        them, or built here."""
+    def setup(cls, cfg, run_dir, task, engine, init_state, resume, label, overwrite=False, roles=None, *,
+              tok) -> Run:
+        """Build the run in `run_dir` (train() has checked and locked it) from `tok` and `task` as preflight
+        returns them."""
         from moe_gspo.model.load import init_parallel, load_policy
         from moe_gspo.parallel.state import parallel_info
         from moe_gspo.train.optim import Optimizer, wrap_ddp
 
         run_dir = Path(run_dir)
-        if tok is None:
-            tok, task = preflight(cfg, task, roles)
         groups = init_parallel(cfg)  # megatron's ProcessGroupCollection, handed to everything below
         policy = load_policy(cfg, groups)
         info = parallel_info(groups)

@@ -195,6 +195,7 @@ class Checkpoints:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch DCP's deprecation notices about megatron's calls
             sharded = sharded_state.sharded_state_dict(ctx, loading=False)
+        sharded_state.check_steps(ctx.optim.optimizer, ctx.optim.adam_step)
         needed = sum(_gather_objects(sharded_io.bytes_to_write(sharded)))
         try:
             return self._write(step, ctx, extra, sharded)
@@ -387,6 +388,7 @@ class Checkpoints:
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{d / SHARDS}: optimizer state does not fit ({_first_line(e)})") from None
         sharded_state.own_steps(ctx.optim.optimizer)  # megatron's distributed optimizer shares one step tensor
+        sharded_state.check_steps(ctx.optim.optimizer, int(state["adam_step"]))
         ctx.optim.load_scheduler_state(state["scheduler"])
         key = f"rank_{rank:05d}" if len(rng) == world else "rank_00000"
         torch.set_rng_state(rng[key])

@@ -5,6 +5,7 @@ KL reference, under keys that do not depend on the layout, and the fixups loadin
     sharded = sharded_state_dict(ctx, loading=True)       # load: the slices this rank's layout needs
     main_params_from_weights(ctx, sharded, saved_keys)    # a checkpoint without separate fp32 main params
     set_steps(loaded["optimizer"], adam_step)             # the Adam step, from the checkpoint's JSON
+    check_steps(optimizer, adam_step)                     # every parameter's Adam step is the run's step count
 """
 
 from __future__ import annotations
@@ -110,10 +111,29 @@ def own_steps(optimizer) -> None:
     every state's "step" to one shared tensor. torch's Adam advances each parameter's step in place, so a shared
     one moves once per parameter per optimizer step: bias correction then runs on an inflated, per-rank count and the
     resumed run trains differently from the uninterrupted one. A single process uses another optimizer class and
-    never shares. tests/test_trainer_dist.py::test_sigkill_mid_run_resumes_and_matches_uninterrupted fails without
-    this; when megatron copies the step itself, this becomes a no-op (each tensor is then already its own)."""
+    never shares. Without this tests/test_resume_layouts.py fails at every layout with the distributed optimizer, and
+    check_steps refuses the next checkpoint; once megatron gives each parameter a step of its own, those tests pass
+    with this removed (each tensor is then already its own and the clone changes nothing)."""
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(sub, "optimizer", None)
         for state in (inner.state.values() if inner is not None else ()):
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
+
+
+def check_steps(optimizer, adam_step: int) -> None:
+    """Raise when a parameter's Adam step differs from `adam_step`, the optimizer steps the run took (its LR
+    scheduler's count, which state.json records). Adam's bias correction divides by 1 - beta**step, so a wrong count
+    changes every update without any error: checked when a checkpoint is written and after one is loaded. States not
+    allocated yet (before the first step, or a rank whose distributed-optimizer shard holds no parameter) carry
+    none."""
+    seen = set()
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            step = state.get("step")
+            if step is not None:
+                seen.add(int(step.item() if isinstance(step, torch.Tensor) else step))
+    if seen - {int(adam_step)}:
+        raise RuntimeError(f"Adam's per-parameter step counts are {sorted(seen)}, but the run took {adam_step} "
+                           "optimizer steps: the optimizer state was restored or advanced wrongly")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from moe_gspo.config import UserError
 from moe_gspo.config.checks import error_line
+from moe_gspo.parallel import launch as launcher
 
 
 def _rank() -> int | None:
@@ -125,7 +126,13 @@ def _train(args) -> int:
 
     if args.resume and args.overwrite:
         raise UserError("--resume and --overwrite exclude each other")
-    train(load_config(args.config, args.overrides), resume=args.resume, overwrite=args.overwrite, run_dir=args.out)
+    cfg = load_config(args.config, args.overrides)
+    if _rank() is not None and not launcher.under_launcher():  # torchrun's SIGTERM after another rank died: one line
+        from moe_gspo.train.run_lock import resume_hint
+
+        run_dir = Path(args.out or cfg.train.out_dir)
+        launcher.stop_line_on_sigterm("train", _rank(), lambda: resume_hint(run_dir))
+    train(cfg, resume=args.resume, overwrite=args.overwrite, run_dir=args.out)
     return 0
 
 
@@ -195,14 +202,20 @@ PREFLIGHT = ("train", "train-lm", "rollout")
 """The commands whose --config is a run config that load_config reads (compare and study read their own)."""
 
 
-def _preflight(command: list[str]) -> None:
+def _preflight(command: list[str]):
     """Parse a moe-gspo command line (argparse's usage error exits 2 here) and load a run config once, raising its
-    UserError before any rank starts."""
+    UserError before any rank starts. For a `train` command, returns run_lock.resume_hint of its run directory as a
+    function of the command that resumes it; else None."""
     from moe_gspo.config import load_config
+    from moe_gspo.train.run_lock import resume_hint
 
     args = build_parser().parse_args(command)
     if args.command in PREFLIGHT and getattr(args, "config", None):
-        load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "train":
+            run_dir = Path(args.out or cfg.train.out_dir)
+            return lambda resume: resume_hint(run_dir, resume)
+    return None
 
 
 def _launch(args) -> int:
@@ -326,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if another_rank_reported():  # a consequence of a peer's user error (a collective it left): that one line
             return 1
+        if _rank() is not None and launcher.peer_lost(sys.exc_info()[1]):
+            launcher.wait_for_stop()  # a peer died: torchrun stops this rank, and the launcher or the handler says why
         raise
     finally:
         _leave_process_group()

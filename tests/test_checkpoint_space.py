@@ -113,9 +113,13 @@ def ckpt_bytes(trained, tmp_path_factory):
 def _assert_one_line(msg: str, root: Path, step: int, last: int | None) -> None:
     assert "\n" not in msg, msg
     assert msg.startswith(f"writing checkpoint {root / f'.tmp-step_{step:08d}'}: out of space ("), msg
-    assert "free on its file system" in msg and "take about" in msg, msg
+    assert "free on its file system" in msg and "the checkpoint's tensors alone take about" in msg, msg
+    assert re.search(r"each checkpoint takes about [\d.]+ [KM]iB, and train.keep_checkpoints=(\d+) needs room for "
+                     r"(\d+) of them", msg), msg
+    keep, room = map(int, re.search(r"keep_checkpoints=(\d+) needs room for (\d+)", msg).groups())
+    assert room == keep + 1, msg
     if last is None:
-        assert "no checkpoint was completed before it, so --resume starts from step 0" in msg, msg
+        assert "no checkpoint was completed, so --resume starts from step 0" in msg, msg
     else:
         assert f"the newest complete checkpoint is {root / f'step_{last:08d}'}, and --resume continues from it" \
             in msg, msg
@@ -136,10 +140,7 @@ def test_a_full_disk_is_one_line_and_resume_loads_the_last_good_checkpoint(tmp_p
         ck.save(2, trained, {"step": 2})
     assert isinstance(e.value, UserError)
     _assert_one_line(str(e.value), tmp_path, 2, last=1)
-    partial = tmp_path / ".tmp-step_00000002"
-    assert partial.is_dir() and disk.free() < room  # something was written, and is kept aside
-    if where == "state.json":
-        assert (partial / "rng.safetensors").is_file() and not (partial / "manifest.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]  # what got written is gone
     monkeypatch.undo()
     assert ck.steps() == [1] and ck.latest() == 1  # the partial checkpoint is not taken as complete
     fresh = _ctx(seed=5)
@@ -217,7 +218,9 @@ def _unshare_tmpfs() -> list[str] | None:
 def test_cli_on_a_real_full_tmpfs(tmp_path, ckpt_bytes):
     """The same run on a real tmpfs of one and a half checkpoints (megatron's forked shard writers fail with
     "[Errno 28] ..." or torch's "unexpected pos ...", which reach this process as text inside a
-    CheckpointException): one line, exit code 2, step 1 still complete."""
+    CheckpointException): one line, exit code 2, step 1 still complete and the partial step 2 removed. Then, with
+    the disk still full, a --resume is refused in one line before it computes anything, and a fresh run with
+    TensorBoard on ends in one line naming the event file's directory."""
     prefix = _unshare_tmpfs()
     if prefix is None:
         pytest.skip("this kernel does not let an unprivileged user namespace mount a tmpfs")
@@ -225,23 +228,58 @@ def test_cli_on_a_real_full_tmpfs(tmp_path, ckpt_bytes):
     mnt.mkdir()
     kib = ckpt_bytes * 3 // 2 // 1024
     script = (f'mount -t tmpfs -o size={kib}k tmpfs {mnt} && "$0" -m moe_gspo.cli "$@" --out {mnt}/run; '
-              f'echo "rc=$?"; ls -a {mnt}/run/checkpoints {mnt}/run/checkpoints/step_00000001')
+              f'echo "rc=$?"; ls -a {mnt}/run/checkpoints {mnt}/run/checkpoints/step_00000001; '
+              f'"$0" -m moe_gspo.cli "$@" --out {mnt}/run --resume; echo "rc=$?"; '
+              f'"$0" -m moe_gspo.cli "$@" logging.tensorboard=true --out {mnt}/other; echo "rc=$?"')
     r = subprocess.run([*prefix, "sh", "-c", script, sys.executable, *RUN], cwd=ROOT, capture_output=True,
                        text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     lines = [x for x in r.stderr.splitlines() if x.startswith("moe-gspo ")]
-    assert "rc=2" in r.stdout and "Traceback" not in r.stderr and "encountered an error" not in r.stderr, \
+    assert r.stdout.count("rc=2") == 3 and "Traceback" not in r.stderr and "encountered an error" not in r.stderr, \
         r.stdout + r.stderr[-3000:]
-    assert len(lines) == 1, r.stderr
+    assert len(lines) == 3, r.stderr
     _assert_one_line(lines[0].removeprefix("moe-gspo train: error: "), mnt / "run" / "checkpoints", 2, last=1)
-    assert ".tmp-step_00000002" in r.stdout and "manifest.json" in r.stdout, r.stdout
+    assert ".tmp-step_00000002" not in r.stdout and "manifest.json" in r.stdout, r.stdout
+    ck = mnt / "run" / "checkpoints"
+    assert re.fullmatch(rf"moe-gspo train: error: resuming {mnt / 'run'}: out of space for its next checkpoint; "
+                        rf"[\d.]+ KiB free on its file system; each checkpoint takes about [\d.]+ KiB, and "
+                        rf"train.keep_checkpoints=3 needs room for 4 of them \(about [\d.]+ [KM]iB\): the kept ones "
+                        rf"stay until the next is complete; the newest complete checkpoint is {ck / 'step_00000001'}"
+                        rf", and --resume continues from it", lines[1]), lines[1]
+    assert re.fullmatch(rf"moe-gspo train: error: writing {mnt / 'other' / 'tensorboard'}: out of space; "
+                        rf"[\d.]+ KiB free on its file system; no checkpoint was completed, so --resume starts from "
+                        rf"step 0", lines[2]), lines[2]
+
+
+def test_a_full_disk_under_a_metrics_line_is_one_line(tmp_path, monkeypatch, capsys):
+    """metrics.jsonl's append failing with ENOSPC (the writer stubbed: the file system itself is what fills): one
+    line naming the file, the space checkpoints need, and where --resume continues."""
+    from moe_gspo.cli import main
+    from moe_gspo.train import metrics
+
+    def full(self, step, m):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(metrics.MetricsWriter, "write", full)
+    run = tmp_path / "run"
+    assert main(RUN + ["--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("moe-gspo ")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert re.fullmatch(rf"moe-gspo train: error: writing {run / 'metrics.jsonl'}: out of space; [\d.]+ [KMGT]iB "
+                        rf"free on its file system; no checkpoint was completed, so --resume starts from step 0",
+                        lines[0]), lines[0]
 
 
 @pytest.mark.slow
 def test_two_ranks_end_in_one_line_each_naming_the_rank(tmp_path, ckpt_bytes):
     """Two ranks (EP=2: both write shards) under torchrun, on one SmallDisk that holds two single-rank checkpoints
-    (one of this layout's): whichever rank's writer hits the full disk, the other learns of it only as an empty
-    CheckpointException, and both end in one line naming their rank (the one torchrun reports first, exit code
-    2; the other may be stopped by torchrun before it prints), with no traceback but torchrun's own report."""
+    (one of this layout's). Whichever rank's writer hits the full disk, the other learns of it only as an empty
+    CheckpointException; each rank then ends in its own one line (out of space, naming the rank), unless torchrun
+    stops it first (its SIGTERM line). Asserted is only what holds whichever rank fails first: the rank torchrun
+    names as the root cause exited 2 after the out-of-space line; every rank wrote at most one line of ours, one of
+    those two, and no traceback. Each rank's stderr is read from a file of its own (the ranks' lines on torchrun's
+    stderr can interleave, and torchrun may stop a rank before it prints)."""
     run = tmp_path / "run"
     run.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
@@ -254,22 +292,44 @@ def test_two_ranks_end_in_one_line_each_naming_the_rank(tmp_path, ckpt_bytes):
     first = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", r.stderr, re.S)
     assert first and first[2] == "2", r.stderr[-6000:]
     said = {}
-    for line in r.stderr.splitlines():
-        m = re.match(r"moe-gspo train: error: rank (\d): (.*)", line)
-        if m:
-            assert m[1] not in said, r.stderr[-6000:]
-            said[m[1]] = m[2]
-    assert first[1] in said, r.stderr[-6000:]
-    for msg in said.values():
-        _assert_one_line(msg, run / "checkpoints", 2, last=1)
-    assert r.stderr.count("Traceback") == 1 and "raise ChildFailedError" in r.stderr, r.stderr[-6000:]
-    assert "encountered an error" not in r.stderr, r.stderr[-6000:]
+    for rank in (0, 1):
+        err = (tmp_path / f"rank_{rank}.err").read_text()
+        assert "Traceback" not in err, err[-4000:]
+        ours = [x for x in err.splitlines() if x.startswith("moe-gspo ")]
+        assert len(ours) <= 1, err[-4000:]
+        if ours:
+            said[rank] = ours[0]
+    root = int(first[1])
+    for rank, line in said.items():
+        prefix = f"moe-gspo train: error: rank {rank}: "
+        assert line.startswith(prefix), line
+        if rank == root or "stopped by SIGTERM" not in line:
+            _assert_one_line(line.removeprefix(prefix), run / "checkpoints", 2, last=1)
+    assert root in said, r.stderr[-6000:]
     assert Checkpoints(run / "checkpoints").steps() == [1]
+
+
+class _Tee(io.TextIOBase):
+    """stderr that also goes to a file of this rank's own."""
+
+    def __init__(self, stream, path: Path):
+        self.stream, self.file = stream, open(path, "w", buffering=1)  # noqa: SIM115 - for the process's life
+
+    def write(self, s: str) -> int:
+        self.file.write(s)
+        self.file.flush()
+        return self.stream.write(s)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.stream.flush()
 
 
 if __name__ == "__main__":  # one rank of test_two_ranks_end_in_one_line_each_naming_the_rank: RUN_DIR BYTES ARGV
     from moe_gspo.cli import main
 
+    run_dir = Path(sys.argv[1])
+    sys.stderr = _Tee(sys.stderr, run_dir.parent / f"rank_{os.environ['RANK']}.err")
     patches = pytest.MonkeyPatch()
-    SmallDisk(Path(sys.argv[1]), int(sys.argv[2])).install(patches)
+    SmallDisk(run_dir, int(sys.argv[2])).install(patches)
     sys.exit(main(sys.argv[3:]))

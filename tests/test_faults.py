@@ -1,16 +1,20 @@
 """Faults a user's cluster meets, each reproducible: one run per directory (an advisory lock the OS drops with its
-holder), and metrics.jsonl rewritten whole on resume."""
+holder), metrics.jsonl rewritten whole on resume, and a rank killed mid-run (one line naming it, the step and the
+command that resumes, under `moe-gspo launch`; one line from each surviving rank under plain torchrun)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 
-from helpers import ROOT, TINY
+import pytest
+from helpers import ROOT, TINY, free_port
 
 HOLD = ("import sys, time; from moe_gspo.train.run_lock import RunLock; lock = RunLock.acquire(sys.argv[1]); "
         "print('locked', flush=True); time.sleep(600)")
@@ -73,3 +77,59 @@ def test_resume_rewrites_metrics_whole(tmp_path):
     w.truncate_after(2)
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert sorted(os.listdir(run)) == ["metrics.jsonl"]  # nothing left beside it
+
+
+# two ranks (EP=2) of the tiny run, a checkpoint after every step; rank 1 is killed while it scores step 3 (8 of its
+# responses a step: its 20th reward call), after the step-2 checkpoint, which is collective, was complete
+KILLED = ["train", "--config", "configs/train_tiny_cpu.yaml", *TINY, "train.steps=4", "train.cold_start_steps=0",
+          "train.checkpoint_every=1", "parallel.ep=2", "rollout.reward=tests/data/kill_reward.py:compute_score"]
+KILL_ENV = {"MOE_GSPO_TEST_KILL_RANK": "1", "MOE_GSPO_TEST_KILL_AT": "20"}
+
+
+def _env(**extra):
+    return dict(os.environ, OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **extra)
+
+
+def _ours(stderr: str) -> list[str]:
+    return [x for x in stderr.splitlines() if x.startswith("moe-gspo ")]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_under_the_launcher_is_one_line_whose_command_resumes(tmp_path):
+    run = tmp_path / "run"
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "moe_gspo.cli", "launch", "--nproc-per-node", "2", "--master-port",
+                        str(port), "--", *KILLED, "--out", str(run)], cwd=ROOT, env=_env(**KILL_ENV),
+                       capture_output=True, text=True, timeout=300)
+    lines = _ours(r.stderr)
+    assert r.returncode == 1 and len(lines) == 1, r.stderr[-4000:]
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr, r.stderr[-4000:]
+    m = re.fullmatch(r"moe-gspo train: error: rank 1 \(pid \d+ on (.+)\) was killed by SIGKILL \(the out-of-memory "
+                     r"killer, or kill -9\) during step 3 of (.+); `(.+)` continues from its checkpoint of step 2",
+                     lines[0])
+    assert m and m[1] == socket.gethostname() and m[2] == str(run), lines[0]
+    resume = shlex.split(m[3])
+    assert resume[:2] == ["moe-gspo", "launch"] and resume[-1] == "--resume"
+    r = subprocess.run([sys.executable, "-m", "moe_gspo.cli", *resume[1:]], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'}" in r.stderr
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_under_plain_torchrun_the_surviving_rank_says_where_the_run_stopped(tmp_path):
+    """torchrun stops the other ranks with SIGTERM once one dies; rank 0's handler says so in one line. torchrun's
+    own report (which names the dead rank) follows as torchrun prints it."""
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "moe_gspo.cli", *KILLED,
+                        "--out", str(run)], cwd=ROOT, env=_env(**KILL_ENV), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0
+    assert _ours(r.stderr) == [
+        f"moe-gspo train: error: rank 0: stopped by SIGTERM (torchrun stops every rank once one fails, its report "
+        f"names that rank; a scheduler sends it before preemption) during step 3 of {run}; the same command with "
+        "--resume continues from its checkpoint of step 2"], r.stderr[-4000:]
+    assert re.search(r"rank\s*:\s*1 .*\n.*exitcode\s*:\s*-9", r.stderr), r.stderr[-4000:]

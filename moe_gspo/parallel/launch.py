@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -83,6 +84,64 @@ def another_rank_reported() -> bool:
     return any(p.name != own for p in d.glob("rank_*.json"))
 
 
+def under_launcher() -> bool:
+    """Whether this process is a rank `moe-gspo launch` started (which then prints the job's one line)."""
+    return _attempt_dir() is not None
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether `e` (or an exception it was raised from or while handling) is a collective failing because a peer
+    process went away: gloo's "Connection closed by peer" / "Connection reset by peer", or torch's
+    DistNetworkError."""
+    import torch.distributed as dist
+
+    seen, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is y for y in seen):
+            continue
+        seen.append(x)
+        if isinstance(x, getattr(dist, "DistNetworkError", ())) or (
+                isinstance(x, RuntimeError) and ("Connection closed by peer" in str(x)
+                                                 or "Connection reset by peer" in str(x))):
+            return True
+        todo += [x.__cause__, x.__context__]
+    return False
+
+
+STOP_WAIT_S = 30.0
+"""How long a rank whose peer went away waits for the launcher's SIGTERM before it reports its own failure."""
+
+
+def wait_for_stop() -> None:
+    """Wait up to STOP_WAIT_S for the signal torchrun sends every rank once one has died (SIGTERM, which ends this
+    process: silently by default, or with the line `stop_line_on_sigterm` installs). A peer's death is reported by
+    the launcher, or by that handler, not by this rank's traceback of a collective that lost its peer."""
+    import time
+
+    deadline = time.monotonic() + STOP_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def stop_line_on_sigterm(command: str, rank: int, where) -> None:
+    """Under torchrun without `moe-gspo launch`: on SIGTERM print one line, this rank, what sends SIGTERM and
+    `where()` (the step and how to resume), then exit 143 at once (a rank in a collective with a dead peer could
+    not unwind cleanly). torchrun sends SIGTERM to every surviving rank when one fails; its own report names the
+    failed rank."""
+    import signal
+
+    def on_term(signum, frame):
+        try:
+            msg = ("stopped by SIGTERM (torchrun stops every rank once one fails, its report names that rank; a "
+                   f"scheduler sends it before preemption) {where()}")
+            print(error_line(command, msg, rank), file=sys.stderr, flush=True)
+        finally:
+            os._exit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 # ----------------------------------------------------------------------------------------------- launcher side
 def read_reports(d: Path) -> dict[int, dict]:
     """{rank: {"rank", "command", "message"}} of the reports in one attempt's directory."""
@@ -96,6 +155,40 @@ def summary_line(reports: dict[int, dict], failed: Iterable[int]) -> str:
     failed = set(failed) | set(reports)
     same = all(r in reports and reports[r]["message"] == first["message"] for r in failed)
     return error_line(first["command"], first["message"], None if same else first["rank"])
+
+
+# what usually sends each signal to a training rank, for the line naming it
+SIGNAL_CAUSES = {"SIGKILL": "the out-of-memory killer, or kill -9", "SIGSEGV": "a crash in native code",
+                 "SIGBUS": "a crash in native code, or shared memory (/dev/shm) running out",
+                 "SIGABRT": "an abort in native code", "SIGINT": "an interrupt", "SIGHUP": "its terminal closing"}
+
+
+def resume_command(torchrun_args: list[str], command: list[str]) -> str:
+    """The launch command line that continues `command` from its newest checkpoint: the same, with --resume in
+    place of --overwrite."""
+    cmd = [a for a in command if a != "--overwrite"]
+    if "--resume" not in cmd:
+        cmd.append("--resume")
+    return "moe-gspo launch " + shlex.join([*torchrun_args, "--", *cmd])
+
+
+def dead_rank(failures: dict) -> tuple[int, object] | None:
+    """(rank, failure) of the lowest rank a signal killed, from ChildFailedError.failures; the ranks torchrun
+    itself stopped with SIGTERM once another failed do not count. None when no rank was killed."""
+    killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.signal_name() != "SIGTERM"}
+    return (min(killed), killed[min(killed)]) if killed else None
+
+
+def dead_rank_line(command: str, rank: int, failure, where: str | None) -> str:
+    """The one line for a rank a signal killed: which rank, process (on this node: each node's launcher sees only
+    its own ranks) and signal, what usually sends it, and `where` (run_lock.resume_hint: the step and the command
+    that resumes) when the command is a training run."""
+    sig = failure.signal_name()
+    cause = SIGNAL_CAUSES.get(sig)
+    import socket
+
+    msg = f"rank {rank} (pid {failure.pid} on {socket.gethostname()}) was killed by {sig}{f' ({cause})' if cause else ''}"
+    return error_line(command, f"{msg} {where}" if where else msg)
 
 
 class _UnlessReported(logging.Handler):
@@ -113,11 +206,13 @@ class _UnlessReported(logging.Handler):
 
 def launch(torchrun_args: list[str], command: list[str], preflight) -> int:
     """Run `moe_gspo.cli COMMAND` on the ranks torchrun's options describe; the exit code (see the module
-    docstring). `preflight(command)` raises the UserError of a command that cannot start."""
+    docstring). `preflight(command)` raises the UserError of a command that cannot start; for a training command it
+    returns a function of the command line that resumes it, giving where the run stands and how to go on (None for
+    other commands)."""
     from moe_gspo.config import UserError
 
     try:
-        preflight(command)
+        where_stopped = preflight(command)
     except UserError as e:
         if getattr(e, "detail", None):
             print(e.detail.rstrip("\n"), file=sys.stderr, flush=True)
@@ -142,10 +237,15 @@ def launch(torchrun_args: list[str], command: list[str], preflight) -> int:
     except ChildFailedError as e:
         # the error of the attempt that failed last: torchrun gives up once --max-restarts restarts are spent
         reports = read_reports(root / f"attempt_{args.max_restarts}")
-        if not reports:
+        if reports:
+            print(summary_line(reports, e.failures), file=sys.stderr, flush=True)
+            return 2
+        dead = dead_rank(e.failures)
+        if dead is None:
             raise
-        print(summary_line(reports, e.failures), file=sys.stderr, flush=True)
-        return 2
+        where = where_stopped and where_stopped(f"`{resume_command(torchrun_args, command)}`")
+        print(dead_rank_line(command[0], *dead, where), file=sys.stderr, flush=True)
+        return 1
     finally:
         for lg in loggers:
             lg.removeHandler(quiet)

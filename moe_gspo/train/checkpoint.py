@@ -25,13 +25,13 @@ DIR/.tmp-step_*/ (every rank its shards, each file fsynced; rank 0 the rest), th
 directory into place and fsyncs DIR. A directory without a manifest, with a file missing, short, whose hash differs,
 or that does not parse as what it claims, is reported and skipped in favour of the one before (every rank checks a
 share of the files). A save that runs out of space raises OutOfSpace, one line naming the directory, the free and
-needed bytes and the checkpoint `--resume` continues from; its partial DIR/.tmp-step_*/ is never taken as complete.
+needed bytes and the checkpoint `--resume` continues from, and removes its partial DIR/.tmp-step_*/ (which is never
+taken as complete).
 Assumes DIR is on a file system every rank sees (one node, or a shared file system).
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -52,7 +52,8 @@ from moe_gspo.config import UserError
 from moe_gspo.model.hf_io import fsync_dir
 from moe_gspo.parallel import cpu_compat
 from moe_gspo.parallel.state import comm_device
-from moe_gspo.train import sharded_io, sharded_state
+from moe_gspo.train import disk_space, sharded_io, sharded_state
+from moe_gspo.train.disk_space import OutOfSpace  # noqa: F401 - raised here, caught by its importers
 
 PREFIX, TMP, SHARDS = "step_", ".tmp-", "shards"
 FORMAT = "moe-gspo-checkpoint-v3"
@@ -104,25 +105,6 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint directory is incomplete, corrupt or unsafe (the message says which file and why)."""
 
 
-class OutOfSpace(UserError, RuntimeError):
-    """A checkpoint could not be written for lack of space (the message names the directory, the free and needed
-    bytes, and the checkpoint `--resume` continues from)."""
-
-
-def _chain(e: BaseException) -> list[BaseException]:
-    """`e`, the exceptions it was raised from or while handling, and the per-rank failures a torch DCP
-    CheckpointException carries, with theirs."""
-    out, todo = [], [e]
-    while todo:
-        x = todo.pop()
-        if x is None or any(x is y for y in out):
-            continue
-        out.append(x)
-        failures = x.failures if isinstance(x, CheckpointException) else {}
-        todo += [x.__cause__, x.__context__, *(exc for exc, _trace in failures.values())]
-    return out
-
-
 def _ran_out_of_space(e: BaseException, free: int, needed: int) -> bool:
     """Whether the failed checkpoint write `e` ran out of space. Python's own writes (torch DCP's `.metadata`,
     megatron's metadata.json, the files rank 0 writes here) raise an OSError with errno ENOSPC. torch's C++ writers
@@ -131,26 +113,9 @@ def _ran_out_of_space(e: BaseException, free: int, needed: int) -> bool:
     no failures at all, and torch.save to a full disk raises a bare RuntimeError ("iostream error"). Those two
     count as out of space when the file system has less free space than the checkpoint needs; anything else is a
     bug."""
-    if any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in _chain(e)):
+    if disk_space.enospc(e) is not None:
         return True
     return (isinstance(e, CheckpointException) or type(e) is RuntimeError) and free < needed
-
-
-def _free_bytes(path: Path) -> int:
-    """Free bytes of the file system holding `path` (or its nearest existing parent)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def _size(n: float) -> str:
-    """`n` bytes as a person reads them: "0 bytes", "4.0 KiB", "9.8 MiB"."""
-    if n < 1024:
-        return f"{int(n)} bytes"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
 
 
 def _rng_json() -> dict:
@@ -190,7 +155,7 @@ class Checkpoints:
     # ---------------------------------------------------------------- save
     def save(self, step: int, ctx, extra: dict) -> Path:
         """Collective. ctx: the StepContext (policy, optim, reference); extra: JSON-able run state. Running out of
-        space raises OutOfSpace on every rank that sees it; the partial DIR/.tmp-step_*/ stays aside."""
+        space raises OutOfSpace on every rank that sees it, after the partial DIR/.tmp-step_*/ is removed."""
         tmp = self.root / f"{TMP}{self.name(step)}"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch DCP's deprecation notices about megatron's calls
@@ -200,14 +165,23 @@ class Checkpoints:
         try:
             return self._write(step, ctx, extra, sharded)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch DCP's failures are BaseExceptions
-            free = _free_bytes(tmp)
+            free = disk_space.free_bytes(tmp)
             if not _ran_out_of_space(e, free, needed):
                 raise
-            good = self.steps()
-            last = (f"the newest complete checkpoint is {self.root / self.name(good[0])}, and --resume continues "
-                    f"from it" if good else "no checkpoint was completed before it, so --resume starts from step 0")
-            raise OutOfSpace(f"writing checkpoint {tmp}: out of space ({_size(free)} free on its file system, the "
-                             f"checkpoint's tensors alone take about {_size(needed)}); {last}") from None
+            # rank 0 removes what got written once every rank that failed has measured the free space (the shard
+            # writes are collective, so all ranks fail there together; a failure in rank 0's own files meets the
+            # others at the barrier that ends a save)
+            _barrier()
+            if _rank_world()[0] == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise OutOfSpace(f"writing checkpoint {tmp}: out of space (the checkpoint's tensors alone take about "
+                             f"{disk_space.size(needed)}); "
+                             f"{disk_space.advice(self.root, self.keep, free, each=self._size_of_newest() or needed)}"
+                             ) from None
+
+    def _size_of_newest(self) -> int | None:
+        dirs = disk_space.checkpoint_dirs(self.root)
+        return disk_space.checkpoint_bytes(dirs[0]) if dirs else None
 
     def _write(self, step: int, ctx, extra: dict, sharded: dict) -> Path:
         """Every file of checkpoint `step` into DIR/.tmp-step_*/, then the manifest, then the rename. Collective."""

@@ -31,7 +31,7 @@ from moe_gspo.rollout.placement import EnginePlacement
 from moe_gspo.rewards import score_responses
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.tasks import CharTokenizer, Task, task_from_config
-from moe_gspo.train import data
+from moe_gspo.train import data, disk_space
 from moe_gspo.train.checkpoint import Checkpoints
 from moe_gspo.train.evaluate import check_eval_set, evaluate
 from moe_gspo.train.metrics import (MetricMean, MetricsWriter, Progress, StepTimer, WandbRun, reduce_across_ranks,
@@ -63,11 +63,15 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
     tok, task = preflight(cfg, task, roles)  # what needs nothing built, before the lock writes anything
     _check_run_dir(run_dir, resume, overwrite)
     with RunLock.held(run_dir, active=data.world_rank() == 0):  # one run per directory
-        run = Run.setup(cfg, run_dir, task, engine, init_state, resume, label, overwrite, roles, tok=tok)
-        m: dict[str, float] = {}
-        for step in range(run.start, cfg.train.steps):
-            m = rl_step(run, step)
-        run.close()
+        try:
+            run = Run.setup(cfg, run_dir, task, engine, init_state, resume, label, overwrite, roles, tok=tok)
+            m: dict[str, float] = {}
+            for step in range(run.start, cfg.train.steps):
+                m = rl_step(run, step)
+            run.close()
+        except Exception as e:
+            disk_space.reraise_out_of_space(e, run_dir, cfg.train.keep_checkpoints)  # a full disk: one line
+            raise
     _say(run.info, f"run directory: {run.dir} (metrics.jsonl, checkpoints/, tensorboard/)")
     return m
 
@@ -180,6 +184,8 @@ class Run:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
         start = ckpts.latest() if resume else 0
+        if start and info.rank == 0:
+            disk_space.check_room_to_resume(ckpts.root, cfg.train.keep_checkpoints)
         _say(info, f"run directory: {run_dir}")
         if cfg.checkpoint_overrides:
             _say(info, f"model.init_from={cfg.model.init_from} defines the architecture; it replaces the config's "

@@ -7,6 +7,7 @@ group the trainer passes (its own ranks, never a rollout engine's). Only the tra
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import math
@@ -227,6 +228,21 @@ def step_profile(run_dir: Path, step: int, enabled: bool, top: int = 30):
     trace.unlink()
 
 
+TENSORBOARD_ROOM = 1 << 20
+"""Free bytes TensorBoard's writer is started with at least. On a full disk its background thread fails on the
+event file's first record and prints that thread's traceback whatever the caller catches; this keeps it from
+starting there."""
+
+
+def _room_for_tensorboard(d: Path) -> None:
+    """OSError(ENOSPC) naming `d` when its file system has less than TENSORBOARD_ROOM free."""
+    p = d
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if shutil.disk_usage(p).free < TENSORBOARD_ROOM:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(d))
+
+
 class MetricsWriter:
     """metrics.jsonl (one line per step), tensorboard event files in the run directory and, with a W&B project,
     a Weights & Biases run; no-op off rank 0."""
@@ -237,6 +253,7 @@ class MetricsWriter:
         self.active, self.jsonl = active, jsonl
         self.tb = None
         if active and tensorboard:
+            _room_for_tensorboard(Path(run_dir) / "tensorboard")
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -267,7 +284,11 @@ class MetricsWriter:
             except json.JSONDecodeError:  # a line cut by a crash
                 continue
         tmp = self.path.with_name(f".{self.path.name}.tmp")  # whole or not at all: written aside, then renamed
-        tmp.write_text("".join(x + "\n" for x in keep))
+        try:
+            tmp.write_text("".join(x + "\n" for x in keep))
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk: nothing left beside the file, which is as it was
+            raise
         os.replace(tmp, self.path)
 
     def write(self, step: int, m: dict[str, float]) -> None:

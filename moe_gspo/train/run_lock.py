@@ -12,6 +12,7 @@ shared file systems that support it); ranks on other nodes never take it, only t
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import socket
 from contextlib import contextmanager
@@ -20,6 +21,36 @@ from pathlib import Path
 from moe_gspo.config import UserError
 
 NAME = ".lock"
+
+
+def stopped_at(run_dir: Path) -> tuple[int, int]:
+    """(the last step metrics.jsonl logged, the newest checkpoint's step) of RUN_DIR, 0 for none: where a run that
+    stopped without a word stands. Reads only; the checkpoint is the newest complete directory by name (a write is
+    renamed into place whole), not verified."""
+    from moe_gspo.train.checkpoint import Checkpoints
+
+    run_dir = Path(run_dir)
+    logged = 0
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                logged = max(logged, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):  # a line cut off by the stop
+                pass
+    except OSError:
+        pass
+    steps = Checkpoints(run_dir / "checkpoints").steps()
+    return logged, steps[0] if steps else 0
+
+
+def resume_hint(run_dir: Path, resume: str = "the same command with --resume") -> str:
+    """Where RUN_DIR stopped and how to continue, for the line of a run that stopped: "during step 3 of RUN_DIR;
+    <resume> continues from its checkpoint of step 2". `resume` names the command that continues."""
+    logged, ckpt = stopped_at(run_dir)
+    where = f"during step {logged + 1} of {run_dir}"
+    if ckpt:
+        return f"{where}; {resume} continues from its checkpoint of step {ckpt}"
+    return f"{where}; it has no checkpoint yet, so {resume} starts it over from step 0"
 
 
 class RunLock:

@@ -1,0 +1,122 @@
+"""A run's file system running out of space, said in one line wherever it happens: the checkpoint write, a resume's
+rewrite of metrics.jsonl, a metrics line, TensorBoard's event file.
+
+    err = enospc(e)                       # the OSError(ENOSPC) in an exception's chain, or None
+    advice(ckpt_root, keep, free)         # "9.1 MiB free on its file system; each checkpoint takes about ..."
+    raise OutOfSpace(...)                 # a UserError: one line, exit code 2
+
+The space a run needs is (train.keep_checkpoints + 1) checkpoints: the kept ones stay until the next one is complete.
+The size of one is read from the newest checkpoint's manifest.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+from moe_gspo.config import UserError
+
+
+class OutOfSpace(UserError, RuntimeError):
+    """A file of the run could not be written for lack of space (the message names the file or directory, the free
+    bytes, the space checkpoints need, and the checkpoint `--resume` continues from)."""
+
+
+def chain(e: BaseException) -> list[BaseException]:
+    """`e`, the exceptions it was raised from or while handling, and the per-rank failures a torch DCP
+    CheckpointException carries (its `failures`), with theirs."""
+    out, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is y for y in out):
+            continue
+        out.append(x)
+        failures = getattr(x, "failures", None)
+        failures = failures if isinstance(failures, dict) else {}
+        todo += [x.__cause__, x.__context__,
+                 *(f[0] for f in failures.values() if isinstance(f, tuple) and isinstance(f[0], BaseException))]
+    return out
+
+
+def enospc(e: BaseException) -> OSError | None:
+    """The OSError with errno ENOSPC in `e`'s chain, or None."""
+    return next((x for x in chain(e) if isinstance(x, OSError) and x.errno == errno.ENOSPC), None)
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of the file system holding `path` (or its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def size(n: float) -> str:
+    """`n` bytes as a person reads them: "0 bytes", "4.0 KiB", "9.8 MiB"."""
+    if n < 1024:
+        return f"{int(n)} bytes"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+
+
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """The complete checkpoint directories under ROOT (renamed into place whole), newest first."""
+    from moe_gspo.train.checkpoint import Checkpoints
+
+    ck = Checkpoints(root)
+    return [Path(root) / ck.name(s) for s in ck.steps()]
+
+
+def checkpoint_bytes(d: Path) -> int | None:
+    """Bytes of checkpoint directory `d`, from its manifest (the files it lists, plus the manifest); None when it
+    cannot be read."""
+    try:
+        files = json.loads((Path(d) / "manifest.json").read_text())["files"]
+        return sum(int(e["bytes"]) for e in files) + (Path(d) / "manifest.json").stat().st_size
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def advice(root: Path, keep: int, free: int, each: int | None = None) -> str:
+    """What a line about a full disk says after naming the file: the free space, what the checkpoints need
+    ((keep + 1) x one checkpoint, `each` bytes or the newest one's size) and where `--resume` continues from."""
+    dirs = checkpoint_dirs(root)
+    each = each if each is not None else (checkpoint_bytes(dirs[0]) if dirs else None)
+    need = (f"; each checkpoint takes about {size(each)}, and train.keep_checkpoints={keep} needs room for "
+            f"{keep + 1} of them (about {size((keep + 1) * each)}): the kept ones stay until the next is complete"
+            if each else "")
+    last = (f"the newest complete checkpoint is {dirs[0]}, and --resume continues from it" if dirs else
+            "no checkpoint was completed, so --resume starts from step 0")
+    return f"{size(free)} free on its file system{need}; {last}"
+
+
+def check_room_to_resume(root: Path, keep: int) -> None:
+    """Before a run resumes from the checkpoints in ROOT: remove the partial `.tmp-*` directories an earlier write
+    left, then raise OutOfSpace when the file system cannot hold one more checkpoint of the newest one's size (the
+    first checkpoint the resumed run writes would fail after its steps were computed). For the process that holds
+    the run's lock."""
+    from moe_gspo.train.checkpoint import TMP
+
+    root = Path(root)
+    for p in root.glob(f"{TMP}*"):
+        shutil.rmtree(p, ignore_errors=True)
+    dirs = checkpoint_dirs(root)
+    each = checkpoint_bytes(dirs[0]) if dirs else None
+    free = free_bytes(root)
+    if each and free < each:
+        raise OutOfSpace(f"resuming {root.parent}: out of space for its next checkpoint; {advice(root, keep, free)}")
+
+
+def reraise_out_of_space(e: BaseException, run_dir: Path, keep: int) -> None:
+    """Raise OutOfSpace, one line naming the file, for an exception whose chain holds an OSError(ENOSPC) (a metrics
+    line, TensorBoard's event file, the rewrite of metrics.jsonl); return for any other (a bug keeps its traceback)."""
+    full = enospc(e)
+    if full is None or isinstance(e, OutOfSpace):
+        return
+    where = full.filename or run_dir
+    raise OutOfSpace(f"writing {where}: out of space; {advice(Path(run_dir) / 'checkpoints', keep, free_bytes(Path(where)))}") \
+        from None

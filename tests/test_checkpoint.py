@@ -219,6 +219,25 @@ def test_crafted_tensor_blob_is_refused_naming_its_file(tmp_path, trained):
     assert msg.startswith(f"{f}: refused by torch.load(weights_only=True)") and "\n" not in msg, msg
 
 
+def test_a_crafted_tensor_blob_in_the_newest_checkpoint_falls_back_to_the_one_before(tmp_path, trained):
+    said = []
+    ck = Checkpoints(tmp_path, keep=3, log=said.append)
+    ck.save(1, trained, {"step": 1})
+    ck.save(2, trained, {"step": 2})
+    marker = tmp_path / "payload_ran"
+    f = _craft_tensor_blob(tmp_path / "step_00000002", marker)
+    fresh = _ctx(seed=5)
+    assert ck.latest() == 2  # it verifies: only loading can tell
+    step, state = ck.load_newest(2, fresh)
+    assert (step, state["step"]) == (1, 1)
+    assert said == [f"warning: skipping checkpoint {tmp_path / 'step_00000002'}: {f}: refused by "
+                    f"torch.load(weights_only=True)" + said[0].split("torch.load(weights_only=True)", 1)[1]]
+    assert "\n" not in said[0]
+    for (n, a), (_, b) in zip(trained.policy.gpt.named_parameters(), fresh.policy.gpt.named_parameters()):
+        assert torch.equal(a, b), n
+    assert not marker.exists(), "a tensor blob ran code"
+
+
 @pytest.mark.slow
 def test_resume_from_a_crafted_checkpoint_is_one_line_and_runs_nothing(tmp_path):
     """`moe-gspo train --resume`: a crafted `.metadata` in the newest checkpoint is reported and skipped (the run

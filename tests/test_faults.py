@@ -133,3 +133,23 @@ def test_under_plain_torchrun_the_surviving_rank_says_where_the_run_stopped(tmp_
         f"names that rank; a scheduler sends it before preemption) during step 3 of {run}; the same command with "
         "--resume continues from its checkpoint of step 2"], r.stderr[-4000:]
     assert re.search(r"rank\s*:\s*1 .*\n.*exitcode\s*:\s*-9", r.stderr), r.stderr[-4000:]
+
+
+@pytest.mark.parametrize("command", [["compare", "--config", "configs/compare_tiny_cpu.yaml"],
+                                     ["study", "volatility", "--config", "configs/study_volatility_cpu.yaml"]])
+def test_a_comparison_or_study_in_a_held_directory_is_refused_in_one_line(tmp_path, capsys, monkeypatch, command):
+    from moe_gspo.cli import main
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "out"
+    holder = _hold(out)
+    try:
+        assert main([*command, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].endswith(f"error: run directory {out} is in use by pid {holder.pid} on {socket.gethostname()} "
+                                "(another train, --resume or --overwrite there is refused until it ends; choose "
+                                "another --out / train.out_dir)"), err
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()

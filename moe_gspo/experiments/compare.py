@@ -192,36 +192,39 @@ def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: b
     if (out / "compare.json").exists() and not (overwrite or resume):
         raise ConfigError(f"{out} holds a previous comparison (compare.json): pass --resume to keep its finished "
                           f"runs and run the rest, --overwrite to replace it, or choose another --out")
+    from moe_gspo.train.data import world_rank
     from moe_gspo.train.loop import writable_dir
+    from moe_gspo.train.run_lock import RunLock
 
     writable_dir(out, "--out directory")
-    seed_list = [config_from_dict(copy.deepcopy(base)).train.seed + i for i in range(settings.seeds)]
-    plan, files = plan_jobs(out, base, variants, seed_list)
-    kept_cold, kept_runs = reusable_work(plan, files, base) if resume else ({}, {})
-    if resume:
-        _say(f"--resume: keeping {len(kept_cold)} of {len(files)} cold start(s) and {len(kept_runs)} of "
-             f"{len(plan)} runs finished in {out} under this config")
-    todo = [job for job in plan if job.label not in kept_runs]
-    todo_files = {f: cfg for f, cfg in files.items() if f.name not in kept_cold}
-    t0 = time.perf_counter()
-    threads = max(1, _thread_budget() // jobs)
-    if kept_runs and todo:
-        _warn_on_thread_change(kept_runs, threads, len(todo))
-    separate = any(run_config(base, j.overrides, j.seed).rollout.placement == "separate" for j in todo)
-    if jobs == 1 and not separate:
-        cold_s, walls = _run_in_process(todo, todo_files, base)
-    else:
-        cold_s, walls = _run_in_processes(todo, todo_files, base, jobs, threads)
-    cold_s = {f.name: kept_cold.get(f.name, cold_s.get(f.name)) for f in files}
-    walls = {job.label: kept_runs[job.label]["seconds"] if job.label in kept_runs else walls.get(job.label)
-             for job in plan}
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return out / "report.html"
-    meta = {"variants": variants, "seeds": seed_list, "jobs": jobs, "threads_per_run": threads,
-            "settings": dataclasses.asdict(settings), "wall_seconds": walls, "cold_start_seconds": cold_s,
-            "total_seconds": time.perf_counter() - t0}
-    (out / "compare.json").write_text(json.dumps(meta, indent=1))
-    return write_compare_report(out, list(variants), walls)
+    with RunLock.held(out, active=world_rank() == 0):  # one comparison per directory, as one run per run directory
+        seed_list = [config_from_dict(copy.deepcopy(base)).train.seed + i for i in range(settings.seeds)]
+        plan, files = plan_jobs(out, base, variants, seed_list)
+        kept_cold, kept_runs = reusable_work(plan, files, base) if resume else ({}, {})
+        if resume:
+            _say(f"--resume: keeping {len(kept_cold)} of {len(files)} cold start(s) and {len(kept_runs)} of "
+                 f"{len(plan)} runs finished in {out} under this config")
+        todo = [job for job in plan if job.label not in kept_runs]
+        todo_files = {f: cfg for f, cfg in files.items() if f.name not in kept_cold}
+        t0 = time.perf_counter()
+        threads = max(1, _thread_budget() // jobs)
+        if kept_runs and todo:
+            _warn_on_thread_change(kept_runs, threads, len(todo))
+        separate = any(run_config(base, j.overrides, j.seed).rollout.placement == "separate" for j in todo)
+        if jobs == 1 and not separate:
+            cold_s, walls = _run_in_process(todo, todo_files, base)
+        else:
+            cold_s, walls = _run_in_processes(todo, todo_files, base, jobs, threads)
+        cold_s = {f.name: kept_cold.get(f.name, cold_s.get(f.name)) for f in files}
+        walls = {job.label: kept_runs[job.label]["seconds"] if job.label in kept_runs else walls.get(job.label)
+                 for job in plan}
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return out / "report.html"
+        meta = {"variants": variants, "seeds": seed_list, "jobs": jobs, "threads_per_run": threads,
+                "settings": dataclasses.asdict(settings), "wall_seconds": walls, "cold_start_seconds": cold_s,
+                "total_seconds": time.perf_counter() - t0}
+        (out / "compare.json").write_text(json.dumps(meta, indent=1))
+        return write_compare_report(out, list(variants), walls)
 
 
 def _comparable(config: dict) -> dict:

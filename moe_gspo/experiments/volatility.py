@@ -285,6 +285,7 @@ def run_volatility_study(config_path, out_dir, overrides=None, overwrite: bool =
     import torch.distributed as dist
 
     from moe_gspo.report.volatility_study import write_study_report
+    from moe_gspo.train.run_lock import RunLock
 
     raw, study, grid = read_study_config(config_path, overrides)
     jobs = study.jobs if jobs is None else jobs
@@ -296,36 +297,37 @@ def run_volatility_study(config_path, out_dir, overrides=None, overwrite: bool =
     if (out / "study.json").exists() and not overwrite:
         raise ConfigError(f"{out} holds a previous study (study.json): pass --overwrite to replace it or choose "
                           f"another --out")
-    groups = plan_groups(grid)
-    threads = max(1, torch.get_num_threads() // jobs)
-    load_start = _load_average()
-    t0 = time.perf_counter()
-    if jobs == 1:
-        results = [run_group(raw, g, grid.steps, out) for g in groups]
-    else:
-        results = _run_in_processes(raw, groups, grid.steps, out, jobs, threads)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return out / "report.html"
-    walls = {k: v for r in results for k, v in r["walls"].items()}
-    loads = [x for r in results for x in r["loads"]]
-    own = config_from_dict(copy.deepcopy(raw)).model
-    own = (own.num_experts, own.num_experts_per_tok, own.moe_intermediate_size)
-    meta = {"points": [{"name": p.name, "depth": p.depth, "lr": p.lr, "minibatches": p.minibatches,
-                        **dict(zip(MOE_KEYS, p.moe or own))} for p in grid.points],
-            "granularity": {"depths": list(study.granularity_depths or (grid.base.depth,)),
-                            "experts": list(study.experts), "top_ks": list(study.top_ks)} if study.experts else None,
-            "base": dataclasses.asdict(grid.base) | dict(zip(MOE_KEYS, own)), "seeds": list(grid.seeds),
-            "steps": grid.steps,
-            "study": dataclasses.asdict(study),
-            "wall_seconds": {f"{p.name}/seed_{s}": walls[f"{p.name}/seed_{s}"] for s in grid.seeds
-                             for p in grid.points},
-            "cold_start_seconds": {k: v for r in results for k, v in r["cold"].items()},
-            "total_seconds": time.perf_counter() - t0, "cpu_seconds": sum(r["cpu"] for r in results),
-            "jobs": jobs, "threads": threads, "cpus": os.cpu_count(),
-            "load_average": {"start": load_start, "end": _load_average(),
-                             "mean_over_runs": sum(loads) / len(loads) if loads else None}}
-    (out / "study.json").write_text(json.dumps(meta, indent=1))
-    return write_study_report(out)
+    with RunLock.held(out, active=data.world_rank() == 0):  # one study per directory, as one run per run directory
+        groups = plan_groups(grid)
+        threads = max(1, torch.get_num_threads() // jobs)
+        load_start = _load_average()
+        t0 = time.perf_counter()
+        if jobs == 1:
+            results = [run_group(raw, g, grid.steps, out) for g in groups]
+        else:
+            results = _run_in_processes(raw, groups, grid.steps, out, jobs, threads)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return out / "report.html"
+        walls = {k: v for r in results for k, v in r["walls"].items()}
+        loads = [x for r in results for x in r["loads"]]
+        own = config_from_dict(copy.deepcopy(raw)).model
+        own = (own.num_experts, own.num_experts_per_tok, own.moe_intermediate_size)
+        meta = {"points": [{"name": p.name, "depth": p.depth, "lr": p.lr, "minibatches": p.minibatches,
+                            **dict(zip(MOE_KEYS, p.moe or own))} for p in grid.points],
+                "granularity": {"depths": list(study.granularity_depths or (grid.base.depth,)),
+                                "experts": list(study.experts), "top_ks": list(study.top_ks)} if study.experts else None,
+                "base": dataclasses.asdict(grid.base) | dict(zip(MOE_KEYS, own)), "seeds": list(grid.seeds),
+                "steps": grid.steps,
+                "study": dataclasses.asdict(study),
+                "wall_seconds": {f"{p.name}/seed_{s}": walls[f"{p.name}/seed_{s}"] for s in grid.seeds
+                                 for p in grid.points},
+                "cold_start_seconds": {k: v for r in results for k, v in r["cold"].items()},
+                "total_seconds": time.perf_counter() - t0, "cpu_seconds": sum(r["cpu"] for r in results),
+                "jobs": jobs, "threads": threads, "cpus": os.cpu_count(),
+                "load_average": {"start": load_start, "end": _load_average(),
+                                 "mean_over_runs": sum(loads) / len(loads) if loads else None}}
+        (out / "study.json").write_text(json.dumps(meta, indent=1))
+        return write_study_report(out)
 
 
 def _run_in_processes(raw: dict, groups: list[Group], steps: int, out: Path, jobs: int, threads: int) -> list[dict]:

@@ -105,6 +105,10 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint directory is incomplete, corrupt or unsafe (the message says which file and why)."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file holds content the restricted readers refuse to load (a pickle that would run code)."""
+
+
 def _ran_out_of_space(e: BaseException, free: int, needed: int) -> bool:
     """Whether the failed checkpoint write `e` ran out of space. Python's own writes (torch DCP's `.metadata`,
     megatron's metadata.json, the files rank 0 writes here) raise an OSError with errno ENOSPC. torch's C++ writers
@@ -286,11 +290,13 @@ class Checkpoints:
                     from None
         return manifest
 
-    def latest(self) -> int:
-        """Newest verified checkpoint step (reporting and skipping bad ones), 0 when none. Collective: every rank
-        checks a share of each candidate's files; rank 0 reports."""
+    def latest(self, below: int | None = None) -> int:
+        """Newest verified checkpoint step (reporting and skipping bad ones), 0 when none; with `below`, the newest
+        before that step. Collective: every rank checks a share of each candidate's files; rank 0 reports."""
         rank, world = _rank_world()
         for s in self.steps():
+            if below is not None and s >= below:
+                continue
             try:
                 self.verify(s, (rank, world))
                 err = None
@@ -311,7 +317,7 @@ class Checkpoints:
         try:
             return sharded_io.tensor_keys(d / SHARDS)
         except sharded_io.UnsafeCheckpoint as e:
-            raise CheckpointError(str(e)) from None
+            raise UnsafeCheckpointError(str(e)) from None
 
     def _load_shards(self, d: Path, sharded: dict) -> dict:
         try:
@@ -321,7 +327,7 @@ class Checkpoints:
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - megatron / torch DCP errors
             unsafe = sharded_io.failure_in(e)
             if unsafe is not None:
-                raise CheckpointError(str(unsafe)) from None
+                raise UnsafeCheckpointError(str(unsafe)) from None
             failures = [exc for exc, _trace in getattr(e, "failures", {}).values()]
             raise CheckpointError(f"{d / SHARDS}: does not fit this model ({_first_line(failures[0] if failures else e)})") \
                 from None
@@ -334,6 +340,23 @@ class Checkpoints:
         self._index(d)
         out = self._load_shards(d, {"model": policy.gpt.sharded_state_dict()})
         _load_module(policy.gpt, out["model"], d)
+
+    def load_newest(self, step: int, ctx) -> tuple[int, dict]:
+        """Load checkpoint `step` (from `latest()`) into ctx; if it is refused for unsafe content, which only loading
+        can tell (a tensor blob that is a crafted pickle), report it and load the next older verified checkpoint,
+        as `latest()` does for every other damage. (step loaded, its state.json); the last refusal's
+        CheckpointError when no older checkpoint is left. Collective: torch DCP hands a read's failure to every
+        rank, so all ranks fall back together. Nothing is assigned to ctx before a checkpoint's tensors are read."""
+        while True:
+            try:
+                return step, self.load(step, ctx)
+            except UnsafeCheckpointError as e:
+                older = self.latest(below=step)
+                if not older:
+                    raise
+                if _rank_world()[0] == 0:
+                    self.log(f"warning: skipping checkpoint {self.root / self.name(step)}: {e}")
+                step = older
 
     def load(self, step: int, ctx) -> dict:
         """Load checkpoint `step` into ctx (policy, optimizer, schedule, reference, RNG) at this run's layout;

@@ -206,7 +206,7 @@ class Run:
         optim = Optimizer.from_config(ddp, policy, cfg.train, total_steps=cfg.train.steps * cfg.train.minibatches)
         ctx = StepContext(policy, optim, cfg, replay, tracker, groups, reference)
         if start:
-            ckpts.load(start, ctx)
+            start, _ = ckpts.load_newest(start, ctx)  # one refused for unsafe content falls back to the one before
             _say(info, f"resumed from {ckpts.root / ckpts.name(start)}")
         placement = None
         if roles is not None:  # the engines live on their own ranks: build them from this version

@@ -24,7 +24,8 @@ keeps, in the engine's dtype and in bucket-bounded rounds (moe_gspo.rollout.shar
 rank from the config and the trainer coordinates of the handshake). No trainer rank gathers the model and none
 relays another's weights, so a push costs each trainer rank what it holds, not the model.
 Every operation on them waits at most rollout.bridge_timeout_s; a peer that dies or stalls ends the job with one
-line naming this rank, the peer and what was waited for (BridgeError).
+line naming this rank, the peer, what was waited for, what happened (the peer's connection closed, or no answer
+within the timeout) and after how many seconds (BridgeError).
 """
 
 from __future__ import annotations
@@ -114,13 +115,28 @@ def split_job(rc) -> Roles:
 
 
 def wait(work, what: str, peer: str, roles: Roles) -> None:
-    """Wait for one bridge operation; a dead or stalled peer becomes a BridgeError naming both ranks."""
+    """Wait for one bridge operation; a dead or stalled peer becomes a BridgeError naming both sides, what happened
+    (the peer's connection closed, or no answer within the timeout) and how long this rank waited."""
+    t0 = time.monotonic()
     try:
         work.wait()
     except RuntimeError as e:
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BridgeError(f"{what} with {peer} failed after at most rollout.bridge_timeout_s={roles.timeout_s:g} s "
-                          f"(a rank died or stalled): {cause[:300]}") from None
+        took = time.monotonic() - t0
+        text = str(e).strip()
+        cause = text.splitlines()[0][:300] if text else type(e).__name__
+        raise BridgeError(f"{what} with {peer}: {_what_happened(text, roles)}, after {took:.1f} s of waiting "
+                          f"({cause})") from None
+
+
+def _what_happened(text: str, roles: Roles) -> str:
+    """gloo's failure text, said as what a user reads it for."""
+    low = text.lower()
+    if "timed out" in low or "timeout" in low:
+        return (f"no answer within rollout.bridge_timeout_s={roles.timeout_s:g} s (the peer stalled, or its step "
+                "takes longer: raise the timeout)")
+    if any(w in low for w in ("closed", "reset", "aborted", "broken pipe", "terminated")):
+        return "the peer's connection closed (that rank died or left)"
+    return "failed"
 
 
 # ------------------------------------------------------------------------------------------------- handshake

@@ -187,7 +187,8 @@ def dead_rank_line(command: str, rank: int, failure, where: str | None) -> str:
     cause = SIGNAL_CAUSES.get(sig)
     import socket
 
-    msg = f"rank {rank} (pid {failure.pid} on {socket.gethostname()}) was killed by {sig}{f' ({cause})' if cause else ''}"
+    msg = f"rank {rank} (pid {failure.pid} on {socket.gethostname()}) was killed by {sig}"
+    msg += f" ({cause})" if cause else ""
     return error_line(command, f"{msg} {where}" if where else msg)
 
 

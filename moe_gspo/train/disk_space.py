@@ -2,7 +2,7 @@
 rewrite of metrics.jsonl, a metrics line, TensorBoard's event file.
 
     err = enospc(e)                       # the OSError(ENOSPC) in an exception's chain, or None
-    advice(ckpt_root, keep, free)         # "9.1 MiB free on its file system; each checkpoint takes about ..."
+    advice(ckpts, free)                   # "9.1 MiB free on its file system; each checkpoint takes about ..."
     raise OutOfSpace(...)                 # a UserError: one line, exit code 2
 
 The space a run needs is (train.keep_checkpoints + 1) checkpoints: the kept ones stay until the next one is complete.
@@ -63,12 +63,9 @@ def size(n: float) -> str:
             return f"{n:.1f} {unit}"
 
 
-def checkpoint_dirs(root: Path) -> list[Path]:
-    """The complete checkpoint directories under ROOT (renamed into place whole), newest first."""
-    from moe_gspo.train.checkpoint import Checkpoints
-
-    ck = Checkpoints(root)
-    return [Path(root) / ck.name(s) for s in ck.steps()]
+def checkpoint_dirs(ckpts) -> list[Path]:
+    """The complete checkpoint directories of `ckpts` (a checkpoint.Checkpoints), newest first."""
+    return [ckpts.root / ckpts.name(s) for s in ckpts.steps()]
 
 
 def checkpoint_bytes(d: Path) -> int | None:
@@ -81,10 +78,12 @@ def checkpoint_bytes(d: Path) -> int | None:
         return None
 
 
-def advice(root: Path, keep: int, free: int, each: int | None = None) -> str:
-    """What a line about a full disk says after naming the file: the free space, what the checkpoints need
-    ((keep + 1) x one checkpoint, `each` bytes or the newest one's size) and where `--resume` continues from."""
-    dirs = checkpoint_dirs(root)
+def advice(ckpts, free: int, each: int | None = None) -> str:
+    """What a line about a full disk says after naming the file: the free space, what the checkpoints of `ckpts`
+    (a checkpoint.Checkpoints) need ((keep + 1) x one checkpoint, `each` bytes or the newest one's size) and where
+    `--resume` continues from."""
+    keep = ckpts.keep
+    dirs = checkpoint_dirs(ckpts)
     each = each if each is not None else (checkpoint_bytes(dirs[0]) if dirs else None)
     need = (f"; each checkpoint takes about {size(each)}, and train.keep_checkpoints={keep} needs room for "
             f"{keep + 1} of them (about {size((keep + 1) * each)}): the kept ones stay until the next is complete"
@@ -94,29 +93,26 @@ def advice(root: Path, keep: int, free: int, each: int | None = None) -> str:
     return f"{size(free)} free on its file system{need}; {last}"
 
 
-def check_room_to_resume(root: Path, keep: int) -> None:
-    """Before a run resumes from the checkpoints in ROOT: remove the partial `.tmp-*` directories an earlier write
-    left, then raise OutOfSpace when the file system cannot hold one more checkpoint of the newest one's size (the
-    first checkpoint the resumed run writes would fail after its steps were computed). For the process that holds
-    the run's lock."""
-    from moe_gspo.train.checkpoint import TMP
-
-    root = Path(root)
-    for p in root.glob(f"{TMP}*"):
+def check_room_to_resume(ckpts, tmp_prefix: str) -> None:
+    """Before a run resumes from `ckpts` (a checkpoint.Checkpoints): remove the partial directories (`tmp_prefix`*)
+    an earlier write left, then raise OutOfSpace when the file system cannot hold one more checkpoint of the newest
+    one's size (the first checkpoint the resumed run writes would fail after its steps were computed). For the
+    process that holds the run's lock."""
+    for p in ckpts.root.glob(f"{tmp_prefix}*"):
         shutil.rmtree(p, ignore_errors=True)
-    dirs = checkpoint_dirs(root)
+    dirs = checkpoint_dirs(ckpts)
     each = checkpoint_bytes(dirs[0]) if dirs else None
-    free = free_bytes(root)
+    free = free_bytes(ckpts.root)
     if each and free < each:
-        raise OutOfSpace(f"resuming {root.parent}: out of space for its next checkpoint; {advice(root, keep, free)}")
+        raise OutOfSpace(f"resuming {ckpts.root.parent}: out of space for its next checkpoint; {advice(ckpts, free)}")
 
 
-def reraise_out_of_space(e: BaseException, run_dir: Path, keep: int) -> None:
+def reraise_out_of_space(e: BaseException, run_dir: Path, ckpts) -> None:
     """Raise OutOfSpace, one line naming the file, for an exception whose chain holds an OSError(ENOSPC) (a metrics
-    line, TensorBoard's event file, the rewrite of metrics.jsonl); return for any other (a bug keeps its traceback)."""
+    line, TensorBoard's event file, the rewrite of metrics.jsonl); return for any other (a bug keeps its traceback).
+    `ckpts`: the run's checkpoint.Checkpoints."""
     full = enospc(e)
     if full is None or isinstance(e, OutOfSpace):
         return
     where = full.filename or run_dir
-    raise OutOfSpace(f"writing {where}: out of space; {advice(Path(run_dir) / 'checkpoints', keep, free_bytes(Path(where)))}") \
-        from None
+    raise OutOfSpace(f"writing {where}: out of space; {advice(ckpts, free_bytes(Path(where)))}") from None

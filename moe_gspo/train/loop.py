@@ -32,7 +32,7 @@ from moe_gspo.rewards import score_responses
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.tasks import CharTokenizer, Task, task_from_config
 from moe_gspo.train import data, disk_space
-from moe_gspo.train.checkpoint import Checkpoints
+from moe_gspo.train.checkpoint import TMP, Checkpoints
 from moe_gspo.train.evaluate import check_eval_set, evaluate
 from moe_gspo.train.metrics import (MetricMean, MetricsWriter, Progress, StepTimer, WandbRun, reduce_across_ranks,
                                     step_profile)
@@ -70,7 +70,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
                 m = rl_step(run, step)
             run.close()
         except Exception as e:
-            disk_space.reraise_out_of_space(e, run_dir, cfg.train.keep_checkpoints)  # a full disk: one line
+            ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+            disk_space.reraise_out_of_space(e, run_dir, ckpts)  # a full disk: one line
             raise
     _say(run.info, f"run directory: {run.dir} (metrics.jsonl, checkpoints/, tensorboard/)")
     return m
@@ -185,7 +186,7 @@ class Run:
         ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
         start = ckpts.latest() if resume else 0
         if start and info.rank == 0:
-            disk_space.check_room_to_resume(ckpts.root, cfg.train.keep_checkpoints)
+            disk_space.check_room_to_resume(ckpts, TMP)
         _say(info, f"run directory: {run_dir}")
         if cfg.checkpoint_overrides:
             _say(info, f"model.init_from={cfg.model.init_from} defines the architecture; it replaces the config's "

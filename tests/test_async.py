@@ -267,7 +267,7 @@ def _run(*args, **kw):
 
 
 def _equal(sep, col, tol):
-    assert len(sep) == len(col) == 3
+    assert len(sep) == len(col) == 2
     for s, c in zip(sep, col):
         keys = [k for k in c if not k.startswith(("time/", "perf/", "engine/"))]
         assert keys and all(abs(s[k] - c[k]) <= tol * max(1.0, abs(c[k])) for k in keys), \
@@ -279,18 +279,18 @@ def _equal(sep, col, tol):
 def test_separate_synchronous_equals_colocated(tmp_path):
     """A trainer of two expert-parallel ranks (EP=2, so two data-parallel ranks) and one vLLM engine rank serving
     both, at max_staleness 0 (fp32 engine, GRPO + R3 + TIS), log what the colocated run of the same trainer logs,
-    step for step (1e-6; timings and the engine's placement aside): the prompts, the seeds, the weights each batch
+    step for step over two steps (the second sampled by pushed weights) (1e-6; timings and the engine's placement aside): the prompts, the seeds, the weights each batch
     is sampled with and the routing replayed all cross the bridge intact. The weights go shard to shard: each
     trainer rank sends its own experts and the dense weights it holds, and no rank gathers the model. So does one
     engine tensor-parallel over two engine ranks, each receiving only its vLLM regions, its experts resharded from
     the trainer's expert split to vLLM's intermediate split on the way (1e-5: TP's reduction order moves a
     log-prob by ~1e-7; at these seeds no sampled token changes)."""
-    _run(tmp_path / "col", "train.steps=3", "parallel.ep=2", nproc=2)
+    _run(tmp_path / "col", "train.steps=2", "parallel.ep=2", nproc=2)
     col = records(tmp_path / "col")
-    _run(tmp_path / "sep", "train.steps=3", "parallel.ep=2", *SEPARATE, nproc=3)
+    _run(tmp_path / "sep", "train.steps=2", "parallel.ep=2", *SEPARATE, nproc=3)
     sep = records(tmp_path / "sep")
     _equal(sep, col, 1e-6)
-    _run(tmp_path / "tp2", "train.steps=3", "parallel.ep=2", "rollout.placement=separate", "rollout.engine_ranks=2",
+    _run(tmp_path / "tp2", "train.steps=2", "parallel.ep=2", "rollout.placement=separate", "rollout.engine_ranks=2",
          "rollout.engine_tp=2", nproc=4)
     _equal(records(tmp_path / "tp2"), col, 1e-5)
     from moe_gspo.config import load_config

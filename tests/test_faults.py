@@ -153,3 +153,32 @@ def test_a_comparison_or_study_in_a_held_directory_is_refused_in_one_line(tmp_pa
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.slow
+def test_a_run_killed_at_any_point_resumes_to_the_uninterrupted_run(tmp_path):
+    """SIGKILL during step 3 of a one-process run (checkpoints after every step): while sampling, between two
+    optimizer updates, after its metrics line, and after its shards but before its manifest. `--resume` continues
+    from step 2's checkpoint (the partial one is never taken), rewrites metrics.jsonl from there, and every metric of
+    steps 1-4 equals the uninterrupted run's."""
+    from helpers import records, strip_timing, tiny_cfg
+
+    from moe_gspo.train.loop import train
+
+    over = ["rollout.reward=tests/data/spread_reward.py:compute_score", "train.cold_start_steps=0",
+            "train.lr=0.003", "train.checkpoint_every=1", "train.steps=4"]
+    points = ["rollout", "update", "logged", "checkpoint"]
+    r = subprocess.run([sys.executable, "tests/dist/kill_points.py", str(tmp_path), ",".join(points), *TINY, *over],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    cfg = tiny_cfg(*over)
+    train(cfg, run_dir=tmp_path / "ref")
+    ref = [strip_timing(x) for x in records(tmp_path / "ref")]
+    for point in points:
+        run = tmp_path / point
+        logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert logged == ([1, 2, 3] if point in ("logged", "checkpoint") else [1, 2]), (point, logged)
+        assert (run / "checkpoints" / ".tmp-step_00000003").is_dir() == (point == "checkpoint"), point
+        train(cfg, run_dir=run, resume=True)
+        assert [strip_timing(x) for x in records(run)] == ref, point
+        assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step_00000004"

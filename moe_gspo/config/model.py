@@ -10,11 +10,22 @@ from typing import ClassVar
 from moe_gspo.config.checks import ConfigError, choice, positive
 
 
+FAMILIES = ("qwen3_moe", "mixtral")
+"""The model families a policy can be (Hugging Face model_type names)."""
+
+
 @dataclass
 class ModelConfig:
-    """Qwen3-MoE architecture (names follow transformers' Qwen3MoeConfig)."""
+    """An MoE decoder architecture: Qwen3-MoE's fields (names follow transformers' Qwen3MoeConfig), and `family`
+    for what differs in the other families."""
 
     SECTION: ClassVar[str] = "model"
+
+    family: str = "qwen3_moe"
+    """The model family (transformers' model_type): 'qwen3_moe' (Qwen3-MoE: per-head RMSNorm on queries and keys,
+    softmax router) or 'mixtral' (Mixtral: no query/key norm, top-k of the router logits then their softmax, which
+    is the softmax renormalized over the top k; experts named w1/w3/w2 in its checkpoints). A checkpoint's
+    config.json (model.init_from) sets it."""
 
     vocab_size: int = 128
     """Vocabulary size (rows of the embedding and of the LM head)."""
@@ -81,8 +92,8 @@ class ModelConfig:
     input shape compiles on its first forward and backward (about a minute at configs/tiny_cpu.yaml, one thread).
     Needs parallel.tp = parallel.ep = 1. See docs/performance.md for what it gains."""
     init_from: str | None = None
-    """A Hugging Face Qwen3-MoE checkpoint directory to start from: its config.json defines the architecture (the
-    fields above from vocab_size to initializer_range; values set here that disagree are replaced, and the run says
+    """A Hugging Face checkpoint directory of one of the families to start from: its config.json defines the
+    architecture (family and the fields above from vocab_size to initializer_range; values set here that disagree are replaced, and the run says
     which), its weights the initial policy, and its tokenizer, when it has one, the run's tokenizer."""
 
     def __post_init__(self):
@@ -94,6 +105,10 @@ class ModelConfig:
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                               f"model.num_experts={self.num_experts}")
+        choice(self, "family", FAMILIES)
+        if self.family == "mixtral" and not self.norm_topk_prob:
+            raise ConfigError("model.norm_topk_prob=false with model.family='mixtral': Mixtral's router always "
+                              "normalizes over the top k (its softmax is taken over the top-k logits)")
         choice(self, "params_dtype", ("float32", "bfloat16"))
         choice(self, "spec", ("local", "te"))
         if self.attention is None:
@@ -116,11 +131,16 @@ class ModelConfig:
                                   "model.compile=false")
 
 
+    @property
+    def qk_norm(self) -> bool:
+        """Whether attention normalizes each head's queries and keys (RMSNorm over head_dim) before rotary."""
+        return self.family == "qwen3_moe"
+
     def parameter_counts(self) -> tuple[int, int]:
         """(total, active per token) parameter counts of this architecture, embeddings and LM head included;
         active counts num_experts_per_tok of the num_experts experts in every layer."""
         H, d, nq, ng = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
-        attention = H * (nq + 2 * ng) * d + nq * d * H + 2 * d  # q, k, v, o, q/k norms
+        attention = H * (nq + 2 * ng) * d + nq * d * H + (2 * d if self.qk_norm else 0)  # q, k, v, o, q/k norms
         shared = attention + 2 * H + self.num_experts * H  # + the two layer norms and the router
         expert = 3 * H * self.moe_intermediate_size  # gate, up, down
         outside = self.vocab_size * H * (1 if self.tie_word_embeddings else 2) + H  # embedding, head, final norm
@@ -163,32 +183,44 @@ def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{f}: invalid JSON ({e})") from None
     mt = c.get("model_type")
-    if mt != "qwen3_moe":
-        raise ConfigError(f"{f}: model_type={mt!r}, architectures={c.get('architectures')}; "
-                          f"moe-gspo loads Qwen3-MoE checkpoints (model_type 'qwen3_moe') only")
+    if mt not in FAMILIES:
+        raise ConfigError(f"{f}: model_type={mt!r}, architectures={c.get('architectures')}; moe-gspo loads "
+                          f"{', '.join(FAMILIES)} checkpoints")
     if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
         raise ConfigError(f"{f}: dense layers (mlp_only_layers / decoder_sparse_step) are not supported")
+    if c.get("sliding_window") is not None and (mt == "mixtral" or c.get("use_sliding_window")):
+        raise ConfigError(f"{f}: sliding_window={c['sliding_window']}: sliding-window attention is not implemented "
+                          "(every token attends to all before it)")
+    if c.get("router_jitter_noise"):
+        raise ConfigError(f"{f}: router_jitter_noise={c['router_jitter_noise']}: the router's training-time jitter "
+                          "is not implemented (set it to 0 to train without it)")
     rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
     base = overrides or ModelConfig()
     try:
+        if mt == "mixtral":  # Mixtral's names for the same fields; its router always renormalizes
+            family = dict(num_experts=c["num_local_experts"], moe_intermediate_size=c["intermediate_size"],
+                          norm_topk_prob=True)
+        else:
+            family = dict(num_experts=c.get("num_experts") or c["num_local_experts"],
+                          moe_intermediate_size=c["moe_intermediate_size"],
+                          norm_topk_prob=bool(c.get("norm_topk_prob", False)))
         return ModelConfig(
-            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_hidden_layers"],
-            num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
+            family=mt, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
+            num_key_value_heads=c["num_key_value_heads"],
             head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-            num_experts=c.get("num_experts") or c["num_local_experts"],
-            num_experts_per_tok=c["num_experts_per_tok"], moe_intermediate_size=c["moe_intermediate_size"],
-            norm_topk_prob=bool(c.get("norm_topk_prob", False)), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            num_experts_per_tok=c["num_experts_per_tok"], rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope), max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             initializer_range=c.get("initializer_range", 0.02), params_dtype=base.params_dtype,
             spec=base.spec, attention=base.attention, experts=base.experts, compile=base.compile,
             moe_router_load_balancing_type=base.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=base.moe_aux_loss_coeff, init_from=str(path))
+            moe_aux_loss_coeff=base.moe_aux_loss_coeff, init_from=str(path), **family)
     except KeyError as e:
         raise ConfigError(f"{f}: missing field {e.args[0]!r}") from None
 
 
-ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+ARCHITECTURE = ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                 "rms_norm_eps", "rope_theta", "max_position_embeddings", "tie_word_embeddings", "initializer_range")
 """The ModelConfig fields a checkpoint's config.json defines (model.init_from)."""

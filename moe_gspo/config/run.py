@@ -365,6 +365,10 @@ class Config:
             resolved = model_config_from_hf(self.model.init_from, self.model)
             self.checkpoint_overrides = architecture_changes(self.model, resolved)
             self.model = resolved
+        if self.model.family != "qwen3_moe" and self.rollout.engine in ("vllm", "sglang"):
+            raise ConfigError(f"rollout.engine={self.rollout.engine} serves model.family='qwen3_moe' only so far "
+                              f"(its weight sync maps Qwen3-MoE's layout); for model.family='{self.model.family}' "
+                              "use rollout.engine=hf or hf_static")
         if not 0 <= self.logging.profile_step <= self.train.steps:
             raise ConfigError(f"logging.profile_step={self.logging.profile_step} must be between 0 (off) and "
                               f"train.steps={self.train.steps}")

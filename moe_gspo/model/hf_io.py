@@ -1,4 +1,10 @@
-"""Hugging Face Qwen3-MoE checkpoints <-> megatron-core parameter names, sharding for TP/EP, safetensors I/O.
+"""Hugging Face MoE checkpoints (model.family) <-> megatron-core parameter names, sharding for TP/EP, safetensors I/O.
+
+Inside the package every family's tensors go by Qwen3-MoE's HF names (the keys of hf_sources: `mlp.gate`,
+`mlp.experts.e.gate_proj / up_proj / down_proj`, which are also transformers 5's in-memory module names of every
+family here); a family whose checkpoint files name them otherwise is renamed at the file boundary only
+(`file_keys` on writing, `package_keys` on reading): Mixtral's `block_sparse_moe.gate` and
+`block_sparse_moe.experts.e.w1 / w3 / w2`.
 
 Layouts (transformers 5.x; megatron-core 0.16.1):
     q/k/v_proj           -> self_attention.linear_qkv: per query group, its q heads, then its k head, then its v head
@@ -25,10 +31,62 @@ from moe_gspo.config import ConfigError, ModelConfig
 from moe_gspo.config.model import model_config_from_hf  # noqa: F401 - read by model.load
 
 HF_ARCH = "Qwen3MoeForCausalLM"
+HF_ARCHS = {"qwen3_moe": HF_ARCH, "mixtral": "MixtralForCausalLM"}
+
+# package name -> file name of the tensors a family's checkpoint files name otherwise (per-expert: a suffix)
+_FILE_NAMES = {"mixtral": {".mlp.gate.weight": ".block_sparse_moe.gate.weight",
+                           ".gate_proj.weight": ".w1.weight", ".up_proj.weight": ".w3.weight",
+                           ".down_proj.weight": ".w2.weight"}}
+
+
+def file_keys(tensors: Mapping[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """The package's HF-named tensors under the names `model_type`'s checkpoint files use."""
+    names = _FILE_NAMES.get(model_type)
+    return dict(tensors) if names is None else {_file_key(k, names): v for k, v in tensors.items()}
+
+
+def _file_key(key: str, names: dict[str, str]) -> str:
+    for ours, theirs in names.items():
+        if key.endswith(ours):
+            key = key[:-len(ours)] + theirs
+            if ours != ".mlp.gate.weight":  # an expert's projection: its module path as well
+                key = key.replace(".mlp.experts.", ".block_sparse_moe.experts.")
+            return key
+    return key
+
+
+def package_keys(tensors: Mapping[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """A family's checkpoint tensors under the package's names (the inverse of file_keys)."""
+    names = _FILE_NAMES.get(model_type)
+    if names is None:
+        return dict(tensors)
+    back = {theirs: ours for ours, theirs in names.items()}
+    out = {}
+    for k, v in tensors.items():
+        for theirs, ours in back.items():
+            if k.endswith(theirs):
+                k = k[:-len(theirs)] + ours
+                k = k.replace(".block_sparse_moe.experts.", ".mlp.experts.")
+                break
+        out[k] = v
+    return out
 
 
 # ---------------------------------------------------------------- config.json
 def hf_config_dict(mc: ModelConfig) -> dict:
+    if mc.family == "mixtral":
+        return {
+            "architectures": [HF_ARCHS["mixtral"]], "model_type": "mixtral",
+            "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
+            "num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
+            "head_dim": mc.head_dim, "num_local_experts": mc.num_experts,
+            "num_experts_per_tok": mc.num_experts_per_tok, "intermediate_size": mc.moe_intermediate_size,
+            "rms_norm_eps": mc.rms_norm_eps, "rope_theta": mc.rope_theta, "rope_scaling": None,
+            "max_position_embeddings": mc.max_position_embeddings, "tie_word_embeddings": mc.tie_word_embeddings,
+            "initializer_range": mc.initializer_range, "hidden_act": "silu", "sliding_window": None,
+            "router_aux_loss_coef": 0.0, "router_jitter_noise": 0.0, "output_router_logits": False,
+            "torch_dtype": mc.params_dtype,
+        }
     return {
         "architectures": [HF_ARCH], "model_type": "qwen3_moe",
         "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
@@ -56,7 +114,9 @@ def fsync_dir(path: Path) -> None:
 
 # ---------------------------------------------------------------- names (full, unsharded tensors)
 def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
-    """Full HF state dict -> full megatron state dict (single-process names and shapes)."""
+    """Full HF state dict (the package's names or the family's file names) -> full megatron state dict
+    (single-process names and shapes)."""
+    hf = package_keys(hf, mc.family)
     L, E, H = mc.num_hidden_layers, mc.num_experts, mc.hidden_size
     nq, ng, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
     out: dict[str, torch.Tensor] = {}
@@ -75,8 +135,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
         v = take(p + "self_attn.v_proj.weight").view(ng, d, H)
         out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, H)
         out[m + "self_attention.linear_proj.weight"] = take(p + "self_attn.o_proj.weight")
-        out[m + "self_attention.q_layernorm.weight"] = take(p + "self_attn.q_norm.weight")
-        out[m + "self_attention.k_layernorm.weight"] = take(p + "self_attn.k_norm.weight")
+        if mc.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = take(p + "self_attn.q_norm.weight")
+            out[m + "self_attention.k_layernorm.weight"] = take(p + "self_attn.k_norm.weight")
         out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
         out[m + "mlp.router.weight"] = take(p + "mlp.gate.weight")
         fused = p + "mlp.experts.gate_up_proj"
@@ -126,8 +187,9 @@ def hf_sources(mc: ModelConfig) -> list[tuple[str, str, Callable[[torch.Tensor],
                 (p + "self_attn.k_proj.weight", m + "self_attention.linear_qkv.weight", qkv_part(1)),
                 (p + "self_attn.v_proj.weight", m + "self_attention.linear_qkv.weight", qkv_part(2)),
                 (p + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight", same),
-                (p + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight", same),
-                (p + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight", same),
+                *([(p + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight", same),
+                   (p + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight", same)]
+                  if mc.qk_norm else []),
                 (p + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight", same),
                 (p + "mlp.gate.weight", m + "mlp.router.weight", same)]
         for e in range(E):
@@ -286,7 +348,9 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
 
 def write_hf_dir(path: Path, config: dict, tensors: dict[str, torch.Tensor], max_shard_bytes: int = 2 * 2**30):
     """Write config.json + safetensors (sharded with an index past max_shard_bytes) atomically: everything goes
-    to a temp dir beside `path`, is fsynced, then renamed into place."""
+    to a temp dir beside `path`, is fsynced, then renamed into place. `tensors` go by the package's names; the
+    files name them as config["model_type"]'s checkpoints do."""
+    tensors = file_keys(tensors, config.get("model_type", "qwen3_moe"))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))

@@ -44,7 +44,7 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig
         ffn_hidden_size=mc.moe_intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=mc.rms_norm_eps,
-        qk_layernorm=True,
+        qk_layernorm=mc.qk_norm,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -88,18 +88,20 @@ def layer_spec(mc: ModelConfig) -> ModuleSpec:
         missing = te_missing()
         if missing:
             raise ConfigError(f"model.spec='te' needs Transformer Engine on CUDA: {missing}; use model.spec=local")
-        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=mc.num_experts, qk_layernorm=True,
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=mc.num_experts, qk_layernorm=mc.qk_norm,
                                                            moe_grouped_gemm=mc.experts == "grouped")
         # the local spec's checkpoint keys, so that a checkpoint moves between the specs (te_names)
         spec.submodules.sharded_state_dict_keys_map = {**spec.submodules.sharded_state_dict_keys_map,
                                                        **te_names.CHECKPOINT_KEYS}
     else:
-        spec = get_gpt_layer_local_spec(num_experts=mc.num_experts, qk_layernorm=True, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(num_experts=mc.num_experts, qk_layernorm=mc.qk_norm,
+                                        normalization="RMSNorm")
         sub = spec.submodules
         sub.input_layernorm = RMSNorm
         sub.pre_mlp_layernorm = RMSNorm
-        sub.self_attention.submodules.q_layernorm = RMSNorm
-        sub.self_attention.submodules.k_layernorm = RMSNorm
+        if mc.qk_norm:
+            sub.self_attention.submodules.q_layernorm = RMSNorm
+            sub.self_attention.submodules.k_layernorm = RMSNorm
         if mc.attention == "sdpa":
             sub.self_attention.submodules.core_attention = SDPAttention
         if mc.experts == "torch":

@@ -100,7 +100,9 @@ class ModuleWeights(WeightSource):
             state = {}
             for f in sorted(Path(d).glob("*.safetensors")):
                 state.update(load_file(f))
-            return state
+            from moe_gspo.model.hf_io import package_keys
+
+            return package_keys(state, self.config.get("model_type", "qwen3_moe"))
 
 
 def weights_of(x) -> WeightSource:

@@ -1,7 +1,8 @@
-"""Model families beside Qwen3-MoE, each from a tiny random transformers checkpoint: the policy's fp32 logits
-equal transformers' (1e-5 of the logit scale), the checkpoint exports back bit for bit to a folder transformers
-loads, an RL step with R3 runs on the hf engine (which routes as the trainer does), TP and EP equal one rank, and
-what a family cannot do yet is refused at config load in one line."""
+"""Model families beside Qwen3-MoE (Mixtral; Qwen2-MoE with its q/k/v biases and gated shared expert), each from a
+tiny random transformers checkpoint: the policy's fp32 logits equal transformers' (1e-5 of the logit scale), the
+checkpoint exports back bit for bit to a folder transformers loads, RL steps with R3 run on the hf and hf_static
+engines (which route as the trainer does), TP 2 x EP 2 equals one rank, and what a family cannot do yet is refused at
+config load in one line."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import torch
 from helpers import ROOT, records, run_torchrun, tiny_cfg
 
 
-def mixtral_checkpoint(path, seed: int = 0, experts: int = 8):
+def mixtral_checkpoint(path, seed: int = 0):
     """A tiny random Mixtral (no query/key norm, experts named w1/w3/w2 in its files), saved by transformers."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
     c = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=experts,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
                       num_experts_per_tok=2, rms_norm_eps=1e-6, max_position_embeddings=256,
                       initializer_range=0.2, router_jitter_noise=0.0)
     model = MixtralForCausalLM(c).eval()
@@ -27,21 +28,52 @@ def mixtral_checkpoint(path, seed: int = 0, experts: int = 8):
     return model
 
 
+def qwen2_moe_checkpoint(path, seed: int = 0):
+    """A tiny random Qwen2-MoE: q/k/v biases (drawn nonzero, so a loader dropping them shows), a shared expert of
+    another width than the routed ones behind its sigmoid gate, top-k probabilities not renormalized."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    c = Qwen2MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=32, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6,
+                       max_position_embeddings=256, initializer_range=0.2, norm_topk_prob=False)
+    model = Qwen2MoeForCausalLM(c).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+    model.save_pretrained(str(path))
+    return model
+
+
+CHECKPOINTS = {"mixtral": mixtral_checkpoint, "qwen2_moe": qwen2_moe_checkpoint}
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def family(request, tmp_path_factory):
+    """(family, checkpoint directory, the transformers model saved there)."""
+    d = tmp_path_factory.mktemp(request.param)
+    return request.param, d, CHECKPOINTS[request.param](d)
+
+
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mixtral")
+    d = tmp_path_factory.mktemp("mixtral_only")
     return d, mixtral_checkpoint(d)
 
 
-def test_mixtral_logits_equal_transformers_and_export_bit_for_bit(mixtral, tmp_path):
+def test_logits_equal_transformers_and_export_bit_for_bit(family, tmp_path):
     from safetensors.torch import load_file
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import moe_gspo
 
-    d, hf = mixtral
+    name, d, hf = family
     cfg = tiny_cfg(f"model.init_from={d}")
-    assert cfg.model.family == "mixtral" and not cfg.model.qk_norm and cfg.model.num_experts == 8
+    assert cfg.model.family == name and not cfg.model.qk_norm and cfg.model.num_experts == 8
+    assert (cfg.model.shared_expert_intermediate_size, cfg.model.attention_bias) == \
+        ((48, True) if name == "qwen2_moe" else (0, False))
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -49,26 +81,28 @@ def test_mixtral_logits_equal_transformers_and_export_bit_for_bit(mixtral, tmp_p
     assert (ref - ours).abs().max() <= 1e-5 * ref.abs().max(), (ref - ours).abs().max()
     policy.save_pretrained(tmp_path / "out")
     a, b = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert sorted(a) == sorted(b) and any(".block_sparse_moe.experts.0.w3." in k for k in b)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    if name == "mixtral":
+        assert any(".block_sparse_moe.experts.0.w3." in k for k in b)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == \
+        json.loads((d / "config.json").read_text())["architectures"]
     with torch.no_grad():
-        assert torch.equal(MixtralForCausalLM.from_pretrained(str(tmp_path / "out")).eval()(ids).logits, ref)
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()(ids).logits, ref)
 
 
 @pytest.mark.parametrize("engine", ["hf", "hf_static"])
-def test_mixtral_rl_steps_with_r3_on_the_hf_engines_then_export(mixtral, tmp_path, engine):
-    """Two RL steps: the engine (a transformers Mixtral updated in place after each optimizer step) samples with
+def test_rl_steps_with_r3_on_the_hf_engines_then_export(family, tmp_path, engine):
+    """Two RL steps: the engine (a transformers model of the family updated in place after each optimizer step) samples with
     the trainer's weights and routing (R3 replays what it chose); the run's last checkpoint exports to a folder
     transformers loads, whose logits equal the trained policy's."""
     from safetensors.torch import load_file
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import moe_gspo
     from moe_gspo.cli import main
     from moe_gspo.train.loop import train
 
-    d, _ = mixtral
+    _, d, _ = family
     over = [f"model.init_from={d}", "algorithm.routing_replay=r3", f"rollout.engine={engine}", "train.steps=2",
             "rollout.reward=tests/data/spread_reward.py:compute_score", "train.cold_start_steps=0",
             "train.checkpoint_every=2"]
@@ -78,7 +112,7 @@ def test_mixtral_rl_steps_with_r3_on_the_hf_engines_then_export(mixtral, tmp_pat
     for r in recs:  # the engine computes what the trainer computes, on the weights pushed after each update
         assert r["moe/rollout_train_mismatch"] == 0.0 and r["rollout_probs_diff_max"] < 1e-5, r
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
-    exported = MixtralForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     cfg = tiny_cfg(f"model.init_from={tmp_path / 'hf'}")
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2))
@@ -105,19 +139,21 @@ def test_what_a_mixtral_checkpoint_asks_and_the_policy_lacks_is_refused(mixtral,
         tiny_cfg(f"model.init_from={bad}")
 
 
-def test_the_vllm_engine_refuses_mixtral_for_now(mixtral):
+def test_the_vllm_engine_refuses_the_other_families_for_now(family):
     from moe_gspo.config import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.engine=vllm serves model.family='qwen3_moe' only so far"):
-        tiny_cfg(f"model.init_from={mixtral[0]}", "rollout.engine=vllm")
+        tiny_cfg(f"model.init_from={family[1]}", "rollout.engine=vllm")
 
 
 @pytest.mark.slow
-def test_mixtral_under_tp2_and_ep2_equals_one_rank(mixtral, tmp_path):
-    """The parallel worker of tests/test_parallel.py on the Mixtral checkpoint: TP=2 x EP=2 on 2 ranks (attention
-    heads and vocab split over TP, experts over EP) gives one rank's logits, routing, gradients and three optimizer
-    steps."""
-    d, _ = mixtral
+def test_qwen2_moe_under_tp2_and_ep2_equals_one_rank(tmp_path):
+    """The parallel worker of tests/test_parallel.py on the Qwen2-MoE checkpoint: TP=2 x EP=2 on 2 ranks (attention
+    heads with their q/k/v biases, the shared expert and the vocab split over TP, routed experts over EP) gives one
+    rank's logits, routing, gradients and three optimizer steps, and the engine's weights streamed from the shards
+    equal the export."""
+    d = tmp_path / "ckpt"
+    qwen2_moe_checkpoint(d)
     worker = ROOT / "tests/dist/parallel_worker.py"
 
     def run(tp, ep, nproc, out):

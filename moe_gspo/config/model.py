@@ -10,7 +10,7 @@ from typing import ClassVar
 from moe_gspo.config.checks import ConfigError, choice, positive
 
 
-FAMILIES = ("qwen3_moe", "mixtral")
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 """The model families a policy can be (Hugging Face model_type names)."""
 
 
@@ -23,8 +23,9 @@ class ModelConfig:
 
     family: str = "qwen3_moe"
     """The model family (transformers' model_type): 'qwen3_moe' (Qwen3-MoE: per-head RMSNorm on queries and keys,
-    softmax router) or 'mixtral' (Mixtral: no query/key norm, top-k of the router logits then their softmax, which
-    is the softmax renormalized over the top k; experts named w1/w3/w2 in its checkpoints). A checkpoint's
+    softmax router), 'mixtral' (Mixtral: no query/key norm, top-k of the router logits then their softmax, which
+    is the softmax renormalized over the top k; experts named w1/w3/w2 in its checkpoints) or 'qwen2_moe'
+    (Qwen2-MoE: no query/key norm, biases on q/k/v, a shared expert behind a sigmoid gate). A checkpoint's
     config.json (model.init_from) sets it."""
 
     vocab_size: int = 128
@@ -47,6 +48,12 @@ class ModelConfig:
     """Hidden width of each SwiGLU expert."""
     norm_topk_prob: bool = True
     """Renormalize the top-k router probabilities to sum to 1 (Qwen3-MoE: true)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert, a SwiGLU MLP every token passes through beside its routed experts, its output
+    scaled by sigmoid(gate . x) (Qwen2-MoE); 0: none. A shared expert is never routed: routing metrics, replay and
+    the flip tracker count routed experts only."""
+    attention_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2-MoE)."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon (must match the checkpoint: megatron's 1e-5 default flips experts)."""
     rope_theta: float = 1_000_000.0
@@ -106,6 +113,12 @@ class ModelConfig:
             raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                               f"model.num_experts={self.num_experts}")
         choice(self, "family", FAMILIES)
+        if self.family != "qwen2_moe" and (self.shared_expert_intermediate_size or self.attention_bias):
+            raise ConfigError(f"model.shared_expert_intermediate_size / model.attention_bias are Qwen2-MoE's: "
+                              f"model.family='{self.family}' has neither")
+        if self.shared_expert_intermediate_size < 0:
+            raise ConfigError(f"model.shared_expert_intermediate_size={self.shared_expert_intermediate_size} must "
+                              "be >= 0 (0: no shared expert)")
         if self.family == "mixtral" and not self.norm_topk_prob:
             raise ConfigError("model.norm_topk_prob=false with model.family='mixtral': Mixtral's router always "
                               "normalizes over the top k (its softmax is taken over the top-k logits)")
@@ -141,7 +154,9 @@ class ModelConfig:
         active counts num_experts_per_tok of the num_experts experts in every layer."""
         H, d, nq, ng = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
         attention = H * (nq + 2 * ng) * d + nq * d * H + (2 * d if self.qk_norm else 0)  # q, k, v, o, q/k norms
+        attention += (nq + 2 * ng) * d if self.attention_bias else 0
         shared = attention + 2 * H + self.num_experts * H  # + the two layer norms and the router
+        shared += 3 * H * self.shared_expert_intermediate_size + H if self.shared_expert_intermediate_size else 0
         expert = 3 * H * self.moe_intermediate_size  # gate, up, down
         outside = self.vocab_size * H * (1 if self.tie_word_embeddings else 2) + H  # embedding, head, final norm
         L = self.num_hidden_layers
@@ -204,6 +219,9 @@ def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None)
             family = dict(num_experts=c.get("num_experts") or c["num_local_experts"],
                           moe_intermediate_size=c["moe_intermediate_size"],
                           norm_topk_prob=bool(c.get("norm_topk_prob", False)))
+        if mt == "qwen2_moe":  # its q/k/v carry biases unless qkv_bias says otherwise
+            family.update(shared_expert_intermediate_size=int(c.get("shared_expert_intermediate_size") or 0),
+                          attention_bias=bool(c.get("qkv_bias", True)))
         return ModelConfig(
             family=mt, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
             num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
@@ -222,6 +240,7 @@ def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None)
 
 ARCHITECTURE = ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "shared_expert_intermediate_size", "attention_bias",
                 "rms_norm_eps", "rope_theta", "max_position_embeddings", "tie_word_embeddings", "initializer_range")
 """The ModelConfig fields a checkpoint's config.json defines (model.init_from)."""
 

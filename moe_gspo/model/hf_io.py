@@ -31,7 +31,7 @@ from moe_gspo.config import ConfigError, ModelConfig
 from moe_gspo.config.model import model_config_from_hf  # noqa: F401 - read by model.load
 
 HF_ARCH = "Qwen3MoeForCausalLM"
-HF_ARCHS = {"qwen3_moe": HF_ARCH, "mixtral": "MixtralForCausalLM"}
+HF_ARCHS = {"qwen3_moe": HF_ARCH, "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 # package name -> file name of the tensors a family's checkpoint files name otherwise (per-expert: a suffix)
 _FILE_NAMES = {"mixtral": {".mlp.gate.weight": ".block_sparse_moe.gate.weight",
@@ -87,6 +87,20 @@ def hf_config_dict(mc: ModelConfig) -> dict:
             "router_aux_loss_coef": 0.0, "router_jitter_noise": 0.0, "output_router_logits": False,
             "torch_dtype": mc.params_dtype,
         }
+    if mc.family == "qwen2_moe":
+        return {
+            "architectures": [HF_ARCHS["qwen2_moe"]], "model_type": "qwen2_moe",
+            "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
+            "num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
+            "head_dim": mc.head_dim, "num_experts": mc.num_experts, "num_experts_per_tok": mc.num_experts_per_tok,
+            "moe_intermediate_size": mc.moe_intermediate_size, "intermediate_size": mc.moe_intermediate_size,
+            "shared_expert_intermediate_size": mc.shared_expert_intermediate_size, "qkv_bias": mc.attention_bias,
+            "norm_topk_prob": mc.norm_topk_prob, "rms_norm_eps": mc.rms_norm_eps, "rope_theta": mc.rope_theta,
+            "rope_scaling": None, "max_position_embeddings": mc.max_position_embeddings,
+            "tie_word_embeddings": mc.tie_word_embeddings, "initializer_range": mc.initializer_range,
+            "hidden_act": "silu", "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+            "router_aux_loss_coef": 0.0, "output_router_logits": False, "torch_dtype": mc.params_dtype,
+        }
     return {
         "architectures": [HF_ARCH], "model_type": "qwen3_moe",
         "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
@@ -134,12 +148,22 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
         k = take(p + "self_attn.k_proj.weight").view(ng, d, H)
         v = take(p + "self_attn.v_proj.weight").view(ng, d, H)
         out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, H)
+        if mc.attention_bias:  # interleaved per query group like the weight
+            qb = take(p + "self_attn.q_proj.bias").view(ng, nq // ng * d)
+            kb, vb = take(p + "self_attn.k_proj.bias").view(ng, d), take(p + "self_attn.v_proj.bias").view(ng, d)
+            out[m + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
         out[m + "self_attention.linear_proj.weight"] = take(p + "self_attn.o_proj.weight")
         if mc.qk_norm:
             out[m + "self_attention.q_layernorm.weight"] = take(p + "self_attn.q_norm.weight")
             out[m + "self_attention.k_layernorm.weight"] = take(p + "self_attn.k_norm.weight")
         out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
         out[m + "mlp.router.weight"] = take(p + "mlp.gate.weight")
+        if mc.shared_expert_intermediate_size:
+            sp = p + "mlp.shared_expert."
+            out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([take(sp + "gate_proj.weight"),
+                                                                         take(sp + "up_proj.weight")])
+            out[m + "mlp.shared_experts.linear_fc2.weight"] = take(sp + "down_proj.weight")
+            out[m + "mlp.shared_experts.gate_weight"] = take(p + "mlp.shared_expert_gate.weight")
         fused = p + "mlp.experts.gate_up_proj"
         for e in range(E):
             x = f"{m}mlp.experts.local_experts.{e}."
@@ -179,6 +203,15 @@ def hf_sources(mc: ModelConfig) -> list[tuple[str, str, Callable[[torch.Tensor],
     def fc1_part(i):  # linear_fc1 stacks gate over up
         return lambda t: t.split([inter, inter])[i]
 
+    shared = mc.shared_expert_intermediate_size
+
+    def shared_fc1_part(i):
+        return lambda t: t.split([shared, shared])[i]
+
+    def qkv_bias_part(i):
+        rows = nq // ng * d if i == 0 else d
+        return lambda t: t.view(ng, (nq // ng + 2) * d).split([nq // ng * d, d, d], dim=1)[i].reshape(ng * rows)
+
     out = [("model.embed_tokens.weight", "embedding.word_embeddings.weight", same)]
     for i in range(L):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -186,12 +219,20 @@ def hf_sources(mc: ModelConfig) -> list[tuple[str, str, Callable[[torch.Tensor],
                 (p + "self_attn.q_proj.weight", m + "self_attention.linear_qkv.weight", qkv_part(0)),
                 (p + "self_attn.k_proj.weight", m + "self_attention.linear_qkv.weight", qkv_part(1)),
                 (p + "self_attn.v_proj.weight", m + "self_attention.linear_qkv.weight", qkv_part(2)),
+                *([(p + f"self_attn.{x}_proj.bias", m + "self_attention.linear_qkv.bias", qkv_bias_part(i))
+                   for i, x in enumerate("qkv")] if mc.attention_bias else []),
                 (p + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight", same),
                 *([(p + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight", same),
                    (p + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight", same)]
                   if mc.qk_norm else []),
                 (p + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight", same),
                 (p + "mlp.gate.weight", m + "mlp.router.weight", same)]
+        if shared:
+            sp, sm = p + "mlp.shared_expert.", m + "mlp.shared_experts."
+            out += [(sp + "gate_proj.weight", sm + "linear_fc1.weight", shared_fc1_part(0)),
+                    (sp + "up_proj.weight", sm + "linear_fc1.weight", shared_fc1_part(1)),
+                    (sp + "down_proj.weight", sm + "linear_fc2.weight", same),
+                    (p + "mlp.shared_expert_gate.weight", sm + "gate_weight", same)]
         for e in range(E):
             x, pe = f"{m}mlp.experts.local_experts.{e}.", f"{p}mlp.experts.{e}."
             out += [(pe + "gate_proj.weight", x + "linear_fc1.weight", fc1_part(0)),
@@ -260,11 +301,32 @@ def _expert_of(name: str) -> tuple[str, int, str] | None:
 
 def tp_dim(name: str) -> int | None:
     """The dimension megatron splits over TP for a (non-expert) parameter, or None if replicated."""
-    if name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
+                      "shared_experts.linear_fc1.weight")):
         return 0
-    if name.endswith("linear_proj.weight"):
+    if name.endswith(("linear_proj.weight", "shared_experts.linear_fc2.weight")):
         return 1
     return None
+
+
+def _tp_slice(name: str, t: torch.Tensor, mc: ModelConfig, tp: int, r: int) -> torch.Tensor:
+    """TP rank r's slice of the full parameter `name` (tp_dim says it is split)."""
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):  # whole query groups
+        return t.view(mc.num_key_value_heads, -1, *t.shape[1:]).chunk(tp, dim=0)[r].reshape(-1, *t.shape[1:])
+    if name.endswith("shared_experts.linear_fc1.weight"):  # gate over up, each split: [gate_r; up_r]
+        return t.view(2, -1, t.shape[-1]).chunk(tp, dim=1)[r].reshape(-1, t.shape[-1])
+    return t.chunk(tp, dim=tp_dim(name))[r]
+
+
+def _tp_join(name: str, parts: list[torch.Tensor], mc: ModelConfig, tp: int) -> torch.Tensor:
+    """The inverse of _tp_slice over the TP ranks' parts."""
+    t = parts[0]
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        return torch.cat([p.view(mc.num_key_value_heads // tp, -1, *t.shape[1:]) for p in parts]).reshape(
+            -1, *t.shape[1:])
+    if name.endswith("shared_experts.linear_fc1.weight"):
+        return torch.cat([p.view(2, -1, t.shape[-1]) for p in parts], dim=1).reshape(-1, t.shape[-1])
+    return torch.cat(parts, dim=tp_dim(name))
 
 
 def shard_state(full: dict[str, torch.Tensor], mc: ModelConfig, tp: int, tp_rank: int, ep: int,
@@ -279,13 +341,8 @@ def shard_state(full: dict[str, torch.Tensor], mc: ModelConfig, tp: int, tp_rank
             if e // e_local == ep_rank:
                 out[f"{head}{e % e_local}.{rest}"] = t
             continue
-        dim = tp_dim(name)
-        if dim is not None and tp > 1:
-            if name.endswith("linear_qkv.weight"):  # split whole query groups
-                g = t.view(mc.num_key_value_heads, -1, t.shape[-1])
-                t = g.chunk(tp, dim=0)[tp_rank].reshape(-1, t.shape[-1])
-            else:
-                t = t.chunk(tp, dim=dim)[tp_rank]
+        if tp_dim(name) is not None and tp > 1:
+            t = _tp_slice(name, t, mc, tp, tp_rank)
         out[name] = t
     return out
 
@@ -307,15 +364,10 @@ def gather_state(local: dict[str, torch.Tensor], mc: ModelConfig, tp_group, ep_g
             for r, p in enumerate(parts):
                 full[f"{head}{r * e_local + e}.{rest}"] = p
             continue
-        dim = tp_dim(name)
-        if dim is not None and tp > 1:
+        if tp_dim(name) is not None and tp > 1:
             parts = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(parts, t.contiguous(), group=tp_group)
-            if name.endswith("linear_qkv.weight"):
-                t = torch.cat([p.view(mc.num_key_value_heads // tp, -1, p.shape[-1]) for p in parts]).reshape(
-                    -1, t.shape[-1])
-            else:
-                t = torch.cat(parts, dim=dim)
+            t = _tp_join(name, parts, mc, tp)
         full[name] = t
     return full
 

@@ -9,8 +9,11 @@ The trainer's layout (megatron-core, expert tensor parallelism 1):
   of its groups: a contiguous block of rows of each of q_proj, k_proj and v_proj;
 - o_proj (linear_proj): the columns of those q heads;
 - embed_tokens / lm_head (word_embeddings / output_layer): a contiguous block of vocabulary rows;
+- q/k/v biases: the same rows as their weights;
 - experts: whole, on the expert-parallel rank that owns them (expert e on EP rank e // (E / ep));
-- norms and the router: whole, on every rank.
+- a shared expert (megatron's SharedExpertMLP, tensor-parallel like a dense MLP): rows of gate_proj and up_proj,
+  the same columns of down_proj;
+- norms, the router and the shared expert's gate: whole, on every rank.
 
 A rollout engine with its own tensor-parallel layout asks for regions of the same HF tensors, so the sync can move
 each piece from a rank that holds it to the engine rank that keeps it without either side building a full tensor
@@ -69,6 +72,15 @@ def hf_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[key] = (H, nq * d)
         elif key.endswith(("q_norm.weight", "k_norm.weight")):
             out[key] = (d,)
+        elif key.endswith("q_proj.bias"):
+            out[key] = (nq * d,)
+        elif key.endswith(("k_proj.bias", "v_proj.bias")):
+            out[key] = (ng * d,)
+        elif ".mlp.shared_expert." in key:
+            S = mc.shared_expert_intermediate_size
+            out[key] = (H, S) if key.endswith("down_proj.weight") else (S, H)
+        elif key.endswith("mlp.shared_expert_gate.weight"):
+            out[key] = (1, H)
         elif key.endswith("mlp.gate.weight"):
             out[key] = (mc.num_experts, H)
         elif key.endswith(("gate_proj.weight", "up_proj.weight")):
@@ -93,10 +105,11 @@ class TrainerShards:
         """The dimension TP splits this HF tensor along in the trainer, None if no rank holds a part of it only."""
         if self.tp == 1:
             return None
-        if key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "embed_tokens.weight",
-                         "lm_head.weight")):
+        if key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
+                         "v_proj.bias", "embed_tokens.weight", "lm_head.weight", "shared_expert.gate_proj.weight",
+                         "shared_expert.up_proj.weight")):
             return 0
-        if key.endswith("o_proj.weight"):
+        if key.endswith(("o_proj.weight", "shared_expert.down_proj.weight")):
             return 1
         return None
 
@@ -119,6 +132,7 @@ class TrainerShards:
         local_mc = dataclasses.replace(mc, num_attention_heads=mc.num_attention_heads // self.tp,
                                        num_key_value_heads=mc.num_key_value_heads // self.tp,
                                        num_experts=self.e_local,
+                                       shared_expert_intermediate_size=mc.shared_expert_intermediate_size // self.tp,
                                        # names and shapes only: top-k plays no part, but must fit e_local
                                        num_experts_per_tok=min(mc.num_experts_per_tok, self.e_local))
         out = {}

@@ -43,7 +43,8 @@ _LAYER = r"decoder\.layers\.\d+\."
 _SHARED = re.compile(
     r"^(?:embedding\.word_embeddings\.weight|decoder\.final_layernorm\.weight|output_layer\.weight"
     rf"|{_LAYER}(?:input_layernorm\.weight|pre_mlp_layernorm\.weight|mlp\.router\.weight"
-    r"|self_attention\.(?:linear_qkv|linear_proj|q_layernorm|k_layernorm)\.weight"
+    r"|self_attention\.(?:linear_qkv|linear_proj|q_layernorm|k_layernorm)\.weight|self_attention\.linear_qkv\.bias"
+    r"|mlp\.shared_experts\.(?:linear_fc[12]\.weight|gate_weight)"
     r"|mlp\.experts\.local_experts\.\d+\.linear_fc[12]\.weight|mlp\.experts\.weight[12]))$")
 _TE_INPUT_NORM = re.compile(rf"^(?P<layer>{_LAYER})self_attention\.linear_qkv\.layer_norm_weight$")
 _TE_GROUPED = re.compile(rf"^(?P<head>{_LAYER}mlp\.experts\.)(?P<fc>linear_fc[12])\.weight(?P<e>\d+)$")

@@ -222,7 +222,19 @@ def test_tracker_mask_order_and_mismatch():
     tr.observe_rollout([0, 1, 2, 3], engine, mask)
     sel = mask.clone()
     sel[:T] = False
-    assert tr.metrics()["moe/rollout_train_mismatch"] == pytest.approx(flip_rate(ref[sel], new[sel]))
+    m = tr.metrics()
+    assert m["moe/rollout_train_mismatch"] == pytest.approx(flip_rate(ref[sel], new[sel]))
+    # per token: a token whose top-k set differs in any layer, counted by hand over the compared tokens
+    differs = [any(set(ref[t, layer].tolist()) != set(new[t, layer].tolist()) for layer in range(L))
+               for t in range(B * T) if sel[t]]
+    assert m["moe/rollout_train_token_mismatch"] == pytest.approx(sum(differs) / len(differs))
+    # by hand: 3 tokens, 2 layers, top-1 of 4; the engine agrees on token 0, differs in layer 1 on token 1 and in
+    # both layers on token 2: 3 of 6 slots, 2 of 3 tokens
+    hand = ExpertFlipTracker(2, 4)
+    hand.set_reference([0], torch.tensor([[[0], [1]], [[2], [3]], [[0], [0]]]))
+    hand.observe_rollout([0], torch.tensor([[[0], [1]], [[2], [0]], [[1], [2]]]))
+    m = hand.metrics()
+    assert m["moe/rollout_train_mismatch"] == 0.5 and m["moe/rollout_train_token_mismatch"] == pytest.approx(2 / 3)
     with pytest.raises(KeyError, match="set_reference"):
         tr.observe([4], new[:T])
     with pytest.raises(ValueError, match="mask"):

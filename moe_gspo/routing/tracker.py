@@ -17,6 +17,9 @@ Metrics (fractions):
     moe/churn_in/expert_{e}       slots expert e gained / slots it held in the reference (all layers, same tokens)
     moe/churn_out/expert_{e}      slots expert e lost / slots it held in the reference
     moe/rollout_train_mismatch    engine routing vs training old routing, flipped slots / compared slots
+    moe/rollout_train_token_mismatch   the same per token: tokens whose engine routing differs from the old
+                                  routing in at least one MoE layer / compared tokens (at 30B the R3 paper reports
+                                  about 94% of tokens against about 10% of slots)
     moe/flip_tokens               (token, layer) pairs observed, divided by L: tokens observed
 
 Expert load: the old policy's routing of the response tokens the update trained on (the reference routing of the
@@ -130,6 +133,9 @@ class ExpertFlipTracker:
         if not churn:
             acc["mismatch"] += diff[0, ..., :E].sum()
             acc["mismatch_slots"] += valid.sum() * k
+            compared = valid[..., 0]  # (n, L): the layers compared for each token
+            acc["mismatch_tokens"] += (diff[0, ..., :E].any(-1) & compared).any(-1).sum()
+            acc["mismatch_token_count"] += compared.any(-1).sum()
             return
         acc["counts"] += torch.cat([diff, sets[1:]])[..., :E].sum(1)  # (gained, lost, load) per (layer, expert)
 
@@ -149,9 +155,12 @@ class ExpertFlipTracker:
             return {}
         L, E, k, c = self.num_layers, self.num_experts, acc["k"], acc["counts"]
         # one host transfer of the (3, L) and (3, E) marginals and the mismatch pair; the ratios are host math
-        flat = torch.cat([c.sum(2).view(-1), c.sum(1).view(-1), acc["mismatch"][None],
-                          acc["mismatch_slots"][None], c[2].view(-1)]).tolist()
+        flat = torch.cat([c.sum(2).view(-1), c.sum(1).view(-1), acc["mismatch_tokens"][None],
+                          acc["mismatch_token_count"][None], acc["mismatch"][None], acc["mismatch_slots"][None],
+                          c[2].view(-1)]).tolist()
         load_LE, flat = flat[-L * E:], flat[:-L * E]
+        mismatch_tokens, token_count = flat[-4:-2]
+        flat = flat[:-4] + flat[-2:]
         flips, load_l = flat[:L], flat[2 * L:3 * L]
         gained_e, lost_e, load_e = flat[3 * L:3 * L + E], flat[3 * L + E:3 * L + 2 * E], flat[3 * L + 2 * E:3 * L + 3 * E]
         mismatch, mismatch_slots = flat[-2:]
@@ -165,6 +174,7 @@ class ExpertFlipTracker:
             out.update(load_metrics(torch.tensor(load_LE, dtype=torch.float64).view(L, E)))
         if mismatch_slots > 0:
             out["moe/rollout_train_mismatch"] = mismatch / mismatch_slots
+            out["moe/rollout_train_token_mismatch"] = mismatch_tokens / token_count
         return out
 
     # ---------------------------------------------------------------- helpers
@@ -172,7 +182,8 @@ class ExpertFlipTracker:
         if self._acc is None:
             z = dict(dtype=torch.int64, device=device)
             self._acc = {"k": k, "counts": torch.zeros(3, self.num_layers, self.num_experts, **z),
-                         "mismatch": torch.zeros((), **z), "mismatch_slots": torch.zeros((), **z)}
+                         "mismatch": torch.zeros((), **z), "mismatch_slots": torch.zeros((), **z),
+                         "mismatch_tokens": torch.zeros((), **z), "mismatch_token_count": torch.zeros((), **z)}
         return self._acc
 
     def _check(self, idx: torch.Tensor, batch: int, where: str) -> torch.Tensor:

@@ -106,3 +106,49 @@ def test_flip_rate_zero_after_lr0_step_and_positive_after_large_step(policy):
         tracker.observe(SIDS, cap.live_stacked(), mask)
         rates.append(tracker.metrics()["moe/flip_rate"])
     assert rates[0] == 0.0 and rates[1] > 0.0, rates
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_replay_keeps_the_router_gradient_of_the_forced_experts(policy, norm_topk_prob):
+    """Under replay the combine weights come from the live router logits at the replayed experts, so the router
+    learns. With random experts forced in every layer, the router weight's gradient equals a float64 reference
+    that recomputes the combine weights from the router's input with the same experts forced and backpropagates
+    the same upstream gradient. Weights taken from the post-top-k probabilities instead (zero at experts the live
+    top-k did not pick) would leave those experts without gradient."""
+    from moe_gspo.model.routing_capture import ReplaySource
+
+    L, k, E = dims(policy)
+    ids, _ = batch(policy)
+    N = ids.numel()
+    g = torch.Generator().manual_seed(11)
+    forced = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N * L)]).view(N, L, k)
+    router, seen = policy.routers[0], {}
+
+    def hook(module, args, out):  # the router's input and routing map, the gradient reaching its combine weights
+        if out[0].requires_grad:
+            seen["x"], seen["map"] = args[0].detach(), out[1]
+            out[0].register_hook(lambda grad: seen.update(upstream=grad))
+
+    handle = router.register_forward_hook(hook)
+    router.norm_topk_prob, was = norm_topk_prob, router.norm_topk_prob
+    try:
+        live = RoutingCapture()
+        with torch.no_grad():
+            policy(ids, routing=live)
+        replayed = RoutingCapture(replay=ReplaySource(forced))
+        policy(ids, routing=replayed).float().logsumexp(-1).mean().backward()
+    finally:
+        handle.remove()
+        router.norm_topk_prob = was
+    assert torch.equal(replayed.stacked(), forced.sort(-1).values)  # the forced experts were used...
+    assert not torch.equal(replayed.stacked(), live.stacked())  # ...and they are not the live ones
+    rows_idx = torch.nonzero(seen["map"])[:, 1].view(-1, k)  # each router row's experts (rows are sequence-major)
+    W = router.weight.detach().double().requires_grad_(True)
+    logits = seen["x"].reshape(-1, seen["x"].shape[-1]).double() @ W.T
+    w = torch.softmax(logits.gather(1, rows_idx), -1) if norm_topk_prob else \
+        torch.softmax(logits, -1).gather(1, rows_idx)
+    probs = torch.zeros_like(logits).scatter(1, rows_idx, w)
+    (want,) = torch.autograd.grad((probs * seen["upstream"].double()).sum(), W)
+    got = router.weight.grad.double()
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)

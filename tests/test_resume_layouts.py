@@ -17,8 +17,8 @@ import torch
 from helpers import ROOT, TINY, records, run_torchrun, strip_timing, tiny_cfg
 
 RUN = ["rollout.reward=tests/data/spread_reward.py:compute_score", "train.cold_start_steps=0", "train.lr=0.003",
-       "train.checkpoint_every=2"]
-STOP, STEPS = 2, 4
+       "train.checkpoint_every=1"]
+STOP, STEPS = 1, 2  # two optimizer updates a step: the resumed step's second one runs on the restored Adam state
 
 
 def _same_after_resume(ref_dir, run_dir):
@@ -42,7 +42,7 @@ def test_one_process(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,layouts", [
     (2, ["tp2", "ep2", "ep2_nodist", "dp", "dp_nodist", "tp2_ep2"]),
-    (4, ["tp2_ep2", "tp2_ep2_nodist"]),  # with 4 ranks TP 2 x EP 2 leaves DP 2 for the distributed optimizer
+    (4, ["tp2_ep2"]),  # with 4 ranks TP 2 x EP 2 leaves DP 2 for the distributed optimizer (on 2 ranks: none)
 ])
 def test_under_torchrun(tmp_path, nproc, layouts):
     run_torchrun(ROOT / "tests/dist/resume_worker.py", "--out", tmp_path, "--layouts", ",".join(layouts),

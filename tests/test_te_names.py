@@ -124,7 +124,7 @@ def test_grouped_stacks_round_trip_through_the_table(local):
 @pytest.mark.parametrize("fn, name", [
     (te_names.to_local, "decoder.layers.0.self_attention.linear_qkv.layer_norm_bias"),
     (te_names.to_local, "decoder.layers.0.mlp.experts.linear_fc1.bias3"),
-    (te_names.to_local, "decoder.layers.0.mlp.shared_experts.linear_fc1.weight"),
+    (te_names.to_local, "decoder.layers.0.mlp.shared_experts.linear_fc1.bias"),
     (lambda s: te_names.to_te(s, grouped=True), "decoder.layers.0.mlp.experts.weight1"),
     (lambda s: te_names.to_te(s, grouped=False), "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"),
 ])

@@ -238,38 +238,34 @@ def test_a_crafted_tensor_blob_in_the_newest_checkpoint_falls_back_to_the_one_be
     assert not marker.exists(), "a tensor blob ran code"
 
 
-@pytest.mark.slow
-def test_resume_from_a_crafted_checkpoint_is_one_line_and_runs_nothing(tmp_path):
+def test_resume_from_a_crafted_checkpoint_is_one_line_and_runs_nothing(tmp_path, capsys, monkeypatch):
     """`moe-gspo train --resume`: a crafted `.metadata` in the newest checkpoint is reported and skipped (the run
     resumes from the one before); a crafted tensor blob in the only checkpoint ends the run with one line naming
     the file, exit code 2, no traceback. The payload never runs."""
-    import os
-    import subprocess
-    import sys
-
     from helpers import ROOT, TINY
 
+    from moe_gspo.cli import main
+
+    monkeypatch.chdir(ROOT)
     run, marker = tmp_path / "run", tmp_path / "payload_ran"
-    argv = [sys.executable, "-m", "moe_gspo.cli", "train", "--config", "configs/train_tiny_cpu.yaml", *TINY,
-            "train.cold_start_steps=0", "train.checkpoint_every=1", "train.keep_checkpoints=3", "--out", str(run)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    argv = ["train", "--config", "configs/train_tiny_cpu.yaml", *TINY, "train.cold_start_steps=0",
+            "train.checkpoint_every=1", "train.keep_checkpoints=3", "--out", str(run)]
+    assert main(argv) == 0
     d2 = run / "checkpoints" / "step_00000002"
     (d2 / "shards" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
     _rewrite_manifest(d2, "shards/.metadata")
-    r = subprocess.run(argv[:-2] + ["train.steps=3", "--out", str(run), "--resume"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "skipping checkpoint" in r.stderr and "step_00000002" in r.stderr and "refused" in r.stderr, r.stderr
-    assert "resumed from" in r.stderr and "step_00000001" in r.stderr, r.stderr
+    capsys.readouterr()
+    assert main(argv[:-2] + ["train.steps=3", "--out", str(run), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "skipping checkpoint" in err and "step_00000002" in err and "refused" in err, err
+    assert "resumed from" in err and "step_00000001" in err, err
     for s in ("00000002", "00000003"):  # leave one checkpoint: step 1, crafted
         shutil.rmtree(run / "checkpoints" / f"step_{s}", ignore_errors=True)
     f = _craft_tensor_blob(run / "checkpoints" / "step_00000001", marker)
-    r = subprocess.run(argv + ["--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2, r.stderr[-3000:]
-    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("moe-gspo ")]
-    assert len(lines) == 1 and str(f) in lines[0] and "Traceback" not in r.stderr, r.stderr
+    assert main(argv + ["--resume"]) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.strip().splitlines() if x.startswith("moe-gspo ")]
+    assert len(lines) == 1 and str(f) in lines[0] and "Traceback" not in err, err
     assert not marker.exists(), "a checkpoint file ran code"
 
 

@@ -1,6 +1,6 @@
 """A run stopped after a checkpoint and resumed logs exactly what the uninterrupted run logs, at every layout: one
 process, TP 2, EP 2, DP 2 and TP 2 x EP 2, with megatron's distributed optimizer on and off where data parallelism
-gives it something to shard. Adam's step count travels with the checkpoint and is checked on both sides.
+gives it something to shard (TP 2 x EP 2 x DP 2 on 4 ranks, bf16: tests/test_trainer_dist.py). Adam's step count travels with the checkpoint and is checked on both sides.
 
 The runs have no cold start and a reward that spreads over a random policy's responses (tests/data/spread_reward.py),
 so every RL step has a gradient; lr 0.003 makes Adam's bias correction show in the logged metrics. A resume that
@@ -40,13 +40,12 @@ def test_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,layouts", [
-    (2, ["tp2", "ep2", "ep2_nodist", "dp", "dp_nodist", "tp2_ep2"]),
-    (4, ["tp2_ep2"]),  # with 4 ranks TP 2 x EP 2 leaves DP 2 for the distributed optimizer (on 2 ranks: none)
-])
-def test_under_torchrun(tmp_path, nproc, layouts):
+def test_under_torchrun(tmp_path):
+    """2 ranks. TP 2 x EP 2 with the distributed optimizer on needs DP 2 beside it, so 4 ranks: that layout is
+    tests/test_trainer_dist.py's bf16 4-rank test, which runs the same comparison before resharding to one rank."""
+    layouts = ["tp2", "ep2", "ep2_nodist", "dp", "dp_nodist", "tp2_ep2"]
     run_torchrun(ROOT / "tests/dist/resume_worker.py", "--out", tmp_path, "--layouts", ",".join(layouts),
-                 "--stop", STOP, "--steps", STEPS, *TINY, *RUN, nproc=nproc)
+                 "--stop", STOP, "--steps", STEPS, *TINY, *RUN)
     for name in layouts:
         _same_after_resume(tmp_path / name / "ref", tmp_path / name / "run")
 

@@ -111,20 +111,25 @@ def test_checkpoint_of_tp2_resumes_on_one_rank(tmp_path):
 
 @pytest.mark.slow
 def test_bf16_checkpoint_of_tp2_ep2_on_four_ranks_resumes_on_one_rank(tmp_path):
-    """bf16 weights with fp32 main parameters, the distributed optimizer over DP=2, TP=2 x EP=2 on 4 ranks: read back
-    whole at 1 rank, every weight, main parameter and Adam moment is bit-identical, and the run goes on."""
+    """bf16 weights with fp32 main parameters, the distributed optimizer over DP=2, TP=2 x EP=2 on 4 ranks. A run
+    stopped after step 1 and resumed there logs exactly what the uninterrupted run logs (the 4-rank layout of
+    tests/test_resume_layouts.py). Read back whole at 1 rank, its step-2 checkpoint's every weight, main parameter
+    and Adam moment is bit-identical, and the run goes on."""
     import sys
 
     from moe_gspo.train.loop import train
-    from helpers import tiny_cfg
+    from helpers import records, tiny_cfg
 
-    # no warmup, and an lr at which the fp32 main parameters leave the bf16 grid: a load that lost them would go unseen
-    bf16 = ["model.params_dtype=bfloat16", "train.lr_warmup_steps=0", "train.lr=0.01"]
-    run_torchrun(ROOT / "tests/dist/reshard_worker.py", "--run-dir", tmp_path / "run", "--fresh", *RESHARD, *bf16,
-                 "parallel.tp=2", "parallel.ep=2", "train.steps=2", nproc=4)
+    # no warmup, and an lr at which the fp32 main parameters leave the bf16 grid: a load that lost them would go
+    # unseen; a reward that spreads over a random policy's responses gives every step a gradient without a cold start
+    bf16 = ["model.params_dtype=bfloat16", "train.lr_warmup_steps=0", "train.lr=0.01", "train.cold_start_steps=0",
+            "rollout.reward=tests/data/spread_reward.py:compute_score", "train.checkpoint_every=1"]
+    run_torchrun(ROOT / "tests/dist/reshard_worker.py", "--run-dir", tmp_path / "run", "--fresh", "--stop", 1,
+                 *RESHARD, *bf16, "parallel.tp=2", "parallel.ep=2", "train.steps=2", nproc=4)
+    assert [strip_timing(r) for r in records(tmp_path / "run")] == [strip_timing(r) for r in records(tmp_path / "ref")]
     m = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "manifest.json").read_text())
     assert m["world_size"] == 4 and m["layout"]["tp"] == 2 and m["layout"]["ep"] == 2
-    assert _gradients_by_step_2(tmp_path / "run")
+    assert all(r["grad_norm"] > 0 for r in records(tmp_path / "run"))
     sys.path.insert(0, str(ROOT / "tests" / "dist"))
     from reshard_worker import check_load  # noqa: E402
 

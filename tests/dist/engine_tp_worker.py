@@ -7,7 +7,7 @@
    fixed prompts with routing and scores them with the trainer's forward under that routing (R3) and live; it
    scores fixed sequences with the engine (prompt log-probs), closes it, builds a fresh engine from the same
    weights and scores them again.
-2. Runs three RL steps (train()) with R3 into DIR/run.
+2. Runs two RL steps (train()) with R3 into DIR/run (the second sampled by weights synced after an update).
 Each rank writes DIR/rank_{r}.json: the largest engine-vs-trainer log-prob gap, whether live routing equals the
 engine's on every slot, the largest gap between the updated and the fresh engine (0.0: bitwise), the pieces
 written and bytes received by the last sync, the engine's parameter fraction.
@@ -28,7 +28,7 @@ from moe_gspo.train.loop import train
 from worker_args import override_args  # noqa: E402 (the worker's own folder)
 
 BASE = ["rollout.engine=vllm", "model.head_dim=32", "rollout.engine_dtype=float32", "algorithm.routing_replay=r3",
-        "train.steps=3", "train.cold_start_steps=20", "logging.progress=false", "logging.tensorboard=false"]
+        "train.steps=2", "train.cold_start_steps=20", "logging.progress=false", "logging.tensorboard=false"]
 
 
 def prompt_logprobs(engine, seqs):

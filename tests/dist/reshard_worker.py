@@ -1,10 +1,12 @@
 """torchrun worker for tests/test_trainer_dist.py: resume a run at another TP x EP x DP layout.
 
-    torchrun --nproc-per-node 2 tests/dist/reshard_worker.py --run-dir DIR [--fresh] [a.b=v ...]
+    torchrun --nproc-per-node 2 tests/dist/reshard_worker.py --run-dir DIR [--fresh [--stop S]] [a.b=v ...]
 
 Without --fresh: loads DIR's newest checkpoint at this layout, saves it again at this layout, and checks that every
 tensor of the two (weights, fp32 main parameters, Adam moments), read back whole, is bit-identical; then resumes
-`train` in DIR. With --fresh: trains from step 0 into DIR (the layout that writes the checkpoint).
+`train` in DIR. With --fresh: trains from step 0 into DIR (the layout that writes the checkpoint); with --stop S as
+well, it first trains DIR/../ref uninterrupted, then DIR to step S only, then resumes DIR to the end at this same
+layout (the test compares the two runs' metrics).
 """
 
 import argparse
@@ -58,6 +60,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--fresh", action="store_true")
+    ap.add_argument("--stop", type=int, default=0)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -65,7 +68,14 @@ def main():
     run = Path(args.run_dir)
     if not args.fresh:
         check_load(cfg, run)
-    train(cfg, run_dir=run, resume=not args.fresh)
+    if args.fresh and args.stop:
+        import dataclasses
+
+        train(cfg, run_dir=run.parent / "ref")
+        train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=args.stop)), run_dir=run)
+        train(cfg, run_dir=run, resume=True)
+    else:
+        train(cfg, run_dir=run, resume=not args.fresh)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -23,8 +23,6 @@ LAYOUTS = {
     "dp": [],
     "dp_nodist": ["train.distributed_optimizer=false"],
     "tp2_ep2": ["parallel.tp=2", "parallel.ep=2", "model.num_key_value_heads=2"],
-    "tp2_ep2_nodist": ["parallel.tp=2", "parallel.ep=2", "model.num_key_value_heads=2",
-                       "train.distributed_optimizer=false"],
 }
 
 

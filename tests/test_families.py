@@ -1,4 +1,5 @@
-"""Model families beside Qwen3-MoE (Mixtral; Qwen2-MoE with its q/k/v biases and gated shared expert), each from a
+"""Model families beside Qwen3-MoE (Mixtral; Qwen2-MoE with its q/k/v biases and gated shared expert; OLMoE with
+its query/key norms over all heads), each from a
 tiny random transformers checkpoint: the policy's fp32 logits equal transformers' (1e-5 of the logit scale), the
 checkpoint exports back bit for bit to a folder transformers loads, RL steps with R3 run on the hf and hf_static
 engines (which route as the trainer does), TP 2 x EP 2 equals one rank, and what a family cannot do yet is refused at
@@ -47,7 +48,27 @@ def qwen2_moe_checkpoint(path, seed: int = 0):
     return model
 
 
-CHECKPOINTS = {"mixtral": mixtral_checkpoint, "qwen2_moe": qwen2_moe_checkpoint}
+def olmoe_checkpoint(path, seed: int = 0):
+    """A tiny random OLMoE: one RMSNorm over all query heads and one over all key heads (weights drawn away from
+    1, so that a per-head norm shows), top-k probabilities not renormalized; bos/eos/pad inside its vocabulary
+    (transformers' OlmoeConfig defaults eos to 50279)."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(seed)
+    c = OlmoeConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6,
+                    max_position_embeddings=256, initializer_range=0.2, norm_topk_prob=False, bos_token_id=1,
+                    eos_token_id=2, pad_token_id=0)
+    model = OlmoeForCausalLM(c).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    return model
+
+
+CHECKPOINTS = {"mixtral": mixtral_checkpoint, "qwen2_moe": qwen2_moe_checkpoint, "olmoe": olmoe_checkpoint}
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
@@ -71,7 +92,7 @@ def test_logits_equal_transformers_and_export_bit_for_bit(family, tmp_path):
 
     name, d, hf = family
     cfg = tiny_cfg(f"model.init_from={d}")
-    assert cfg.model.family == name and not cfg.model.qk_norm and cfg.model.num_experts == 8
+    assert cfg.model.family == name and cfg.model.qk_norm == (name == "olmoe") and cfg.model.num_experts == 8
     assert (cfg.model.shared_expert_intermediate_size, cfg.model.attention_bias) == \
         ((48, True) if name == "qwen2_moe" else (0, False))
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
@@ -171,3 +192,12 @@ def test_qwen2_moe_under_tp2_and_ep2_equals_one_rank(tmp_path):
     torch.testing.assert_close(torch.tensor(par["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-6)
     assert ref["losses"][2] < ref["losses"][0]
     assert par["engine_sync"]["max_abs_diff"] == 0.0  # the engine's weights, streamed from the shards, equal the export
+
+
+def test_olmoe_refuses_tensor_parallelism_in_one_line(tmp_path):
+    from moe_gspo.config import ConfigError
+
+    olmoe_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match=r"parallel.tp=2 with model.family='olmoe': its query/key norm spans all "
+                                          r"heads"):
+        tiny_cfg(f"model.init_from={tmp_path}", "parallel.tp=2")

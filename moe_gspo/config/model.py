@@ -10,7 +10,7 @@ from typing import ClassVar
 from moe_gspo.config.checks import ConfigError, choice, positive
 
 
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
 """The model families a policy can be (Hugging Face model_type names)."""
 
 
@@ -25,8 +25,9 @@ class ModelConfig:
     """The model family (transformers' model_type): 'qwen3_moe' (Qwen3-MoE: per-head RMSNorm on queries and keys,
     softmax router), 'mixtral' (Mixtral: no query/key norm, top-k of the router logits then their softmax, which
     is the softmax renormalized over the top k; experts named w1/w3/w2 in its checkpoints) or 'qwen2_moe'
-    (Qwen2-MoE: no query/key norm, biases on q/k/v, a shared expert behind a sigmoid gate). A checkpoint's
-    config.json (model.init_from) sets it."""
+    (Qwen2-MoE: no query/key norm, biases on q/k/v, a shared expert behind a sigmoid gate) or 'olmoe' (OLMoE: one
+    RMSNorm over all heads of the queries and one over all heads of the keys, top-k probabilities not renormalized
+    by default). A checkpoint's config.json (model.init_from) sets it."""
 
     vocab_size: int = 128
     """Vocabulary size (rows of the embedding and of the LM head)."""
@@ -146,14 +147,22 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Whether attention normalizes each head's queries and keys (RMSNorm over head_dim) before rotary."""
-        return self.family == "qwen3_moe"
+        """Whether attention normalizes queries and keys (RMSNorm) before rotary: per head over head_dim, or over all
+        heads at once (qk_norm_all_heads)."""
+        return self.family in ("qwen3_moe", "olmoe")
+
+    @property
+    def qk_norm_all_heads(self) -> bool:
+        """Whether the query/key norm spans all heads (OLMoE: num_attention_heads x head_dim wide for queries,
+        num_key_value_heads x head_dim for keys) rather than each head."""
+        return self.family == "olmoe"
 
     def parameter_counts(self) -> tuple[int, int]:
         """(total, active per token) parameter counts of this architecture, embeddings and LM head included;
         active counts num_experts_per_tok of the num_experts experts in every layer."""
         H, d, nq, ng = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
-        attention = H * (nq + 2 * ng) * d + nq * d * H + (2 * d if self.qk_norm else 0)  # q, k, v, o, q/k norms
+        norms = (nq + ng) * d if self.qk_norm_all_heads else 2 * d if self.qk_norm else 0
+        attention = H * (nq + 2 * ng) * d + nq * d * H + norms  # q, k, v, o, q/k norms
         attention += (nq + 2 * ng) * d if self.attention_bias else 0
         shared = attention + 2 * H + self.num_experts * H  # + the two layer norms and the router
         shared += 3 * H * self.shared_expert_intermediate_size + H if self.shared_expert_intermediate_size else 0
@@ -206,6 +215,8 @@ def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None)
     if c.get("sliding_window") is not None and (mt == "mixtral" or c.get("use_sliding_window")):
         raise ConfigError(f"{f}: sliding_window={c['sliding_window']}: sliding-window attention is not implemented "
                           "(every token attends to all before it)")
+    if c.get("clip_qkv") is not None:
+        raise ConfigError(f"{f}: clip_qkv={c['clip_qkv']}: clamping q/k/v is not implemented")
     if c.get("router_jitter_noise"):
         raise ConfigError(f"{f}: router_jitter_noise={c['router_jitter_noise']}: the router's training-time jitter "
                           "is not implemented (set it to 0 to train without it)")
@@ -215,6 +226,9 @@ def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None)
         if mt == "mixtral":  # Mixtral's names for the same fields; its router always renormalizes
             family = dict(num_experts=c["num_local_experts"], moe_intermediate_size=c["intermediate_size"],
                           norm_topk_prob=True)
+        elif mt == "olmoe":  # its experts' width is intermediate_size
+            family = dict(num_experts=c["num_experts"], moe_intermediate_size=c["intermediate_size"],
+                          norm_topk_prob=bool(c.get("norm_topk_prob", False)))
         else:
             family = dict(num_experts=c.get("num_experts") or c["num_local_experts"],
                           moe_intermediate_size=c["moe_intermediate_size"],

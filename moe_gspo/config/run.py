@@ -365,6 +365,10 @@ class Config:
             resolved = model_config_from_hf(self.model.init_from, self.model)
             self.checkpoint_overrides = architecture_changes(self.model, resolved)
             self.model = resolved
+        if self.model.qk_norm_all_heads and self.parallel.tp > 1:
+            raise ConfigError(f"parallel.tp={self.parallel.tp} with model.family='{self.model.family}': its "
+                              "query/key norm spans all heads, which tensor parallelism would split over ranks (not "
+                              "implemented); use parallel.tp=1 (parallel.ep splits the experts)")
         if self.model.family != "qwen3_moe" and self.rollout.engine in ("vllm", "sglang"):
             raise ConfigError(f"rollout.engine={self.rollout.engine} serves model.family='qwen3_moe' only so far "
                               f"(its weight sync maps Qwen3-MoE's layout); for model.family='{self.model.family}' "

@@ -31,7 +31,8 @@ from moe_gspo.config import ConfigError, ModelConfig
 from moe_gspo.config.model import model_config_from_hf  # noqa: F401 - read by model.load
 
 HF_ARCH = "Qwen3MoeForCausalLM"
-HF_ARCHS = {"qwen3_moe": HF_ARCH, "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+HF_ARCHS = {"qwen3_moe": HF_ARCH, "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "olmoe": "OlmoeForCausalLM"}
 
 # package name -> file name of the tensors a family's checkpoint files name otherwise (per-expert: a suffix)
 _FILE_NAMES = {"mixtral": {".mlp.gate.weight": ".block_sparse_moe.gate.weight",
@@ -85,6 +86,19 @@ def hf_config_dict(mc: ModelConfig) -> dict:
             "max_position_embeddings": mc.max_position_embeddings, "tie_word_embeddings": mc.tie_word_embeddings,
             "initializer_range": mc.initializer_range, "hidden_act": "silu", "sliding_window": None,
             "router_aux_loss_coef": 0.0, "router_jitter_noise": 0.0, "output_router_logits": False,
+            "torch_dtype": mc.params_dtype,
+        }
+    if mc.family == "olmoe":
+        return {
+            "architectures": [HF_ARCHS["olmoe"]], "model_type": "olmoe",
+            "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
+            "num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
+            "head_dim": mc.head_dim, "num_experts": mc.num_experts, "num_experts_per_tok": mc.num_experts_per_tok,
+            "intermediate_size": mc.moe_intermediate_size, "norm_topk_prob": mc.norm_topk_prob,
+            "rms_norm_eps": mc.rms_norm_eps, "rope_theta": mc.rope_theta, "rope_scaling": None,
+            "max_position_embeddings": mc.max_position_embeddings, "tie_word_embeddings": mc.tie_word_embeddings,
+            "initializer_range": mc.initializer_range, "hidden_act": "silu", "clip_qkv": None,
+            "attention_bias": False, "router_aux_loss_coef": 0.0, "output_router_logits": False,
             "torch_dtype": mc.params_dtype,
         }
     if mc.family == "qwen2_moe":

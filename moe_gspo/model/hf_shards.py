@@ -70,8 +70,8 @@ def hf_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[key] = (ng * d, H)
         elif key.endswith("o_proj.weight"):
             out[key] = (H, nq * d)
-        elif key.endswith(("q_norm.weight", "k_norm.weight")):
-            out[key] = (d,)
+        elif key.endswith(("q_norm.weight", "k_norm.weight")):  # per head, or all heads at once (OLMoE)
+            out[key] = (((nq if key.endswith("q_norm.weight") else ng) * d,) if mc.qk_norm_all_heads else (d,))
         elif key.endswith("q_proj.bias"):
             out[key] = (nq * d,)
         elif key.endswith(("k_proj.bias", "v_proj.bias")):

@@ -30,6 +30,32 @@ class RMSNorm(torch.nn.RMSNorm):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
 
+class _AllHeadsRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm over all heads of a query or key at once (OLMoE normalizes q_proj's and k_proj's whole output,
+    nq x head_dim and nkv x head_dim wide), where megatron's q_layernorm / k_layernorm normalize each head over
+    head_dim. Built by megatron as a q/k layernorm (its constructor gets head_dim as hidden_size) and applied to
+    (sq, b, heads, head_dim); the weight spans the heads in order. At tensor parallelism 1 only: split over ranks the
+    norm would need the other ranks' heads (ModelConfig refuses it)."""
+
+    HEADS = ""  # the TransformerConfig field giving the head count
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_unused):
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self.heads = getattr(config, self.HEADS)
+        super().__init__(self.heads * hidden_size, eps=eps, dtype=config.params_dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(-2)).view(x.shape)
+
+
+class QueryNormAllHeads(_AllHeadsRMSNorm):
+    HEADS = "num_attention_heads"
+
+
+class KeyNormAllHeads(_AllHeadsRMSNorm):
+    HEADS = "num_query_groups"
+
+
 class SDPAttention(MegatronModule):
     """Causal core attention through torch's scaled_dot_product_attention (GQA without repeating k/v).
 

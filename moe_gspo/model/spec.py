@@ -18,7 +18,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from moe_gspo.model import te_names
 from moe_gspo.model.experts import GroupedGemmExperts
-from moe_gspo.model.layers import Qwen3Router, RMSNorm, SDPAttention, TorchLoopExperts
+from moe_gspo.model.layers import (KeyNormAllHeads, QueryNormAllHeads, Qwen3Router, RMSNorm, SDPAttention,
+                                    TorchLoopExperts)
 
 
 def te_missing() -> str | None:
@@ -32,8 +33,17 @@ def te_missing() -> str | None:
     return None
 
 
+def check_layout(mc: ModelConfig, pc: ParallelConfig) -> None:
+    """ConfigError for a parallel layout the family's modules do not implement."""
+    if mc.qk_norm_all_heads and pc.tp > 1:
+        raise ConfigError(f"parallel.tp={pc.tp} with model.family='{mc.family}': its query/key norm spans all heads, "
+                          "which tensor parallelism would split over ranks (not implemented); use parallel.tp=1 "
+                          "(parallel.ep splits the experts)")
+
+
 def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig:
     """Megatron's config for the Qwen3-MoE architecture (see docs/architecture.md for each choice)."""
+    check_layout(mc, pc)
     dtype = torch.bfloat16 if mc.params_dtype == "bfloat16" else torch.float32
     return TransformerConfig(
         num_layers=mc.num_hidden_layers,
@@ -101,7 +111,10 @@ def layer_spec(mc: ModelConfig) -> ModuleSpec:
         sub = spec.submodules
         sub.input_layernorm = RMSNorm
         sub.pre_mlp_layernorm = RMSNorm
-        if mc.qk_norm:
+        if mc.qk_norm_all_heads:
+            sub.self_attention.submodules.q_layernorm = QueryNormAllHeads
+            sub.self_attention.submodules.k_layernorm = KeyNormAllHeads
+        elif mc.qk_norm:
             sub.self_attention.submodules.q_layernorm = RMSNorm
             sub.self_attention.submodules.k_layernorm = RMSNorm
         if mc.attention == "sdpa":

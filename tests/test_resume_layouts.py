@@ -43,7 +43,7 @@ def test_one_process(tmp_path):
 def test_under_torchrun(tmp_path):
     """2 ranks. TP 2 x EP 2 with the distributed optimizer on needs DP 2 beside it, so 4 ranks: that layout is
     tests/test_trainer_dist.py's bf16 4-rank test, which runs the same comparison before resharding to one rank."""
-    layouts = ["tp2", "ep2", "ep2_nodist", "dp", "dp_nodist", "tp2_ep2"]
+    layouts = ["tp2", "ep2", "dp", "dp_nodist", "tp2_ep2"]  # the optimizer off: DP 2 here, and the layouts without DP
     run_torchrun(ROOT / "tests/dist/resume_worker.py", "--out", tmp_path, "--layouts", ",".join(layouts),
                  "--stop", STOP, "--steps", STEPS, *TINY, *RUN)
     for name in layouts:

@@ -21,6 +21,22 @@ def error_line(command: str, message: str, rank: int | None = None) -> str:
     return f"moe-gspo {command}: error: {'' if rank is None else f'rank {rank}: '}{message}"
 
 
+def exception_chain(e: BaseException) -> list[BaseException]:
+    """`e`, the exceptions it was raised from or while handling, and the per-rank failures a torch DCP
+    CheckpointException carries (its `failures`: rank -> (exception, traceback)), with theirs."""
+    out, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is y for y in out):
+            continue
+        out.append(x)
+        failures = getattr(x, "failures", None)
+        failures = failures if isinstance(failures, dict) else {}
+        todo += [x.__cause__, x.__context__,
+                 *(f[0] for f in failures.values() if isinstance(f, tuple) and isinstance(f[0], BaseException))]
+    return out
+
+
 class ConfigError(UserError, ValueError):
     """A configuration value is unknown, of the wrong type or out of range (the message names the field)."""
 

@@ -194,6 +194,14 @@ class ParallelConfig:
         choice(self, "dispatcher", ("allgather", "alltoall"))
 
 
+def check_layout(mc: ModelConfig, pc: ParallelConfig) -> None:
+    """ConfigError for a parallel layout the family's modules do not implement."""
+    if mc.qk_norm_all_heads and pc.tp > 1:
+        raise ConfigError(f"parallel.tp={pc.tp} with model.family='{mc.family}': its query/key norm spans all heads, "
+                          "which tensor parallelism would split over ranks (not implemented); use parallel.tp=1 "
+                          "(parallel.ep splits the experts)")
+
+
 def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None) -> ModelConfig:
     """Read config.json; refuse other architectures and MoE features this policy does not implement. The
     architecture comes from config.json; how to run it (params_dtype, spec, attention, experts, compile) and

@@ -7,7 +7,8 @@ from typing import Any, ClassVar
 
 from moe_gspo.config.algorithm import AlgorithmConfig
 from moe_gspo.config.checks import ConfigError, choice, positive
-from moe_gspo.config.model import ModelConfig, ParallelConfig, architecture_changes, model_config_from_hf
+from moe_gspo.config.model import (ModelConfig, ParallelConfig, architecture_changes, check_layout,
+                                   model_config_from_hf)
 
 
 @dataclass
@@ -365,10 +366,7 @@ class Config:
             resolved = model_config_from_hf(self.model.init_from, self.model)
             self.checkpoint_overrides = architecture_changes(self.model, resolved)
             self.model = resolved
-        if self.model.qk_norm_all_heads and self.parallel.tp > 1:
-            raise ConfigError(f"parallel.tp={self.parallel.tp} with model.family='{self.model.family}': its "
-                              "query/key norm spans all heads, which tensor parallelism would split over ranks (not "
-                              "implemented); use parallel.tp=1 (parallel.ep splits the experts)")
+        check_layout(self.model, self.parallel)
         if self.model.family != "qwen3_moe" and self.rollout.engine in ("vllm", "sglang"):
             raise ConfigError(f"rollout.engine={self.rollout.engine} serves model.family='qwen3_moe' only so far "
                               f"(its weight sync maps Qwen3-MoE's layout); for model.family='{self.model.family}' "

@@ -75,60 +75,31 @@ def package_keys(tensors: Mapping[str, torch.Tensor], model_type: str) -> dict[s
 
 # ---------------------------------------------------------------- config.json
 def hf_config_dict(mc: ModelConfig) -> dict:
-    if mc.family == "mixtral":
-        return {
-            "architectures": [HF_ARCHS["mixtral"]], "model_type": "mixtral",
-            "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
-            "num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
-            "head_dim": mc.head_dim, "num_local_experts": mc.num_experts,
-            "num_experts_per_tok": mc.num_experts_per_tok, "intermediate_size": mc.moe_intermediate_size,
-            "rms_norm_eps": mc.rms_norm_eps, "rope_theta": mc.rope_theta, "rope_scaling": None,
-            "max_position_embeddings": mc.max_position_embeddings, "tie_word_embeddings": mc.tie_word_embeddings,
-            "initializer_range": mc.initializer_range, "hidden_act": "silu", "sliding_window": None,
-            "router_aux_loss_coef": 0.0, "router_jitter_noise": 0.0, "output_router_logits": False,
-            "torch_dtype": mc.params_dtype,
-        }
-    if mc.family == "olmoe":
-        return {
-            "architectures": [HF_ARCHS["olmoe"]], "model_type": "olmoe",
-            "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
-            "num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
-            "head_dim": mc.head_dim, "num_experts": mc.num_experts, "num_experts_per_tok": mc.num_experts_per_tok,
-            "intermediate_size": mc.moe_intermediate_size, "norm_topk_prob": mc.norm_topk_prob,
-            "rms_norm_eps": mc.rms_norm_eps, "rope_theta": mc.rope_theta, "rope_scaling": None,
-            "max_position_embeddings": mc.max_position_embeddings, "tie_word_embeddings": mc.tie_word_embeddings,
-            "initializer_range": mc.initializer_range, "hidden_act": "silu", "clip_qkv": None,
-            "attention_bias": False, "router_aux_loss_coef": 0.0, "output_router_logits": False,
-            "torch_dtype": mc.params_dtype,
-        }
-    if mc.family == "qwen2_moe":
-        return {
-            "architectures": [HF_ARCHS["qwen2_moe"]], "model_type": "qwen2_moe",
-            "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
-            "num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
-            "head_dim": mc.head_dim, "num_experts": mc.num_experts, "num_experts_per_tok": mc.num_experts_per_tok,
-            "moe_intermediate_size": mc.moe_intermediate_size, "intermediate_size": mc.moe_intermediate_size,
-            "shared_expert_intermediate_size": mc.shared_expert_intermediate_size, "qkv_bias": mc.attention_bias,
-            "norm_topk_prob": mc.norm_topk_prob, "rms_norm_eps": mc.rms_norm_eps, "rope_theta": mc.rope_theta,
-            "rope_scaling": None, "max_position_embeddings": mc.max_position_embeddings,
-            "tie_word_embeddings": mc.tie_word_embeddings, "initializer_range": mc.initializer_range,
-            "hidden_act": "silu", "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
-            "router_aux_loss_coef": 0.0, "output_router_logits": False, "torch_dtype": mc.params_dtype,
-        }
-    return {
-        "architectures": [HF_ARCH], "model_type": "qwen3_moe",
+    """config.json of the policy in its family's transformers config (model_type and field names)."""
+    common = {
+        "architectures": [HF_ARCHS[mc.family]], "model_type": mc.family,
         "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
         "num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
-        "head_dim": mc.head_dim, "num_experts": mc.num_experts, "num_experts_per_tok": mc.num_experts_per_tok,
-        "moe_intermediate_size": mc.moe_intermediate_size, "intermediate_size": mc.moe_intermediate_size,
-        "norm_topk_prob": mc.norm_topk_prob, "rms_norm_eps": mc.rms_norm_eps, "rope_theta": mc.rope_theta,
-        "rope_scaling": None, "max_position_embeddings": mc.max_position_embeddings,
+        "head_dim": mc.head_dim, "num_experts_per_tok": mc.num_experts_per_tok, "rms_norm_eps": mc.rms_norm_eps,
+        "rope_theta": mc.rope_theta, "rope_scaling": None, "max_position_embeddings": mc.max_position_embeddings,
         "tie_word_embeddings": mc.tie_word_embeddings, "initializer_range": mc.initializer_range,
-        "hidden_act": "silu", "attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "shared_expert_intermediate_size": 0, "router_aux_loss_coef": 0.0, "output_router_logits": False,
-        "torch_dtype": mc.params_dtype, "use_sliding_window": False,
+        "hidden_act": "silu", "router_aux_loss_coef": 0.0, "output_router_logits": False,
+        "torch_dtype": mc.params_dtype,
     }
-
+    if mc.family == "mixtral":
+        return {**common, "num_local_experts": mc.num_experts, "intermediate_size": mc.moe_intermediate_size,
+                "sliding_window": None, "router_jitter_noise": 0.0}
+    if mc.family == "olmoe":
+        return {**common, "num_experts": mc.num_experts, "intermediate_size": mc.moe_intermediate_size,
+                "norm_topk_prob": mc.norm_topk_prob, "clip_qkv": None, "attention_bias": False}
+    # Qwen3-MoE and Qwen2-MoE
+    out = {**common, "num_experts": mc.num_experts, "moe_intermediate_size": mc.moe_intermediate_size,
+           "intermediate_size": mc.moe_intermediate_size, "norm_topk_prob": mc.norm_topk_prob,
+           "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+           "shared_expert_intermediate_size": mc.shared_expert_intermediate_size}
+    if mc.family == "qwen2_moe":
+        return {**out, "qkv_bias": mc.attention_bias}
+    return {**out, "attention_bias": False}
 
 
 def fsync_dir(path: Path) -> None:

@@ -16,6 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
+from moe_gspo.config.model import check_layout
 from moe_gspo.model import te_names
 from moe_gspo.model.experts import GroupedGemmExperts
 from moe_gspo.model.layers import (KeyNormAllHeads, QueryNormAllHeads, Qwen3Router, RMSNorm, SDPAttention,
@@ -31,14 +32,6 @@ def te_missing() -> str | None:
     except Exception as e:  # noqa: BLE001 - any import failure means TE cannot run; say which
         return f"transformer_engine does not import ({type(e).__name__}: {e})"
     return None
-
-
-def check_layout(mc: ModelConfig, pc: ParallelConfig) -> None:
-    """ConfigError for a parallel layout the family's modules do not implement."""
-    if mc.qk_norm_all_heads and pc.tp > 1:
-        raise ConfigError(f"parallel.tp={pc.tp} with model.family='{mc.family}': its query/key norm spans all heads, "
-                          "which tensor parallelism would split over ranks (not implemented); use parallel.tp=1 "
-                          "(parallel.ep splits the experts)")
 
 
 def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig:

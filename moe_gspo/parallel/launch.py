@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from moe_gspo.config.checks import error_line
+from moe_gspo.config.checks import error_line, exception_chain
 
 ERROR_DIR_ENV = "MOE_GSPO_ERROR_DIR"
 """The directory the ranks report user errors to (set by the launcher for its ranks)."""
@@ -95,18 +95,9 @@ def peer_lost(e: BaseException) -> bool:
     DistNetworkError."""
     import torch.distributed as dist
 
-    seen, todo = [], [e]
-    while todo:
-        x = todo.pop()
-        if x is None or any(x is y for y in seen):
-            continue
-        seen.append(x)
-        if isinstance(x, getattr(dist, "DistNetworkError", ())) or (
-                isinstance(x, RuntimeError) and ("Connection closed by peer" in str(x)
-                                                 or "Connection reset by peer" in str(x))):
-            return True
-        todo += [x.__cause__, x.__context__]
-    return False
+    return any(isinstance(x, getattr(dist, "DistNetworkError", ())) or (
+        isinstance(x, RuntimeError) and ("Connection closed by peer" in str(x) or "Connection reset by peer" in str(x)))
+        for x in exception_chain(e))
 
 
 STOP_WAIT_S = 30.0

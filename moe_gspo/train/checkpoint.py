@@ -180,12 +180,8 @@ class Checkpoints:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise OutOfSpace(f"writing checkpoint {tmp}: out of space (the checkpoint's tensors alone take about "
                              f"{disk_space.size(needed)}); "
-                             f"{disk_space.advice(self, free, each=self._size_of_newest() or needed)}"
+                             f"{disk_space.advice(self, free, each=disk_space.newest_checkpoint_bytes(self) or needed)}"
                              ) from None
-
-    def _size_of_newest(self) -> int | None:
-        dirs = disk_space.checkpoint_dirs(self)
-        return disk_space.checkpoint_bytes(dirs[0]) if dirs else None
 
     def _write(self, step: int, ctx, extra: dict, sharded: dict) -> Path:
         """Every file of checkpoint `step` into DIR/.tmp-step_*/, then the manifest, then the rename. Collective."""

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from moe_gspo.config import UserError
+from moe_gspo.config.checks import exception_chain
 
 
 class OutOfSpace(UserError, RuntimeError):
@@ -24,25 +25,9 @@ class OutOfSpace(UserError, RuntimeError):
     bytes, the space checkpoints need, and the checkpoint `--resume` continues from)."""
 
 
-def chain(e: BaseException) -> list[BaseException]:
-    """`e`, the exceptions it was raised from or while handling, and the per-rank failures a torch DCP
-    CheckpointException carries (its `failures`), with theirs."""
-    out, todo = [], [e]
-    while todo:
-        x = todo.pop()
-        if x is None or any(x is y for y in out):
-            continue
-        out.append(x)
-        failures = getattr(x, "failures", None)
-        failures = failures if isinstance(failures, dict) else {}
-        todo += [x.__cause__, x.__context__,
-                 *(f[0] for f in failures.values() if isinstance(f, tuple) and isinstance(f[0], BaseException))]
-    return out
-
-
 def enospc(e: BaseException) -> OSError | None:
     """The OSError with errno ENOSPC in `e`'s chain, or None."""
-    return next((x for x in chain(e) if isinstance(x, OSError) and x.errno == errno.ENOSPC), None)
+    return next((x for x in exception_chain(e) if isinstance(x, OSError) and x.errno == errno.ENOSPC), None)
 
 
 def free_bytes(path: Path) -> int:
@@ -78,13 +63,19 @@ def checkpoint_bytes(d: Path) -> int | None:
         return None
 
 
+def newest_checkpoint_bytes(ckpts) -> int | None:
+    """Bytes of the newest complete checkpoint of `ckpts` (a checkpoint.Checkpoints); None when it has none."""
+    dirs = checkpoint_dirs(ckpts)
+    return checkpoint_bytes(dirs[0]) if dirs else None
+
+
 def advice(ckpts, free: int, each: int | None = None) -> str:
     """What a line about a full disk says after naming the file: the free space, what the checkpoints of `ckpts`
     (a checkpoint.Checkpoints) need ((keep + 1) x one checkpoint, `each` bytes or the newest one's size) and where
     `--resume` continues from."""
     keep = ckpts.keep
     dirs = checkpoint_dirs(ckpts)
-    each = each if each is not None else (checkpoint_bytes(dirs[0]) if dirs else None)
+    each = each if each is not None else newest_checkpoint_bytes(ckpts)
     need = (f"; each checkpoint takes about {size(each)}, and train.keep_checkpoints={keep} needs room for "
             f"{keep + 1} of them (about {size((keep + 1) * each)}): the kept ones stay until the next is complete"
             if each else "")
@@ -100,8 +91,7 @@ def check_room_to_resume(ckpts, tmp_prefix: str) -> None:
     process that holds the run's lock."""
     for p in ckpts.root.glob(f"{tmp_prefix}*"):
         shutil.rmtree(p, ignore_errors=True)
-    dirs = checkpoint_dirs(ckpts)
-    each = checkpoint_bytes(dirs[0]) if dirs else None
+    each = newest_checkpoint_bytes(ckpts)
     free = free_bytes(ckpts.root)
     if each and free < each:
         raise OutOfSpace(f"resuming {ckpts.root.parent}: out of space for its next checkpoint; {advice(ckpts, free)}")

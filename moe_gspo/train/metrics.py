@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from moe_gspo.config import ConfigError
 from moe_gspo.parallel.state import comm_device
+from moe_gspo.train.disk_space import free_bytes
 
 TIMING_PREFIXES = ("time/", "perf/")
 
@@ -236,10 +237,7 @@ starting there."""
 
 def _room_for_tensorboard(d: Path) -> None:
     """OSError(ENOSPC) naming `d` when its file system has less than TENSORBOARD_ROOM free."""
-    p = d
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    if shutil.disk_usage(p).free < TENSORBOARD_ROOM:
+    if free_bytes(d) < TENSORBOARD_ROOM:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(d))
 
 

@@ -86,7 +86,8 @@ def test_layer_spec_is_chosen_by_the_config_alone():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from moe_gspo.model.experts import GroupedGemmExperts
-    from moe_gspo.model.layers import Qwen3Router, RMSNorm, SDPAttention, TorchLoopExperts
+    from moe_gspo.model.layers import RMSNorm, SDPAttention, TorchLoopExperts
+    from moe_gspo.model.router import MoERouter
     from moe_gspo.model.spec import layer_spec, te_missing
 
     local = load_config("configs/tiny_cpu.yaml").model
@@ -95,7 +96,7 @@ def test_layer_spec_is_chosen_by_the_config_alone():
     attn = sub.self_attention.submodules
     assert sub.input_layernorm is RMSNorm and sub.pre_mlp_layernorm is RMSNorm
     assert attn.q_layernorm is RMSNorm and attn.k_layernorm is RMSNorm and attn.core_attention is SDPAttention
-    assert sub.mlp.submodules.router is Qwen3Router and sub.mlp.submodules.experts.module is GroupedGemmExperts
+    assert sub.mlp.submodules.router is MoERouter and sub.mlp.submodules.experts.module is GroupedGemmExperts
     other = layer_spec(load_config("configs/tiny_cpu.yaml", ["model.attention=megatron", "model.experts=torch"]).model)
     assert other.submodules.self_attention.submodules.core_attention is DotProductAttention
     assert other.submodules.mlp.submodules.experts.module is TorchLoopExperts

@@ -10,7 +10,7 @@ from typing import ClassVar
 from moe_gspo.config.checks import ConfigError, choice, positive
 
 
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
 """The model families a policy can be (Hugging Face model_type names)."""
 
 
@@ -27,7 +27,9 @@ class ModelConfig:
     is the softmax renormalized over the top k; experts named w1/w3/w2 in its checkpoints) or 'qwen2_moe'
     (Qwen2-MoE: no query/key norm, biases on q/k/v, a shared expert behind a sigmoid gate) or 'olmoe' (OLMoE: one
     RMSNorm over all heads of the queries and one over all heads of the keys, top-k probabilities not renormalized
-    by default). A checkpoint's config.json (model.init_from) sets it."""
+    by default) or 'deepseek_v3' (DeepSeek-V3, and Moonlight and Kimi K2, which share its architecture: multi-head
+    latent attention, a sigmoid router with a load-balancing expert bias, grouped top-k and a scaling factor, shared
+    experts, dense first layers). A checkpoint's config.json (model.init_from) sets it."""
 
     vocab_size: int = 128
     """Vocabulary size (rows of the embedding and of the LM head)."""
@@ -55,6 +57,31 @@ class ModelConfig:
     the flip tracker count routed experts only."""
     attention_bias: bool = False
     """Biases on the query, key and value projections (Qwen2-MoE)."""
+    first_k_dense_replace: int = 0
+    """The first k decoder layers have a dense SwiGLU MLP of width intermediate_size instead of experts (DeepSeek-V3:
+    3). Routing metrics, replay and the flip tracker count the MoE layers only, numbered from 0 at layer k."""
+    intermediate_size: int = 0
+    """Hidden width of the dense layers' MLP (first_k_dense_replace > 0)."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention (kv_lora_rank > 0): rank of the query's low-rank projection (q_a_proj, its RMSNorm,
+    q_b_proj); 0: the query is one projection (q_proj), as in Moonlight."""
+    kv_lora_rank: int = 0
+    """Rank of multi-head latent attention's compressed key/value (kv_a_proj_with_mqa, its RMSNorm, kv_b_proj); 0:
+    grouped-query attention with head_dim-wide heads."""
+    qk_nope_head_dim: int = 0
+    """Multi-head latent attention: per-head width of the query and key part without rotary embedding."""
+    qk_rope_head_dim: int = 0
+    """Multi-head latent attention: per-head width of the rotary part (the key's is shared by all heads)."""
+    v_head_dim: int = 0
+    """Multi-head latent attention: per-head width of the values."""
+    n_group: int = 1
+    """Grouped top-k (sigmoid routers): the experts are split into n_group groups, each scored by the sum of its two
+    best biased scores, and a token's experts are chosen within its topk_group best groups (transformers' and vLLM's
+    rule). 1: no grouping."""
+    topk_group: int = 1
+    """Grouped top-k: how many groups a token's experts may come from."""
+    routed_scaling_factor: float = 1.0
+    """Sigmoid routers: the routed experts' weights (normalized if norm_topk_prob) are multiplied by this."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon (must match the checkpoint: megatron's 1e-5 default flips experts)."""
     rope_theta: float = 1_000_000.0
@@ -114,9 +141,12 @@ class ModelConfig:
             raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                               f"model.num_experts={self.num_experts}")
         choice(self, "family", FAMILIES)
-        if self.family != "qwen2_moe" and (self.shared_expert_intermediate_size or self.attention_bias):
-            raise ConfigError(f"model.shared_expert_intermediate_size / model.attention_bias are Qwen2-MoE's: "
-                              f"model.family='{self.family}' has neither")
+        if self.family != "qwen2_moe" and self.attention_bias:
+            raise ConfigError(f"model.attention_bias is Qwen2-MoE's: model.family='{self.family}' has no q/k/v biases")
+        if self.family not in ("qwen2_moe", "deepseek_v3") and self.shared_expert_intermediate_size:
+            raise ConfigError(f"model.shared_expert_intermediate_size: model.family='{self.family}' has no shared "
+                              "expert")
+        self._check_deepseek()
         if self.shared_expert_intermediate_size < 0:
             raise ConfigError(f"model.shared_expert_intermediate_size={self.shared_expert_intermediate_size} must "
                               "be >= 0 (0: no shared expert)")
@@ -145,6 +175,63 @@ class ModelConfig:
                                   "model.compile=false")
 
 
+    def _check_deepseek(self) -> None:
+        """The fields only DeepSeek-V3's layers read, checked together."""
+        deepseek = ("first_k_dense_replace", "intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                    "qk_rope_head_dim", "v_head_dim")
+        if self.family != "deepseek_v3":
+            given = [f for f in deepseek if getattr(self, f)]
+            given += [f for f, d in (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0))
+                      if getattr(self, f) != d]
+            if given:
+                raise ConfigError(f"model.{given[0]} is DeepSeek-V3's: model.family='{self.family}' does not use it")
+            return
+        positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group")
+        if self.q_lora_rank < 0 or self.first_k_dense_replace < 0:
+            raise ConfigError("model.q_lora_rank and model.first_k_dense_replace must be >= 0")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)")
+        if self.first_k_dense_replace >= self.num_hidden_layers:
+            raise ConfigError(f"model.first_k_dense_replace={self.first_k_dense_replace} leaves no MoE layer of "
+                              f"model.num_hidden_layers={self.num_hidden_layers}")
+        if self.first_k_dense_replace and self.intermediate_size <= 0:
+            raise ConfigError("model.intermediate_size must be > 0: it is the width of the first_k_dense_replace "
+                              "dense layers' MLP")
+        if self.num_experts % self.n_group or self.num_experts // self.n_group < 2 and self.n_group > 1:
+            raise ConfigError(f"model.n_group={self.n_group} must divide model.num_experts={self.num_experts} into "
+                              "groups of at least 2 experts (a group's score is its two best experts)")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"model.topk_group={self.topk_group} must be in [1, model.n_group={self.n_group}]")
+        if self.num_experts_per_tok > self.topk_group * self.num_experts // self.n_group:
+            raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of "
+                              f"model.topk_group={self.topk_group} groups")
+        if not 0 < self.routed_scaling_factor < float("inf"):
+            raise ConfigError(f"model.routed_scaling_factor={self.routed_scaling_factor} must be a finite number > 0")
+        if self.spec == "te":
+            raise ConfigError("model.spec='te' with model.family='deepseek_v3': its latent attention and dense "
+                              "layers run on the local spec only; use model.spec=local")
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek-V3)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def router_sigmoid(self) -> bool:
+        """Whether the router scores experts by sigmoid, chooses them by score plus a load-balancing expert bias
+        (within groups) and scales their weights (DeepSeek-V3), rather than by softmax."""
+        return self.family == "deepseek_v3"
+
+    @property
+    def shared_expert_gate(self) -> bool:
+        """Whether the shared expert's output is scaled by sigmoid(gate . x) (Qwen2-MoE; DeepSeek-V3's is not)."""
+        return self.family == "qwen2_moe"
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Decoder layers with experts (all but the first_k_dense_replace dense ones)."""
+        return self.num_hidden_layers - self.first_k_dense_replace
+
     @property
     def qk_norm(self) -> bool:
         """Whether attention normalizes queries and keys (RMSNorm) before rotary: per head over head_dim, or over all
@@ -159,18 +246,29 @@ class ModelConfig:
 
     def parameter_counts(self) -> tuple[int, int]:
         """(total, active per token) parameter counts of this architecture, embeddings and LM head included;
-        active counts num_experts_per_tok of the num_experts experts in every layer."""
+        active counts num_experts_per_tok of the num_experts experts in every MoE layer. The expert bias of a
+        sigmoid router is a buffer, not counted."""
         H, d, nq, ng = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
-        norms = (nq + ng) * d if self.qk_norm_all_heads else 2 * d if self.qk_norm else 0
-        attention = H * (nq + 2 * ng) * d + nq * d * H + norms  # q, k, v, o, q/k norms
-        attention += (nq + 2 * ng) * d if self.attention_bias else 0
-        shared = attention + 2 * H + self.num_experts * H  # + the two layer norms and the router
-        shared += 3 * H * self.shared_expert_intermediate_size + H if self.shared_expert_intermediate_size else 0
+        if self.mla:  # q (one projection, or down + norm + up), kv down + norm + up, o
+            qd = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = H * nq * qd if not self.q_lora_rank else (H + 1 + nq * qd) * self.q_lora_rank
+            kv = H * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+            kv += self.kv_lora_rank * nq * (self.qk_nope_head_dim + self.v_head_dim)
+            attention = q + kv + nq * self.v_head_dim * H
+        else:
+            norms = (nq + ng) * d if self.qk_norm_all_heads else 2 * d if self.qk_norm else 0
+            attention = H * (nq + 2 * ng) * d + nq * d * H + norms  # q, k, v, o, q/k norms
+            attention += (nq + 2 * ng) * d if self.attention_bias else 0
+        moe_shared = self.num_experts * H  # the router
+        if self.shared_expert_intermediate_size:
+            moe_shared += 3 * H * self.shared_expert_intermediate_size + (H if self.shared_expert_gate else 0)
         expert = 3 * H * self.moe_intermediate_size  # gate, up, down
         outside = self.vocab_size * H * (1 if self.tie_word_embeddings else 2) + H  # embedding, head, final norm
-        L = self.num_hidden_layers
-        return (outside + L * (shared + self.num_experts * expert),
-                outside + L * (shared + self.num_experts_per_tok * expert))
+        dense = self.first_k_dense_replace * (attention + 2 * H + 3 * H * self.intermediate_size)
+        per_moe = attention + 2 * H + moe_shared  # + the two layer norms
+        L = self.num_moe_layers
+        return (outside + dense + L * (per_moe + self.num_experts * expert),
+                outside + dense + L * (per_moe + self.num_experts_per_tok * expert))
 
 
 @dataclass
@@ -237,6 +335,8 @@ def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None)
         elif mt == "olmoe":  # its experts' width is intermediate_size
             family = dict(num_experts=c["num_experts"], moe_intermediate_size=c["intermediate_size"],
                           norm_topk_prob=bool(c.get("norm_topk_prob", False)))
+        elif mt == "deepseek_v3":
+            family = _deepseek_fields(c, f)
         else:
             family = dict(num_experts=c.get("num_experts") or c["num_local_experts"],
                           moe_intermediate_size=c["moe_intermediate_size"],
@@ -248,7 +348,7 @@ def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None)
             family=mt, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
             num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
             num_key_value_heads=c["num_key_value_heads"],
-            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            head_dim=c.get("head_dim") or c.get("qk_rope_head_dim") or c["hidden_size"] // c["num_attention_heads"],
             num_experts_per_tok=c["num_experts_per_tok"], rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope), max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
@@ -260,10 +360,36 @@ def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None)
         raise ConfigError(f"{f}: missing field {e.args[0]!r}") from None
 
 
+def _deepseek_fields(c: dict, f: Path) -> dict:
+    """DeepSeek-V3's config.json fields (DeepseekV3Config's names) as ModelConfig fields; refuses what its layers
+    here do not implement."""
+    refused = {"scoring_func": ("sigmoid", None), "topk_method": ("noaux_tc", None), "rope_interleave": (True, None),
+               "attention_bias": (False, None), "rope_scaling": (None,), "quantization_config": (None,)}
+    for key, allowed in refused.items():
+        if c.get(key) not in allowed:
+            raise ConfigError(f"{f}: {key}={c[key]!r}: moe-gspo's DeepSeek-V3 implements "
+                              f"{key}={allowed[0]!r} only" + (" (dequantize the weights to bfloat16 first)"
+                                                               if key == "quantization_config" else ""))
+    params = c.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default":
+        raise ConfigError(f"{f}: rope_parameters.rope_type={params['rope_type']!r}: moe-gspo's DeepSeek-V3 "
+                          "implements plain rotary embeddings only")
+    return dict(num_experts=c["n_routed_experts"], moe_intermediate_size=c["moe_intermediate_size"],
+                norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+                shared_expert_intermediate_size=int(c.get("n_shared_experts") or 0) * c["moe_intermediate_size"],
+                first_k_dense_replace=int(c.get("first_k_dense_replace") or 0),
+                intermediate_size=int(c["intermediate_size"]) if c.get("first_k_dense_replace") else 0,
+                q_lora_rank=int(c.get("q_lora_rank") or 0), kv_lora_rank=c["kv_lora_rank"],
+                qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
+                v_head_dim=c["v_head_dim"], n_group=int(c.get("n_group") or 1), topk_group=int(c.get("topk_group") or 1),
+                routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)))
+
+
 ARCHITECTURE = ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                "shared_expert_intermediate_size", "attention_bias",
-                "rms_norm_eps", "rope_theta", "max_position_embeddings", "tie_word_embeddings", "initializer_range")
+                "shared_expert_intermediate_size", "attention_bias", "first_k_dense_replace", "intermediate_size",
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
+                "topk_group", "routed_scaling_factor", "rms_norm_eps", "rope_theta", "max_position_embeddings", "tie_word_embeddings", "initializer_range")
 """The ModelConfig fields a checkpoint's config.json defines (model.init_from)."""
 
 

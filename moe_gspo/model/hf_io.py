@@ -32,7 +32,7 @@ from moe_gspo.config.model import model_config_from_hf  # noqa: F401 - read by m
 
 HF_ARCH = "Qwen3MoeForCausalLM"
 HF_ARCHS = {"qwen3_moe": HF_ARCH, "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "olmoe": "OlmoeForCausalLM"}
+            "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 # package name -> file name of the tensors a family's checkpoint files name otherwise (per-expert: a suffix)
 _FILE_NAMES = {"mixtral": {".mlp.gate.weight": ".block_sparse_moe.gate.weight",
@@ -92,6 +92,16 @@ def hf_config_dict(mc: ModelConfig) -> dict:
     if mc.family == "olmoe":
         return {**common, "num_experts": mc.num_experts, "intermediate_size": mc.moe_intermediate_size,
                 "norm_topk_prob": mc.norm_topk_prob, "clip_qkv": None, "attention_bias": False}
+    if mc.family == "deepseek_v3":  # topk_method and scoring_func: what vLLM reads (transformers implies them)
+        return {**common, "n_routed_experts": mc.num_experts, "moe_intermediate_size": mc.moe_intermediate_size,
+                "intermediate_size": mc.intermediate_size or mc.moe_intermediate_size,
+                "n_shared_experts": mc.shared_expert_intermediate_size // mc.moe_intermediate_size,
+                "first_k_dense_replace": mc.first_k_dense_replace, "q_lora_rank": mc.q_lora_rank or None,
+                "kv_lora_rank": mc.kv_lora_rank, "qk_nope_head_dim": mc.qk_nope_head_dim,
+                "qk_rope_head_dim": mc.qk_rope_head_dim, "v_head_dim": mc.v_head_dim, "n_group": mc.n_group,
+                "topk_group": mc.topk_group, "routed_scaling_factor": mc.routed_scaling_factor,
+                "norm_topk_prob": mc.norm_topk_prob, "rope_interleave": True, "attention_bias": False,
+                "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
     # Qwen3-MoE and Qwen2-MoE
     out = {**common, "num_experts": mc.num_experts, "moe_intermediate_size": mc.moe_intermediate_size,
            "intermediate_size": mc.moe_intermediate_size, "norm_topk_prob": mc.norm_topk_prob,
@@ -116,7 +126,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
     """Full HF state dict (the package's names or the family's file names) -> full megatron state dict
     (single-process names and shapes)."""
     hf = package_keys(hf, mc.family)
-    L, E, H = mc.num_hidden_layers, mc.num_experts, mc.hidden_size
+    L, H = mc.num_hidden_layers, mc.hidden_size
     nq, ng, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
     out: dict[str, torch.Tensor] = {}
 
@@ -129,38 +139,24 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
     for i in range(L):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        q = take(p + "self_attn.q_proj.weight").view(ng, nq // ng * d, H)
-        k = take(p + "self_attn.k_proj.weight").view(ng, d, H)
-        v = take(p + "self_attn.v_proj.weight").view(ng, d, H)
-        out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, H)
-        if mc.attention_bias:  # interleaved per query group like the weight
-            qb = take(p + "self_attn.q_proj.bias").view(ng, nq // ng * d)
-            kb, vb = take(p + "self_attn.k_proj.bias").view(ng, d), take(p + "self_attn.v_proj.bias").view(ng, d)
-            out[m + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
-        out[m + "self_attention.linear_proj.weight"] = take(p + "self_attn.o_proj.weight")
-        if mc.qk_norm:
-            out[m + "self_attention.q_layernorm.weight"] = take(p + "self_attn.q_norm.weight")
-            out[m + "self_attention.k_layernorm.weight"] = take(p + "self_attn.k_norm.weight")
         out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-        out[m + "mlp.router.weight"] = take(p + "mlp.gate.weight")
-        if mc.shared_expert_intermediate_size:
-            sp = p + "mlp.shared_expert."
-            out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([take(sp + "gate_proj.weight"),
-                                                                         take(sp + "up_proj.weight")])
-            out[m + "mlp.shared_experts.linear_fc2.weight"] = take(sp + "down_proj.weight")
-            out[m + "mlp.shared_experts.gate_weight"] = take(p + "mlp.shared_expert_gate.weight")
-        fused = p + "mlp.experts.gate_up_proj"
-        for e in range(E):
-            x = f"{m}mlp.experts.local_experts.{e}."
-            if fused in hf:
-                out[x + "linear_fc1.weight"] = hf[fused][e]
-                out[x + "linear_fc2.weight"] = hf[p + "mlp.experts.down_proj"][e]
-            else:
-                pe = f"{p}mlp.experts.{e}."
-                out[x + "linear_fc1.weight"] = torch.cat([take(pe + "gate_proj.weight"), take(pe + "up_proj.weight")])
-                out[x + "linear_fc2.weight"] = take(pe + "down_proj.weight")
-        hf.pop(fused, None)
-        hf.pop(p + "mlp.experts.down_proj", None)
+        for theirs, ours in _renamed(mc, i):
+            out[m + ours] = take(p + theirs)
+        if not mc.mla:  # q/k/v (and their biases) interleaved per query group
+            q = take(p + "self_attn.q_proj.weight").view(ng, nq // ng * d, H)
+            k = take(p + "self_attn.k_proj.weight").view(ng, d, H)
+            v = take(p + "self_attn.v_proj.weight").view(ng, d, H)
+            out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, H)
+            if mc.attention_bias:
+                qb = take(p + "self_attn.q_proj.bias").view(ng, nq // ng * d)
+                kb, vb = take(p + "self_attn.k_proj.bias").view(ng, d), take(p + "self_attn.v_proj.bias").view(ng, d)
+                out[m + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
+        if i < mc.first_k_dense_replace:  # a dense MLP: linear_fc1 stacks gate over up
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                          take(p + "mlp.up_proj.weight")])
+            out[m + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight")
+        else:
+            _moe_to_megatron(hf, out, take, mc, p, m)
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
     if not mc.tie_word_embeddings:
         out["output_layer.weight"] = take("lm_head.weight")
@@ -169,6 +165,57 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
     if hf:
         raise ConfigError(f"checkpoint has tensors this architecture does not use: {sorted(hf)[:5]}")
     return out
+
+
+def _renamed(mc: ModelConfig, i: int) -> list[tuple[str, str]]:
+    """(HF name, megatron name) under layer i's prefixes of the tensors both sides hold whole and alike: the
+    attention's own norms and projections where they map one to one (multi-head latent attention's all do), the
+    router and its expert bias (q/k/v, interleaved per query group in megatron, and the experts are not)."""
+    out = [("self_attn.o_proj.weight", "self_attention.linear_proj.weight")]
+    if mc.mla:
+        out += [("self_attn.q_a_proj.weight", "self_attention.linear_q_down_proj.weight"),
+                ("self_attn.q_a_layernorm.weight", "self_attention.q_layernorm.weight"),
+                ("self_attn.q_b_proj.weight", "self_attention.linear_q_up_proj.weight")] if mc.q_lora_rank else [
+            ("self_attn.q_proj.weight", "self_attention.linear_q_proj.weight")]
+        out += [("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight"),
+                ("self_attn.kv_a_layernorm.weight", "self_attention.kv_layernorm.weight"),
+                ("self_attn.kv_b_proj.weight", "self_attention.linear_kv_up_proj.weight")]
+    elif mc.qk_norm:
+        out += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+                ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight")]
+    if i >= mc.first_k_dense_replace:
+        out.append(("mlp.gate.weight", "mlp.router.weight"))
+        if mc.router_sigmoid:
+            out.append(("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias"))
+    return out
+
+
+def _shared_prefix(mc: ModelConfig) -> str:
+    """The HF module of the shared expert(s): Qwen2-MoE's one, or DeepSeek-V3's n_shared_experts fused into one."""
+    return "mlp.shared_experts." if mc.family == "deepseek_v3" else "mlp.shared_expert."
+
+
+def _moe_to_megatron(hf, out, take, mc: ModelConfig, p: str, m: str) -> None:
+    """One MoE layer's shared and routed experts (HF prefix p, megatron prefix m) into `out`."""
+    if mc.shared_expert_intermediate_size:
+        sp = p + _shared_prefix(mc)
+        out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([take(sp + "gate_proj.weight"),
+                                                                     take(sp + "up_proj.weight")])
+        out[m + "mlp.shared_experts.linear_fc2.weight"] = take(sp + "down_proj.weight")
+        if mc.shared_expert_gate:
+            out[m + "mlp.shared_experts.gate_weight"] = take(p + "mlp.shared_expert_gate.weight")
+    fused = p + "mlp.experts.gate_up_proj"
+    for e in range(mc.num_experts):
+        x = f"{m}mlp.experts.local_experts.{e}."
+        if fused in hf:
+            out[x + "linear_fc1.weight"] = hf[fused][e]
+            out[x + "linear_fc2.weight"] = hf[p + "mlp.experts.down_proj"][e]
+        else:
+            pe = f"{p}mlp.experts.{e}."
+            out[x + "linear_fc1.weight"] = torch.cat([take(pe + "gate_proj.weight"), take(pe + "up_proj.weight")])
+            out[x + "linear_fc2.weight"] = take(pe + "down_proj.weight")
+    hf.pop(fused, None)
+    hf.pop(p + "mlp.experts.down_proj", None)
 
 
 def hf_sources(mc: ModelConfig) -> list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]]:
@@ -201,23 +248,26 @@ def hf_sources(mc: ModelConfig) -> list[tuple[str, str, Callable[[torch.Tensor],
     for i in range(L):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out += [(p + "input_layernorm.weight", m + "input_layernorm.weight", same),
-                (p + "self_attn.q_proj.weight", m + "self_attention.linear_qkv.weight", qkv_part(0)),
-                (p + "self_attn.k_proj.weight", m + "self_attention.linear_qkv.weight", qkv_part(1)),
-                (p + "self_attn.v_proj.weight", m + "self_attention.linear_qkv.weight", qkv_part(2)),
-                *([(p + f"self_attn.{x}_proj.bias", m + "self_attention.linear_qkv.bias", qkv_bias_part(i))
-                   for i, x in enumerate("qkv")] if mc.attention_bias else []),
-                (p + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight", same),
-                *([(p + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight", same),
-                   (p + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight", same)]
-                  if mc.qk_norm else []),
-                (p + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight", same),
-                (p + "mlp.gate.weight", m + "mlp.router.weight", same)]
+                (p + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight", same)]
+        out += [(p + theirs, m + ours, same) for theirs, ours in _renamed(mc, i)]
+        if not mc.mla:
+            out += [(p + f"self_attn.{x}_proj.weight", m + "self_attention.linear_qkv.weight", qkv_part(j))
+                    for j, x in enumerate("qkv")]
+            out += [(p + f"self_attn.{x}_proj.bias", m + "self_attention.linear_qkv.bias", qkv_bias_part(j))
+                    for j, x in enumerate("qkv") if mc.attention_bias]
+        if i < mc.first_k_dense_replace:  # a dense MLP
+            dense = lambda j: lambda t: t.split([mc.intermediate_size] * 2)[j]  # noqa: E731 - gate over up
+            out += [(p + "mlp.gate_proj.weight", m + "mlp.linear_fc1.weight", dense(0)),
+                    (p + "mlp.up_proj.weight", m + "mlp.linear_fc1.weight", dense(1)),
+                    (p + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight", same)]
+            continue
         if shared:
-            sp, sm = p + "mlp.shared_expert.", m + "mlp.shared_experts."
+            sp, sm = p + _shared_prefix(mc), m + "mlp.shared_experts."
             out += [(sp + "gate_proj.weight", sm + "linear_fc1.weight", shared_fc1_part(0)),
                     (sp + "up_proj.weight", sm + "linear_fc1.weight", shared_fc1_part(1)),
-                    (sp + "down_proj.weight", sm + "linear_fc2.weight", same),
-                    (p + "mlp.shared_expert_gate.weight", sm + "gate_weight", same)]
+                    (sp + "down_proj.weight", sm + "linear_fc2.weight", same)]
+            if mc.shared_expert_gate:
+                out.append((p + "mlp.shared_expert_gate.weight", sm + "gate_weight", same))
         for e in range(E):
             x, pe = f"{m}mlp.experts.local_experts.{e}.", f"{p}mlp.experts.{e}."
             out += [(pe + "gate_proj.weight", x + "linear_fc1.weight", fc1_part(0)),
@@ -286,19 +336,27 @@ def _expert_of(name: str) -> tuple[str, int, str] | None:
 
 def tp_dim(name: str) -> int | None:
     """The dimension megatron splits over TP for a (non-expert) parameter, or None if replicated."""
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
-                      "shared_experts.linear_fc1.weight")):
+    if name.endswith(_TP_ROWS):
         return 0
-    if name.endswith(("linear_proj.weight", "shared_experts.linear_fc2.weight")):
+    if name.endswith(("linear_proj.weight", "shared_experts.linear_fc2.weight", "mlp.linear_fc2.weight")):
         return 1
     return None
+
+
+# column-parallel: split over TP by output rows (multi-head latent attention's projections by whole heads, or plain
+# chunks gathered back before use, as megatron's MLASelfAttention does for the down projections)
+_TP_ROWS = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
+            "shared_experts.linear_fc1.weight", "mlp.linear_fc1.weight", "linear_q_proj.weight",
+            "linear_q_down_proj.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
+            "linear_kv_up_proj.weight")
+_GATE_UP = ("shared_experts.linear_fc1.weight", "mlp.linear_fc1.weight")  # gate over up, each split over TP
 
 
 def _tp_slice(name: str, t: torch.Tensor, mc: ModelConfig, tp: int, r: int) -> torch.Tensor:
     """TP rank r's slice of the full parameter `name` (tp_dim says it is split)."""
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):  # whole query groups
         return t.view(mc.num_key_value_heads, -1, *t.shape[1:]).chunk(tp, dim=0)[r].reshape(-1, *t.shape[1:])
-    if name.endswith("shared_experts.linear_fc1.weight"):  # gate over up, each split: [gate_r; up_r]
+    if name.endswith(_GATE_UP):  # gate over up, each split: [gate_r; up_r]
         return t.view(2, -1, t.shape[-1]).chunk(tp, dim=1)[r].reshape(-1, t.shape[-1])
     return t.chunk(tp, dim=tp_dim(name))[r]
 
@@ -309,7 +367,7 @@ def _tp_join(name: str, parts: list[torch.Tensor], mc: ModelConfig, tp: int) -> 
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return torch.cat([p.view(mc.num_key_value_heads // tp, -1, *t.shape[1:]) for p in parts]).reshape(
             -1, *t.shape[1:])
-    if name.endswith("shared_experts.linear_fc1.weight"):
+    if name.endswith(_GATE_UP):
         return torch.cat([p.view(2, -1, t.shape[-1]) for p in parts], dim=1).reshape(-1, t.shape[-1])
     return torch.cat(parts, dim=tp_dim(name))
 

@@ -1,19 +1,15 @@
-"""The modules the Qwen3-MoE layer spec plugs into megatron-core: SDPA core attention, an RMSNorm that allows
-sequence parallelism, and a softmax top-k router that exposes and can replay its routing.
+"""The modules the layer spec plugs into megatron-core: SDPA core attention, an RMSNorm that allows sequence
+parallelism, query/key norms over all heads, and plain-torch expert loops (the router is in model.router).
 
 Single-device code: tensor/expert parallel sizes come in through megatron's process groups, never from here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
-from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide, get_pg_size
 
@@ -61,7 +57,7 @@ class SDPAttention(MegatronModule):
 
     Replaces megatron's local DotProductAttention (unfused baddbmm + masked softmax + bmm), which spends about
     half of a CPU step in copies. Inputs/outputs use megatron's layout: q (sq, b, np, hn), k/v (sk, b, ng, hn)
-    -> context (sq, b, np * hn), causal over right-padded or full sequences (the explicit mask megatron passes is
+    -> context (sq, b, np * hn_v) (hn_v: the values' width, v_channels under multi-head latent attention), causal over right-padded or full sequences (the explicit mask megatron passes is
     ignored in favour of is_causal). Packed sequences come in megatron's THD format (packed_seq_params with
     qkv_format='thd': q (t, np, hn) holding the sequences back to back); attention alone runs them as right-padded
     rows in one causal call (the rest of the layer stays packed), so no token sees another sequence and no [t, t]
@@ -70,12 +66,15 @@ class SDPAttention(MegatronModule):
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None):
         super().__init__(config=config)
         tp = pg_collection.tp.size() if pg_collection is not None else 1
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
-        self.head_dim = config.kv_channels
+        # multi-head latent attention passes its query/key and value widths (they differ); megatron's local
+        # DotProductAttention takes neither, so MLA without Transformer Engine needs this module
+        self.head_dim = v_channels or config.kv_channels
         self.scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
@@ -134,111 +133,6 @@ def packed_rows(psp, device) -> tuple[torch.Tensor, torch.Tensor]:
         keep = (rows.reshape(-1) < t).nonzero().squeeze(1)  # row-major: the packed order
         cached = psp.row_layout = (rows.to(device), keep.to(device))
     return cached
-
-
-class RoutingContext:
-    """Per-forward bridge between megatron's token order and the caller's RoutingCapture.
-
-    Built by the policy for one forward. `local_pos` (N_local,), needed only to map batch-major tables onto this
-    rank's rows (replay, and scoring given experts), gives, for each token this rank's router sees (megatron's
-    sequence-major order, this rank's sequence-parallel shard), its batch-major position b*T + t; positions
-    >= num_tokens are sequence-parallel padding: they route live. `layout` = (Tp, B, T) describes
-    the whole TP group's rows in the order `gather` concatenates them: sequence-major (s, b) over the padded
-    length Tp; the capture turns them batch-major and drops s >= T when (and if) it is read.
-    `gather` (TP > 1) collects (N_local, k) tensors from the TP group.
-    """
-
-    def __init__(self, capture, local_pos: torch.Tensor | None, num_tokens: int, layout: tuple[int, int, int],
-                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        self.capture = capture
-        self.local_pos = local_pos
-        self.num_tokens = num_tokens
-        self.layout = layout
-        self.gather = gather
-
-    def _local_rows(self, table: torch.Tensor, what: str, layer: int) -> torch.Tensor:
-        """A batch-major (B*T, k) expert table -> this rank's router rows (N_local, k) int64; -1 on padding."""
-        if table.dim() != 2 or table.shape[0] != self.num_tokens:
-            raise ValueError(f"{what} for MoE layer {layer}: expected indices of shape "
-                             f"(B*T={self.num_tokens}, k), got {tuple(table.shape)}")
-        table = table.to(self.local_pos.device, torch.long)
-        padded = torch.cat([table, table.new_full((self.local_pos.numel(), table.shape[1]), -1)])
-        return padded[self.local_pos]
-
-    def replay(self, layer: int) -> torch.Tensor | None:
-        idx = self.capture.replay_indices(layer)
-        return None if idx is None else self._local_rows(idx, "routing replay", layer)
-
-    def score_experts(self, layer: int, idx_NK: torch.Tensor) -> torch.Tensor | None:
-        """(N_local, k) experts whose router scores the capture records for this layer (the given ones, the routed
-        idx_NK where none is given), or None when it records no scores."""
-        if not self.capture.record_scores:
-            return None
-        given = self.capture.score_indices(layer)
-        if given is None:
-            return idx_NK
-        given = self._local_rows(given, "router-score experts", layer)
-        return torch.where(given < 0, idx_NK, given)
-
-    def record(self, layer: int, idx: torch.Tensor, weights: torch.Tensor, live: torch.Tensor | None,
-               scores: torch.Tensor | None = None):
-        """Hand this layer's (unsorted, sequence-major) routing to the capture; under TP gather the group's rows
-        first (a collective, so every rank records in step)."""
-        if not self.capture.record:
-            return
-        if self.gather is not None:
-            idx, weights = self.gather(idx), self.gather(weights)
-            live = None if live is None else self.gather(live)
-            scores = None if scores is None else self.gather(scores)
-        self.capture.put(layer, idx, weights, live, layout=self.layout, scores=scores)
-
-
-class Qwen3Router(TopKRouter):
-    """Qwen3-MoE routing: softmax over experts, top-k, renormalize the k weights (norm_topk_prob), fp32.
-
-    Softmax over the top-k logits equals Qwen's softmax -> top-k -> renormalize. With a RoutingContext set
-    (`self.routing_context`, managed by the policy per forward), it replays given expert indices (the live scores
-    still give the weights, so the router keeps its gradient) and records what it used, and, when the capture asks,
-    the router scores log softmax(logits)[e] (detached) of the routed or of given experts.
-    """
-
-    norm_topk_prob: bool = True
-    routing_context: RoutingContext | None = None
-
-    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
-        logits_NE = logits.reshape(-1, self.config.num_moe_experts).float()
-        live_idx_NK = torch.topk(logits_NE, k=self.topk, dim=1).indices
-        idx_NK, ctx = live_idx_NK, self.routing_context
-        layer = self.layer_number - 1
-        replayed = ctx.replay(layer) if ctx is not None else None
-        if replayed is not None:
-            idx_NK = torch.where(replayed < 0, live_idx_NK, replayed)
-        if self.norm_topk_prob:
-            w_NK = torch.softmax(logits_NE.gather(1, idx_NK), dim=-1)
-        else:
-            w_NK = torch.softmax(logits_NE, dim=-1).gather(1, idx_NK)
-        probs_NE = torch.zeros_like(logits_NE).scatter(1, idx_NK, w_NK)
-        routing_map_NE = torch.zeros_like(logits_NE, dtype=torch.bool).scatter(1, idx_NK, True)
-        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
-            probs_NE = self.load_balancing_loss(logits, logits_NE, probs_NE, padding_mask)
-        if ctx is not None:
-            score_idx_NK = ctx.score_experts(layer, idx_NK)
-            scores_NK = None
-            if score_idx_NK is not None:
-                scores_NK = torch.log_softmax(logits_NE.detach(), dim=-1).gather(1, score_idx_NK)
-            ctx.record(layer, idx_NK, w_NK, None if replayed is None else live_idx_NK, scores_NK)
-        return probs_NE, routing_map_NE
-
-    def load_balancing_loss(self, logits, logits_NE, probs_NE, padding_mask):
-        """megatron's load-balancing losses (model.moe_router_load_balancing_type) on the live router scores,
-        attached to the probabilities the way TopKRouter.routing attaches them: their gradient joins the backward
-        of whatever loss the probabilities feed."""
-        s, b = logits.shape[:2]  # (s, b, E) sequence-major
-        mask_N = None if padding_mask is None else padding_mask.reshape(-1)
-        rmap, scores = compute_routing_scores_for_aux_loss(logits_NE, self.topk, self.score_function,
-                                                           padding_mask=mask_N)
-        probs_NE = self._apply_aux_loss(probs_NE, scores, rmap, with_padding_mask=mask_N is not None)
-        return self._apply_seq_aux_loss(probs_NE, scores, rmap, s, b, with_padding_mask=mask_N is not None)
 
 
 class TorchLoopExperts(SequentialMLP):

@@ -29,9 +29,10 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from moe_gspo.model import hf_io, te_names
 from moe_gspo.model.experts import per_expert_state
-from moe_gspo.model.layers import Qwen3Router, RMSNorm, RoutingContext
+from moe_gspo.model.layers import RMSNorm
+from moe_gspo.model.router import MoERouter, RoutingContext
 from moe_gspo.model.routing_capture import PackedLayout, RoutingCapture
-from moe_gspo.model.spec import layer_spec, transformer_config
+from moe_gspo.model.spec import layer_specs, transformer_config
 
 
 # The MoE dispatcher's masked_select and the expert loop's tokens_per_expert.tolist() have data-dependent sizes;
@@ -58,8 +59,7 @@ class MoEPolicy(torch.nn.Module):
                               f"got tp={pc.tp} ep={pc.ep}")
         self.model_config, self.parallel_config, self.groups = mc, pc, groups
         self.config = transformer_config(mc, pc)
-        spec = layer_spec(mc)
-        block = TransformerBlockSubmodules(layer_specs=[spec] * mc.num_hidden_layers, layer_norm=RMSNorm)
+        block = TransformerBlockSubmodules(layer_specs=layer_specs(mc), layer_norm=RMSNorm)
         self.gpt = GPTModel(
             config=self.config, transformer_layer_spec=block, vocab_size=mc.vocab_size,
             max_sequence_length=mc.max_position_embeddings, pre_process=True, post_process=True,
@@ -71,9 +71,10 @@ class MoEPolicy(torch.nn.Module):
             # megatron builds some parameters on the CPU whatever use_cpu_initialization says (the router weight)
             # and leaves moving the model to the training script, as megatron's own get_model does
             self.cuda(torch.cuda.current_device())
-        self.routers: list[Qwen3Router] = [m for m in self.gpt.modules() if isinstance(m, Qwen3Router)]
-        for r in self.routers:
-            r.norm_topk_prob = mc.norm_topk_prob
+        self.routers: list[MoERouter] = [m for m in self.gpt.modules() if isinstance(m, MoERouter)]
+        for i, r in enumerate(self.routers):  # the family's routing rule (model.router)
+            r.norm_topk_prob, r.n_group, r.topk_group = mc.norm_topk_prob, mc.n_group, mc.topk_group
+            r.scaling, r.moe_layer = mc.routed_scaling_factor, i
         self.tp, self.tp_rank = groups.tp.size(), groups.tp.rank()
         self.ep, self.ep_rank = groups.ep.size(), groups.ep.rank()
         if mc.compile:

@@ -29,6 +29,12 @@ policy's experts per token) for those experts instead, whatever it routes to. Bo
 routing, under TP/SP (gathered over the TP group) and EP alike. Mapping a batch-major table onto this rank's router
 rows is what the policy does for replay sources, so a capture with `score_at` and no replay source replays
 nothing (ROUTE_LIVE) to get that map.
+
+Expert bias (sigmoid routers): with `bias_split=True`, each router that has an expert bias and a reference bias
+(`MoERouter.bias_reference`, the bias when the step's reference routing was recorded) also records the experts
+that reference bias would choose from the same live logits; `bias_ref_stacked()` returns them like
+live_stacked(). Live vs these is what the bias update alone changed; these vs the reference routing, what the
+weights' update changed.
 """
 
 from __future__ import annotations
@@ -79,6 +85,13 @@ class ReplaySource:
             raise RuntimeError(f"replay: layers {missing} were not consumed by the forward "
                                f"(model has fewer MoE layers than the source, or the forward did not use it)")
 
+    def bias_ref_stacked(self) -> torch.Tensor | None:
+        """(N, L, k): the experts the live logits choose under the reference expert bias (`bias_split`), or None
+        when the routers recorded none (no expert bias, or no reference bias set)."""
+        if not self._raw or any(r.bias_ref is None for r in self._raw.values()):
+            return None
+        return self._stack(live=True, bias_ref=True)
+
     def stacked(self) -> torch.Tensor:
         """(B*T, L, k) int64 of all layers (does not count as consumption), -1 rows where nothing is given."""
         return self.table.long()
@@ -122,6 +135,7 @@ class _Raw:
     layout: tuple[int, int, int] | PackedLayout | None  # (Tp, B, T): rows are (s, b) for s < Tp; PackedLayout:
     # packed rows; None: already (B*T) batch-major
     scores: torch.Tensor | None = None  # (Tp*B, k) float32 router scores (of idx, or of the score_at experts)
+    bias_ref: torch.Tensor | None = None  # (Tp*B, k) int64: the live choice under the reference expert bias
 
 
 class RoutingCapture:
@@ -132,13 +146,14 @@ class RoutingCapture:
     stacked() / live_stacked(), or per layer through `layers`."""
 
     def __init__(self, replay: ReplaySource | None = None, record: bool = True, scores: bool = False,
-                 score_at: ReplaySource | None = None):
+                 score_at: ReplaySource | None = None, bias_split: bool = False):
         if score_at is not None and not record:
             raise ValueError("RoutingCapture(score_at=...) records scores: it needs record=True")
         self.replay = ROUTE_LIVE if replay is None and score_at is not None else replay
         self.record = record
         self.score_at = score_at
         self.record_scores = record and (scores or score_at is not None)
+        self.bias_split = record and bias_split
         self._raw: dict[int, _Raw] = {}
         self._layers: dict[int, LayerRouting] | None = None
 
@@ -151,15 +166,15 @@ class RoutingCapture:
 
     def put(self, layer: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             live_idx: torch.Tensor | None = None, layout: tuple[int, int, int] | PackedLayout | None = None,
-            scores: torch.Tensor | None = None) -> None:
+            scores: torch.Tensor | None = None, bias_ref: torch.Tensor | None = None) -> None:
         """Record one layer: (N, k) indices and weights, batch-major (layout None) or the router's (Tp*B, k)
         sequence-major rows with layout (Tp, B, T) (positions t >= T are padding and are dropped) or a packed
         forward's rows with its PackedLayout; optionally the
-        (N, k) router scores in the same row order."""
+        (N, k) router scores and the (N, k) choice under the reference expert bias in the same row order."""
         if self.record:
             live = None if live_idx is None else live_idx.detach()
             sc = None if scores is None else scores.detach()
-            self._raw[layer] = _Raw(topk_idx.detach(), topk_weights.detach(), live, layout, sc)
+            self._raw[layer] = _Raw(topk_idx.detach(), topk_weights.detach(), live, layout, sc, bias_ref)
             self._layers = None
 
     @staticmethod
@@ -185,12 +200,15 @@ class RoutingCapture:
             self._layers = out
         return self._layers
 
-    def _stack(self, live: bool) -> torch.Tensor:
+    def _stack(self, live: bool, bias_ref: bool = False) -> torch.Tensor:
         if not self._raw:
             raise RuntimeError("RoutingCapture holds no routing: was it passed to a forward with record=True?")
         raws = [r for _, r in sorted(self._raw.items())]
         layouts = {r.layout for r in raws}
-        parts = [(r.live if live and r.live is not None else r.idx) for r in raws]
+        if bias_ref:
+            parts = [r.bias_ref for r in raws]
+        else:
+            parts = [(r.live if live and r.live is not None else r.idx) for r in raws]
         if len(layouts) == 1:  # one transpose and one sort for all layers
             return torch.sort(self._batch_major(torch.stack(parts, dim=1), layouts.pop()), dim=-1).values
         return torch.stack([torch.sort(self._batch_major(p, r.layout), dim=-1).values
@@ -199,6 +217,13 @@ class RoutingCapture:
     def live_stacked(self) -> torch.Tensor:
         """(N, L, k): the experts the live router chose (equal to stacked() unless replay overrode them)."""
         return self._stack(live=True)
+
+    def bias_ref_stacked(self) -> torch.Tensor | None:
+        """(N, L, k): the experts the live logits choose under the reference expert bias (`bias_split`), or None
+        when the routers recorded none (no expert bias, or no reference bias set)."""
+        if not self._raw or any(r.bias_ref is None for r in self._raw.values()):
+            return None
+        return self._stack(live=True, bias_ref=True)
 
     def stacked(self) -> torch.Tensor:
         """All layers' indices as (N, L, k) int64, layers in increasing order, sorted ascending per token."""

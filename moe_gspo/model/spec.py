@@ -1,6 +1,8 @@
-"""Qwen3-MoE as a megatron-core TransformerConfig and layer spec: megatron's local spec with this package's router,
-norms, attention and experts (model.spec='local', anywhere), or megatron's Transformer Engine spec (model.spec='te',
-CUDA with transformer_engine)."""
+"""The policy's architecture as a megatron-core TransformerConfig and one layer spec per decoder layer: megatron's
+local spec with this package's router, norms, attention and experts (model.spec='local', anywhere), or megatron's
+Transformer Engine spec (model.spec='te', CUDA with transformer_engine). Multi-head latent attention (DeepSeek-V3) is
+megatron's MLASelfAttention with this package's SDPA core attention and norms; dense first layers are megatron's
+MLP."""
 
 from __future__ import annotations
 
@@ -13,14 +15,14 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from moe_gspo.config.model import check_layout
 from moe_gspo.model import te_names
 from moe_gspo.model.experts import GroupedGemmExperts
-from moe_gspo.model.layers import (KeyNormAllHeads, QueryNormAllHeads, Qwen3Router, RMSNorm, SDPAttention,
-                                    TorchLoopExperts)
+from moe_gspo.model.layers import KeyNormAllHeads, QueryNormAllHeads, RMSNorm, SDPAttention, TorchLoopExperts
+from moe_gspo.model.router import MoERouter
 
 
 def te_missing() -> str | None:
@@ -35,16 +37,31 @@ def te_missing() -> str | None:
 
 
 def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig:
-    """Megatron's config for the Qwen3-MoE architecture (see docs/architecture.md for each choice)."""
+    """Megatron's config for the model's architecture (see docs/architecture.md for each choice)."""
     check_layout(mc, pc)
     dtype = torch.bfloat16 if mc.params_dtype == "bfloat16" else torch.float32
-    return TransformerConfig(
+    family = {}
+    if mc.router_sigmoid:  # the expert bias is megatron's buffer; the rule itself is MoERouter's
+        family.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                      moe_router_bias_update_rate=0.0)
+    if mc.first_k_dense_replace:
+        family.update(moe_layer_freq=[0] * mc.first_k_dense_replace + [1] * mc.num_moe_layers)
+    if mc.mla:  # transformers' qk_nope_head_dim is megatron's qk_head_dim; plain rotary, deinterleaved as DeepSeek's
+        return MLATransformerConfig(
+            q_lora_rank=mc.q_lora_rank or None, kv_lora_rank=mc.kv_lora_rank, qk_head_dim=mc.qk_nope_head_dim,
+            qk_pos_emb_head_dim=mc.qk_rope_head_dim, v_head_dim=mc.v_head_dim, rope_type="rope",
+            rotary_base=mc.rope_theta, **_common(mc, pc, dtype, **family))
+    return TransformerConfig(**_common(mc, pc, dtype, **family))
+
+
+def _common(mc: ModelConfig, pc: ParallelConfig, dtype: torch.dtype, **family) -> dict:
+    return {**dict(
         num_layers=mc.num_hidden_layers,
         hidden_size=mc.hidden_size,
         num_attention_heads=mc.num_attention_heads,
         num_query_groups=mc.num_key_value_heads,
         kv_channels=mc.head_dim,
-        ffn_hidden_size=mc.moe_intermediate_size,
+        ffn_hidden_size=mc.intermediate_size or mc.moe_intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=mc.rms_norm_eps,
         qk_layernorm=mc.qk_norm,
@@ -62,7 +79,7 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig
         moe_router_score_function="softmax",
         moe_router_pre_softmax=False,
         moe_shared_expert_intermediate_size=mc.shared_expert_intermediate_size or None,
-        moe_shared_expert_gate=bool(mc.shared_expert_intermediate_size),
+        moe_shared_expert_gate=mc.shared_expert_gate,
         moe_router_load_balancing_type=mc.moe_router_load_balancing_type,
         moe_aux_loss_coeff=mc.moe_aux_loss_coeff,
         moe_token_dispatcher_type=pc.dispatcher,
@@ -82,13 +99,21 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig
         bias_dropout_fusion=False,
         rotary_interleaved=False,
         cuda_graph_scope=[],  # megatron's default, "full", is a deprecated spelling of [] and warns
-    )
+    ), **family}
 
 
-def layer_spec(mc: ModelConfig) -> ModuleSpec:
-    """The decoder layer spec model.spec names: megatron's local spec with Qwen3's router, an SP-capable RMSNorm,
-    and the configured attention and experts; or megatron's TE spec with Qwen3's router (refused, naming what is
-    missing, where TE cannot run)."""
+def layer_specs(mc: ModelConfig) -> list[ModuleSpec]:
+    """One spec per decoder layer: the first_k_dense_replace dense layers, then the MoE layers."""
+    moe = layer_spec(mc)
+    if not mc.first_k_dense_replace:
+        return [moe] * mc.num_hidden_layers
+    return [layer_spec(mc, dense=True)] * mc.first_k_dense_replace + [moe] * mc.num_moe_layers
+
+
+def layer_spec(mc: ModelConfig, dense: bool = False) -> ModuleSpec:
+    """The decoder layer spec model.spec names: megatron's local spec with the family's router, an SP-capable
+    RMSNorm, and the configured attention and experts; or megatron's TE spec with the family's router (refused,
+    naming what is missing, where TE cannot run). dense: the layer's MLP is megatron's dense MLP (no experts)."""
     if mc.spec == "te":
         missing = te_missing()
         if missing:
@@ -98,23 +123,28 @@ def layer_spec(mc: ModelConfig) -> ModuleSpec:
         # the local spec's checkpoint keys, so that a checkpoint moves between the specs (te_names)
         spec.submodules.sharded_state_dict_keys_map = {**spec.submodules.sharded_state_dict_keys_map,
                                                        **te_names.CHECKPOINT_KEYS}
-    else:
-        spec = get_gpt_layer_local_spec(num_experts=mc.num_experts, qk_layernorm=mc.qk_norm,
-                                        normalization="RMSNorm")
-        sub = spec.submodules
-        sub.input_layernorm = RMSNorm
-        sub.pre_mlp_layernorm = RMSNorm
-        if mc.qk_norm_all_heads:
-            sub.self_attention.submodules.q_layernorm = QueryNormAllHeads
-            sub.self_attention.submodules.k_layernorm = KeyNormAllHeads
-        elif mc.qk_norm:
-            sub.self_attention.submodules.q_layernorm = RMSNorm
-            sub.self_attention.submodules.k_layernorm = RMSNorm
-        if mc.attention == "sdpa":
-            sub.self_attention.submodules.core_attention = SDPAttention
-        if mc.experts == "torch":
-            sub.mlp.submodules.experts = dataclasses.replace(sub.mlp.submodules.experts, module=TorchLoopExperts)
-        elif mc.experts == "grouped":
-            sub.mlp.submodules.experts = ModuleSpec(module=GroupedGemmExperts)
-    spec.submodules.mlp.submodules.router = Qwen3Router
+        spec.submodules.mlp.submodules.router = MoERouter
+        return spec
+    spec = get_gpt_layer_local_spec(num_experts=None if dense else mc.num_experts,
+                                    qk_layernorm=mc.qk_norm or mc.mla, multi_latent_attention=mc.mla,
+                                    normalization="RMSNorm")
+    sub = spec.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    att = sub.self_attention.submodules
+    if mc.mla:  # the query's and the compressed key/value's norms
+        att.q_layernorm, att.kv_layernorm = RMSNorm, RMSNorm
+    elif mc.qk_norm_all_heads:
+        att.q_layernorm, att.k_layernorm = QueryNormAllHeads, KeyNormAllHeads
+    elif mc.qk_norm:
+        att.q_layernorm, att.k_layernorm = RMSNorm, RMSNorm
+    if mc.attention == "sdpa" or mc.mla:  # megatron's local core attention cannot run MLA (SDPAttention)
+        att.core_attention = SDPAttention
+    if dense:
+        return spec
+    if mc.experts == "torch":
+        sub.mlp.submodules.experts = dataclasses.replace(sub.mlp.submodules.experts, module=TorchLoopExperts)
+    elif mc.experts == "grouped":
+        sub.mlp.submodules.experts = ModuleSpec(module=GroupedGemmExperts)
+    sub.mlp.submodules.router = MoERouter
     return spec

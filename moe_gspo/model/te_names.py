@@ -46,6 +46,11 @@ _SHARED = re.compile(
     r"|self_attention\.(?:linear_qkv|linear_proj|q_layernorm|k_layernorm)\.weight|self_attention\.linear_qkv\.bias"
     r"|mlp\.shared_experts\.(?:linear_fc[12]\.weight|gate_weight)"
     r"|mlp\.experts\.local_experts\.\d+\.linear_fc[12]\.weight|mlp\.experts\.weight[12]))$")
+# local-spec names of the families the TE spec does not run (ModelConfig refuses model.spec='te' for them): multi-head
+# latent attention, dense MLPs, the sigmoid router's expert bias
+_LOCAL_ONLY = re.compile(
+    rf"^{_LAYER}(?:self_attention\.(?:linear_q_proj|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj"
+    r"|linear_kv_up_proj|kv_layernorm)\.weight|mlp\.linear_fc[12]\.weight|mlp\.router\.expert_bias)$")
 _TE_INPUT_NORM = re.compile(rf"^(?P<layer>{_LAYER})self_attention\.linear_qkv\.layer_norm_weight$")
 _TE_GROUPED = re.compile(rf"^(?P<head>{_LAYER}mlp\.experts\.)(?P<fc>linear_fc[12])\.weight(?P<e>\d+)$")
 _LOCAL_INPUT_NORM = re.compile(rf"^(?P<layer>{_LAYER})input_layernorm\.weight$")
@@ -61,7 +66,7 @@ def local_name(name: str) -> str | None:
     """The local spec's name of a TE-spec (or local-spec) parameter name; None for `_extra_state` entries."""
     if name.endswith("._extra_state") or re.search(r"\._extra_state\d+$", name):
         return None
-    if _SHARED.match(name):
+    if _SHARED.match(name) or _LOCAL_ONLY.match(name):
         return name
     if m := _TE_INPUT_NORM.match(name):
         return f"{m['layer']}input_layernorm.weight"

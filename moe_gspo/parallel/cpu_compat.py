@@ -24,6 +24,9 @@ megatron-core assumes CUDA in a handful of ways, each handled below:
    `torch_adam_state_load()`, which moe_gspo.train.checkpoint enters around the optimizer's load_state_dict only,
    `_set_main_param_and_optimizer_states` copies the states the checkpoint provides and leaves "step" as the param
    groups set it; the method is restored on exit.
+6. Without Transformer Engine, `multi_latent_attention.HAVE_TE` still reads True: its import of megatron's TE
+   extension succeeds on placeholder classes, and building MLA then fails at `isinstance(linear_proj, TELinear)`
+   ("isinstance() arg 2 must be a type"). Set to False when transformer_engine does not import (on a GPU too).
 
 `apply()` is idempotent and cheap; it is called before a model, optimizer or checkpoint is built, so megatron modules
 imported lazily are scoped too. `check()` raises if a megatron upgrade moved a patched name
@@ -188,6 +191,11 @@ def apply() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):  # without Transformer Engine, on a GPU too
         moe_utils.te_general_gemm = None
         PATCHED["moe.moe_utils.te_general_gemm"] = "None (plain torch.mm path)"
+    from megatron.core.transformer import multi_latent_attention
+
+    if multi_latent_attention.HAVE_TE and not _te_imports():
+        multi_latent_attention.HAVE_TE = False
+        PATCHED["transformer.multi_latent_attention.HAVE_TE"] = "False (Transformer Engine does not import)"
     if torch.cuda.is_available():
         return
     if not _GLOBALS_DONE:
@@ -209,6 +217,14 @@ def apply() -> None:
         PATCHED["megatron.core.* module global `torch`"] = "CPU_TORCH (cuda namespace and factories on the CPU)"
         _GLOBALS_DONE = True
     _scope_megatron_modules()
+
+
+def _te_imports() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means megatron's TE layers cannot be used
+        return False
+    return True
 
 
 _CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
@@ -274,6 +290,7 @@ def check() -> None:
     from megatron.core.optimizer import distrib_optimizer as dopt
     from megatron.core.optimizer import optimizer as mopt
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     missing = []
@@ -284,7 +301,7 @@ def check() -> None:
                       (mopt, "Float16OptimizerWithFloat16Params"), (mopt, "FP32Optimizer"),
                       (dopt.DistributedOptimizer, "_set_main_param_and_optimizer_states"),
                       (dopt.DistributedOptimizer, "load_parameter_state_from_fully_reshardable"),
-                      (dopt, "HAVE_APEX_OR_TE")):
+                      (dopt, "HAVE_APEX_OR_TE"), (multi_latent_attention, "HAVE_TE")):
         if not hasattr(mod, name):
             missing.append(f"{mod.__name__}.{name}")
     tracker = mrandom.get_cuda_rng_tracker()

@@ -68,7 +68,35 @@ def olmoe_checkpoint(path, seed: int = 0):
     return model
 
 
-CHECKPOINTS = {"mixtral": mixtral_checkpoint, "qwen2_moe": qwen2_moe_checkpoint, "olmoe": olmoe_checkpoint}
+def deepseek_v3_checkpoint(path, seed: int = 0, **over):
+    """A tiny random DeepSeek-V3: multi-head latent attention with a compressed query, a dense first layer, a shared
+    expert, a sigmoid router whose expert bias is drawn nonzero (so that a loader dropping it shows), 4 groups of 2
+    experts of which a token may use 2, and top-2 with a scaling factor. topk = topk_group here, where megatron's
+    group score (the sum of a group's top topk/topk_group = 1 experts) differs from the checkpoint's (its top 2).
+    Norm weights drawn away from 1."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=48, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+                  routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
+                  qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                  norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=256, initializer_range=0.2,
+                  rope_scaling=None, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**fields, **over})).eval()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    return model
+
+
+CHECKPOINTS = {"mixtral": mixtral_checkpoint, "qwen2_moe": qwen2_moe_checkpoint, "olmoe": olmoe_checkpoint,
+               "deepseek_v3": deepseek_v3_checkpoint}
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
@@ -94,7 +122,7 @@ def test_logits_equal_transformers_and_export_bit_for_bit(family, tmp_path):
     cfg = tiny_cfg(f"model.init_from={d}")
     assert cfg.model.family == name and cfg.model.qk_norm == (name == "olmoe") and cfg.model.num_experts == 8
     assert (cfg.model.shared_expert_intermediate_size, cfg.model.attention_bias) == \
-        ((48, True) if name == "qwen2_moe" else (0, False))
+        {"qwen2_moe": (48, True), "deepseek_v3": (32, False)}.get(name, (0, False))
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

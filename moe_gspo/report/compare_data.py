@@ -306,12 +306,18 @@ def clip_used(algorithm: dict) -> tuple[float, float] | None:
     return (default[0] if lo is None else float(lo), default[1] if hi is None else float(hi))
 
 
+def _layers(m: dict) -> str:
+    """'L MoE layers', or 'L layers (the first k dense)'."""
+    L, k = m.get("num_hidden_layers", "?"), m.get("first_k_dense_replace") or 0
+    return f"{L} MoE layers" if not k else f"{L} layers (the first {k} dense)"
+
+
 def _settings(cfg: dict) -> dict[str, str]:
     """The settings an RL reader needs to place a run, as table cells (SETTINGS_ROWS order)."""
     m, r, t, a = (cfg.get(k) or {} for k in ("model", "rollout", "train", "algorithm"))
     g = lambda d, k: d.get(k, "?")  # noqa: E731
     return {
-        "model": f"{g(m, 'num_hidden_layers')} MoE layers, hidden {g(m, 'hidden_size')}, {g(m, 'num_experts')} "
+        "model": f"{_layers(m)}, hidden {g(m, 'hidden_size')}, {g(m, 'num_experts')} "
                  f"experts (top-{g(m, 'num_experts_per_tok')}), expert FFN {g(m, 'moe_intermediate_size')}, "
                  f"{g(m, 'num_attention_heads')} attention heads",
         "task": f"{g(r, 'task')}" + (f" ({r['task_args']})" if r.get("task_args") else ""),

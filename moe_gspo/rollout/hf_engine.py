@@ -42,10 +42,12 @@ def _destinations(model, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[t
     """(destination view in `model`, source key) for every tensor of a checkpoint-format state dict, in its key
     order; only the keys are read (a streamed state gathers on reading a value).
 
-    Keys the model has map to their parameter; per-expert `...experts.{e}.{gate,up,down}_proj.weight` tensors map to
+    Keys the model has map to their parameter or persistent buffer; per-expert `...experts.{e}.{gate,up,down}_proj.weight` tensors map to
     their slice of the fused `...experts.gate_up_proj` (E, 2I, H) (gate rows first) or `...experts.down_proj`
     (E, H, I). Raises KeyError naming missing or unused keys, before anything is written."""
     params = dict(model.named_parameters())
+    saved = model.state_dict(keep_vars=True).keys()  # persistent buffers too (DeepSeek-V3's e_score_correction_bias)
+    params.update((k, b) for k, b in model.named_buffers() if k in saved)
     dests, unused, pieces = [], [], {}
     for key in state_dict:
         if key in params:

@@ -151,7 +151,9 @@ class StaticHFEngine(HFEngine):
         cfg = self.model.config
         if self.decode_experts != "auto":
             return cfg._experts_implementation if self.decode_experts == "model" else self.decode_experts
-        return "batched_mm" if B * cfg.num_experts_per_tok <= cfg.num_experts else "grouped_mm"
+        experts = next(getattr(cfg, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                       if getattr(cfg, k, None))  # the families' names for the routed-expert count
+        return "batched_mm" if B * cfg.num_experts_per_tok <= experts else "grouped_mm"
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,

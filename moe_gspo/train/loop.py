@@ -173,9 +173,9 @@ class Run:
             policy.load_full_megatron_state(init_state)
         ddp = wrap_ddp(policy, cfg.train.distributed_optimizer)
         mc = cfg.model
-        replay = RoutingReplayCache(cfg.algorithm.routing_replay, mc.num_hidden_layers, mc.num_experts_per_tok,
+        replay = RoutingReplayCache(cfg.algorithm.routing_replay, mc.num_moe_layers, mc.num_experts_per_tok,
                                     mc.num_experts)
-        tracker = ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts) if cfg.algorithm.track_flips else None
+        tracker = ExpertFlipTracker(mc.num_moe_layers, mc.num_experts) if cfg.algorithm.track_flips else None
         if info.rank == 0:
             if overwrite and not resume:
                 for old in ("checkpoints", "tensorboard", "metrics.jsonl"):

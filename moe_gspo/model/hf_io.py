@@ -343,12 +343,11 @@ def tp_dim(name: str) -> int | None:
     return None
 
 
-# column-parallel: split over TP by output rows (multi-head latent attention's projections by whole heads, or plain
-# chunks gathered back before use, as megatron's MLASelfAttention does for the down projections)
+# column-parallel: split over TP by output rows (multi-head latent attention's up projections by whole heads; its
+# down projections are replicated)
 _TP_ROWS = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
             "shared_experts.linear_fc1.weight", "mlp.linear_fc1.weight", "linear_q_proj.weight",
-            "linear_q_down_proj.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
-            "linear_kv_up_proj.weight")
+            "linear_q_up_proj.weight", "linear_kv_up_proj.weight")
 _GATE_UP = ("shared_experts.linear_fc1.weight", "mlp.linear_fc1.weight")  # gate over up, each split over TP
 
 

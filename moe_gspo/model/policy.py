@@ -80,6 +80,18 @@ class MoEPolicy(torch.nn.Module):
         if mc.compile:
             self.gpt.forward = compiled(self.gpt.forward, mc.num_hidden_layers)
 
+    def mark_bias_reference(self) -> None:
+        """Remember each router's current expert bias as the reference a bias_split capture compares with (routers
+        without an expert bias have nothing to remember)."""
+        for r in self.routers:
+            if r.enable_expert_bias:
+                r.bias_reference = r.expert_bias.detach().clone()
+
+    def set_bias_update_rate(self, rate: float) -> None:
+        """How far megatron's finalize_model_grads moves each router's expert bias toward balance at every
+        optimizer step (train.router_bias_update_rate); 0 keeps it. Only routers with an expert bias have one."""
+        self.config.moe_router_bias_update_rate = float(rate)
+
     @property
     def device(self) -> torch.device:
         """Where this rank's parameters live (the current CUDA device, or the CPU)."""

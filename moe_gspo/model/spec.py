@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
@@ -132,8 +133,11 @@ def layer_spec(mc: ModelConfig, dense: bool = False) -> ModuleSpec:
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
     att = sub.self_attention.submodules
-    if mc.mla:  # the query's and the compressed key/value's norms
+    if mc.mla:  # the query's and the compressed key/value's norms; down projections replicated over TP, whose
+        # input gradient megatron's MLA sums over the TP group (its column-parallel path leaves the rotary key's
+        # gradient partial: parallel/cpu_compat.py, patch 6)
         att.q_layernorm, att.kv_layernorm = RMSNorm, RMSNorm
+        att.linear_q_down_proj = att.linear_kv_down_proj = ReplicatedLinear
     elif mc.qk_norm_all_heads:
         att.q_layernorm, att.k_layernorm = QueryNormAllHeads, KeyNormAllHeads
     elif mc.qk_norm:

@@ -26,7 +26,11 @@ megatron-core assumes CUDA in a handful of ways, each handled below:
    groups set it; the method is restored on exit.
 6. Without Transformer Engine, `multi_latent_attention.HAVE_TE` still reads True: its import of megatron's TE
    extension succeeds on placeholder classes, and building MLA then fails at `isinstance(linear_proj, TELinear)`
-   ("isinstance() arg 2 must be a type"). Set to False when transformer_engine does not import (on a GPU too).
+   ("isinstance() arg 2 must be a type"). Set to False when transformer_engine does not import (on a GPU too),
+   and `multi_latent_attention.Linear` (None then) to megatron's own replicated `post_training.modelopt.layers.Linear`,
+   which MLA accepts for its down projections: the local spec's ColumnParallelLinear there gives wrong gradients
+   under tensor parallelism (the rotary key's gradient, partial per TP rank, is never summed; the TE spec's
+   duplicated TELinear takes the path that sums it), so moe_gspo's MLA spec uses that Linear (model.spec).
 
 `apply()` is idempotent and cheap; it is called before a model, optimizer or checkpoint is built, so megatron modules
 imported lazily are scoped too. `check()` raises if a megatron upgrade moved a patched name
@@ -194,8 +198,11 @@ def apply() -> None:
     from megatron.core.transformer import multi_latent_attention
 
     if multi_latent_attention.HAVE_TE and not _te_imports():
-        multi_latent_attention.HAVE_TE = False
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        multi_latent_attention.HAVE_TE, multi_latent_attention.Linear = False, Linear
         PATCHED["transformer.multi_latent_attention.HAVE_TE"] = "False (Transformer Engine does not import)"
+        PATCHED["transformer.multi_latent_attention.Linear"] = "megatron's post_training.modelopt.layers.Linear"
     if torch.cuda.is_available():
         return
     if not _GLOBALS_DONE:

@@ -22,6 +22,17 @@ Metrics (fractions):
                                   about 94% of tokens against about 10% of slots)
     moe/flip_tokens               (token, layer) pairs observed, divided by L: tokens observed
 
+Routers with a load-balancing expert bias (train.router_bias_update_rate > 0) change their routing two ways per
+update: through the weights (the gradient) and through the bias (moved toward balance at each optimizer step,
+with no gradient). When observe() also gets the live logits' choice under the reference's bias (`bias_ref`, what
+RoutingCapture(bias_split=True) records), the drift splits into:
+    moe/flip_rate_from_bias            live routing vs the same logits under the reference bias: the flips the
+                                       bias updates alone caused, at the current weights
+    moe/flip_rate_from_gradient        the same logits under the reference bias vs the reference routing: the
+                                       flips the weight updates caused, at the reference bias
+    .../layer_{i}                      both per MoE layer
+(Their sum can exceed moe/flip_rate: a slot one source flips the other may flip back.)
+
 Expert load: the old policy's routing of the response tokens the update trained on (the reference routing of the
 observed tokens), per MoE layer; `share` is an expert's fraction of the layer's routed top-k slots (it sums to 1
 over the experts):
@@ -39,6 +50,7 @@ import math
 import torch
 
 from moe_gspo.routing.cache import _ids, scatter_rows
+from moe_gspo.routing.flips import slots_not_in
 
 
 _SET_ELEMS = 2**24  # one-hot set elements per token slice (x2 sets, bool): 32 MiB
@@ -82,9 +94,12 @@ class ExpertFlipTracker:
         self._tables.clear()
 
     # ---------------------------------------------------------------- observing
-    def observe(self, sample_ids, idx_NLK: torch.Tensor, mask_N: torch.Tensor | None = None) -> None:
-        """Compare a training forward's live routing (B*T, L, k) with the reference of the same samples."""
-        self._compare(sample_ids, idx_NLK, mask_N, "observe", churn=True)
+    def observe(self, sample_ids, idx_NLK: torch.Tensor, mask_N: torch.Tensor | None = None,
+                bias_ref: torch.Tensor | None = None) -> None:
+        """Compare a training forward's live routing (B*T, L, k) with the reference of the same samples; with
+        bias_ref (B*T, L, k), the same logits' choice under the reference's expert bias, also split the flips into
+        the bias's and the gradient's (module docstring)."""
+        self._compare(sample_ids, idx_NLK, mask_N, "observe", churn=True, bias_ref=bias_ref)
 
     def observe_rollout(self, sample_ids, engine_idx_NLK: torch.Tensor, mask_N: torch.Tensor | None = None) -> None:
         """Compare the rollout engine's routing (B*T, L, k), -1 rows where unknown, with the training old routing."""
@@ -106,9 +121,12 @@ class ExpertFlipTracker:
         chunks = [self._tables[t][r][:T] for t, r in where_]
         return scatter_rows(chunks, [0] * len(ids), T, device).permute(1, 0, 2)  # (N, L, k), -1 = none
 
-    def _compare(self, sample_ids, idx_NLK, mask_N, where: str, churn: bool) -> None:
+    def _compare(self, sample_ids, idx_NLK, mask_N, where: str, churn: bool, bias_ref=None) -> None:
         ids = _ids(sample_ids)
         new = self._check(idx_NLK, len(ids), where)
+        if bias_ref is not None and bias_ref.shape != new.shape:
+            raise ValueError(f"{where}: bias_ref must have the routing's shape {tuple(new.shape)}, got "
+                             f"{tuple(bias_ref.shape)}")
         N, L, k = new.shape
         old = self._reference(ids, N // len(ids), N, L, k, new.device, where)
         valid = old[..., :1] >= 0  # (N, L, 1); the reference is -1 outside its mask
@@ -122,6 +140,11 @@ class ExpertFlipTracker:
         for n0 in range(0, N, step):
             sl = slice(n0, min(N, n0 + step))
             self._count(new[sl], old[sl], valid[sl], acc, churn)
+            if bias_ref is not None:
+                v = valid[sl]  # (n, L, 1)
+                acc["bias"] += (slots_not_in(new[sl], bias_ref[sl]) & v).sum((0, 2))
+                acc["gradient"] += (slots_not_in(bias_ref[sl], old[sl]) & v).sum((0, 2))
+                acc["split_slots"] += v[..., 0].sum(0) * k
 
     def _count(self, new, old, valid, acc, churn: bool) -> None:
         """Add one token slice's set differences to the accumulators: (n, L, k) new / old, (n, L, 1) valid."""
@@ -175,6 +198,12 @@ class ExpertFlipTracker:
         if mismatch_slots > 0:
             out["moe/rollout_train_mismatch"] = mismatch / mismatch_slots
             out["moe/rollout_train_token_mismatch"] = mismatch_tokens / token_count
+        split = torch.stack([acc["bias"], acc["gradient"], acc["split_slots"]]).tolist()
+        if sum(split[2]) > 0:
+            for name, row in (("bias", split[0]), ("gradient", split[1])):
+                out[f"moe/flip_rate_from_{name}"] = sum(row) / sum(split[2])
+                out.update({f"moe/flip_rate_from_{name}/layer_{i}": f / max(n, 1)
+                            for i, (f, n) in enumerate(zip(row, split[2]))})
         return out
 
     # ---------------------------------------------------------------- helpers
@@ -183,7 +212,8 @@ class ExpertFlipTracker:
             z = dict(dtype=torch.int64, device=device)
             self._acc = {"k": k, "counts": torch.zeros(3, self.num_layers, self.num_experts, **z),
                          "mismatch": torch.zeros((), **z), "mismatch_slots": torch.zeros((), **z),
-                         "mismatch_tokens": torch.zeros((), **z), "mismatch_token_count": torch.zeros((), **z)}
+                         "mismatch_tokens": torch.zeros((), **z), "mismatch_token_count": torch.zeros((), **z),
+                         **{key: torch.zeros(self.num_layers, **z) for key in ("bias", "gradient", "split_slots")}}
         return self._acc
 
     def _check(self, idx: torch.Tensor, batch: int, where: str) -> torch.Tensor:

@@ -167,6 +167,7 @@ class Run:
         run_dir = Path(run_dir)
         groups = init_parallel(cfg)  # megatron's ProcessGroupCollection, handed to everything below
         policy = load_policy(cfg, groups)
+        policy.set_bias_update_rate(cfg.train.router_bias_update_rate)
         info = parallel_info(groups)
         layout = data.check_layout(cfg, info.dp)
         if init_state is not None:

@@ -161,6 +161,7 @@ def old_logprob_pass(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tens
     if ctx.tracker is not None:
         mask = routing_mask(pb.response_mask).reshape(-1)
         ctx.tracker.set_reference(sample_ids, torch.cat(live), mask)
+        policy.mark_bias_reference()  # the expert bias this reference routing was chosen with
         if pb.routing is not None:
             ctx.tracker.observe_rollout(sample_ids, pb.routing.reshape(-1, *pb.routing.shape[2:]), mask)
     return OldPass(old_logp, ref_logp, router)
@@ -265,7 +266,7 @@ def micro_step(ctx: StepContext, ids_bT, rows: LossRows, lengths: list[int], mb:
     T = ids_bT.shape[1]
     src = ctx.replay.replay_source(sample_ids, seq_len=T, device=ids_bT.device)  # None when off
     old_src = old_router.source(old_rows, T, ids_bT.device) if ctx.router_shift else None
-    cap = RoutingCapture(replay=src, score_at=old_src)
+    cap = RoutingCapture(replay=src, score_at=old_src, bias_split=ctx.tracker is not None)
     temperature = cfg.rollout.temperature
     if ctx.fused:
         packed = {} if mb.lengths is None else {"lengths": mb.lengths, "pack_to": mb.pack_to}
@@ -312,7 +313,8 @@ def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, sample_ids, idx:
         out = micro_step(ctx, ids[sl], rows.rows(sl), lengths[sl], mb, sids[sl], old.router, idx[sl], denom)
         out.loss.backward()
         if ctx.tracker is not None:
-            ctx.tracker.observe(sids[sl], out.capture.live_stacked(), routing_mask(response[sl]).reshape(-1))
+            ctx.tracker.observe(sids[sl], out.capture.live_stacked(), routing_mask(response[sl]).reshape(-1),
+                                bias_ref=out.capture.bias_ref_stacked())
         logp[sl] = out.logp
         ent_sum += torch.where(response[sl], out.entropy, 0).sum().double()
         if gamma is not None:

@@ -1,0 +1,90 @@
+"""Tiny random transformers checkpoints of the model families beside Qwen3-MoE, saved by transformers: what the family
+tests load (tests/test_families.py, tests/test_deepseek.py, tests/test_vllm_families.py)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def mixtral_checkpoint(path, seed: int = 0):
+    """A tiny random Mixtral (no query/key norm, experts named w1/w3/w2 in its files), saved by transformers."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    c = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                      num_experts_per_tok=2, rms_norm_eps=1e-6, max_position_embeddings=256,
+                      initializer_range=0.2, router_jitter_noise=0.0)
+    model = MixtralForCausalLM(c).eval()
+    model.save_pretrained(str(path))
+    return model
+
+
+def qwen2_moe_checkpoint(path, seed: int = 0):
+    """A tiny random Qwen2-MoE: q/k/v biases (drawn nonzero, so a loader dropping them shows), a shared expert of
+    another width than the routed ones behind its sigmoid gate, top-k probabilities not renormalized."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    c = Qwen2MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=32, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6,
+                       max_position_embeddings=256, initializer_range=0.2, norm_topk_prob=False)
+    model = Qwen2MoeForCausalLM(c).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+    model.save_pretrained(str(path))
+    return model
+
+
+def olmoe_checkpoint(path, seed: int = 0):
+    """A tiny random OLMoE: one RMSNorm over all query heads and one over all key heads (weights drawn away from
+    1, so that a per-head norm shows), top-k probabilities not renormalized; bos/eos/pad inside its vocabulary
+    (transformers' OlmoeConfig defaults eos to 50279)."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(seed)
+    c = OlmoeConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6,
+                    max_position_embeddings=256, initializer_range=0.2, norm_topk_prob=False, bos_token_id=1,
+                    eos_token_id=2, pad_token_id=0)
+    model = OlmoeForCausalLM(c).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    return model
+
+
+def deepseek_v3_checkpoint(path, seed: int = 0, **over):
+    """A tiny random DeepSeek-V3: multi-head latent attention with a compressed query, a dense first layer, a shared
+    expert, a sigmoid router whose expert bias is drawn nonzero (so that a loader dropping it shows), 4 groups of 2
+    experts of which a token may use 2, and top-2 with a scaling factor. topk = topk_group here, where megatron's
+    group score (the sum of a group's top topk/topk_group = 1 experts) differs from the checkpoint's (its top 2).
+    Norm weights drawn away from 1."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=48, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+                  routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
+                  qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                  norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=256, initializer_range=0.2,
+                  rope_scaling=None, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**fields, **over})).eval()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    return model
+
+
+CHECKPOINTS = {"mixtral": mixtral_checkpoint, "qwen2_moe": qwen2_moe_checkpoint, "olmoe": olmoe_checkpoint,
+               "deepseek_v3": deepseek_v3_checkpoint}

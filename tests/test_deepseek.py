@@ -1,0 +1,186 @@
+"""DeepSeek-V3 beyond what every family's tests check (tests/test_families.py: parity, export, RL with R3 on the hf
+engines): its router's rule against transformers' for any grouping, the expert-bias update and the flip tracker's
+split of the flips into the bias's and the gradient's, TP 2 x EP 2 against one rank, and the checkpoint fields it
+does not implement refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from family_checkpoints import deepseek_v3_checkpoint
+from helpers import ROOT, records, run_torchrun, tiny_cfg
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("deepseek_v3")
+    return d, deepseek_v3_checkpoint(d)
+
+
+@pytest.fixture(scope="module")
+def router(checkpoint):
+    """One MoE router of the policy built from the checkpoint (its rule's settings are set per case)."""
+    import moe_gspo
+
+    cfg = tiny_cfg(f"model.init_from={checkpoint[0]}")
+    return moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg)).routers[0]
+
+
+@pytest.mark.parametrize("experts,n_group,topk_group,k,norm,scale", [
+    (8, 4, 2, 2, True, 2.5),  # k = topk_group: megatron's group score (top k/topk_group) is not the checkpoints'
+    (16, 8, 4, 8, True, 2.5),  # DeepSeek-V3's shape (256 experts, 8 groups, top 4 groups, k 8), scaled down
+    (16, 4, 1, 3, False, 1.0),  # one group allowed, weights not renormalized
+    (12, 1, 1, 4, True, 1.8),  # one group: plain top-k on sigmoid + bias (Moonlight)
+])
+def test_the_router_rule_equals_transformers_for_any_grouping(router, experts, n_group, topk_group, k, norm, scale):
+    """Experts and weights of MoERouter's rule equal transformers' DeepseekV3TopkRouter on the same logits, bias
+    and settings, over 4096 tokens with ties excluded by float32 random draws."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    g = torch.Generator().manual_seed(experts * 100 + k)
+    H = 16
+    ref = DeepseekV3TopkRouter(DeepseekV3Config(hidden_size=H, n_routed_experts=experts, num_experts_per_tok=k,
+                                                n_group=n_group, topk_group=topk_group, norm_topk_prob=norm,
+                                                routed_scaling_factor=scale))
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(experts, H, generator=g))
+        ref.e_score_correction_bias.copy_(torch.randn(experts, generator=g) * 0.3)
+    x = torch.randn(4096, H, generator=g)
+    logits, w_ref, idx_ref = ref(x)
+    saved = (router.topk, router.n_group, router.topk_group, router.norm_topk_prob, router.scaling, router.expert_bias)
+    try:
+        router.topk, router.n_group, router.topk_group, router.norm_topk_prob, router.scaling = \
+            k, n_group, topk_group, norm, scale
+        router.expert_bias = ref.e_score_correction_bias.clone()
+        with torch.no_grad():
+            idx = router.choose(logits)
+            w = router.weights(logits, idx)
+    finally:
+        (router.topk, router.n_group, router.topk_group, router.norm_topk_prob, router.scaling,
+         router.expert_bias) = saved
+    ours, theirs = idx.sort(-1), idx_ref.sort(-1)
+    assert torch.equal(ours.values, theirs.values)
+    torch.testing.assert_close(w.gather(1, ours.indices), w_ref.gather(1, theirs.indices), rtol=1e-6, atol=1e-7)
+
+
+def test_the_flip_split_counts_a_hand_made_case():
+    """Three tokens, one layer, top 2 of 4 experts, all in the mask:
+    reference {0,1} {0,1} {2,3}; under the reference bias the live logits choose {0,2} {0,1} {2,3}; with the
+    updated bias {0,3} {0,1} {1,3}. Gradient: token 0 lost 1 for 2 (1 slot of 6). Bias: token 0 lost 2 for 3,
+    token 2 lost 2 for 1 (2 of 6). Total against the reference: token 0 {0,3} vs {0,1} (1), token 2 (1): 2 of 6."""
+    from moe_gspo.routing.tracker import ExpertFlipTracker
+
+    t = ExpertFlipTracker(num_layers=1, num_experts=4)
+    ref = torch.tensor([[[0, 1]], [[0, 1]], [[2, 3]]])
+    t.set_reference([7], ref)
+    live, under_ref_bias = torch.tensor([[[0, 3]], [[0, 1]], [[1, 3]]]), torch.tensor([[[0, 2]], [[0, 1]], [[2, 3]]])
+    t.observe([7], live, bias_ref=under_ref_bias)
+    m = t.metrics()
+    assert m["moe/flip_rate"] == pytest.approx(2 / 6)
+    assert m["moe/flip_rate_from_gradient"] == m["moe/flip_rate_from_gradient/layer_0"] == pytest.approx(1 / 6)
+    assert m["moe/flip_rate_from_bias"] == m["moe/flip_rate_from_bias/layer_0"] == pytest.approx(2 / 6)
+    t.set_reference([8], ref)
+    t.observe([8], live)  # no split given: no split metrics
+    assert not any(k.startswith("moe/flip_rate_from") for k in t.metrics())
+
+
+def test_the_bias_update_moves_the_bias_by_its_rate_and_the_tracker_splits_its_flips(checkpoint, tmp_path):
+    """Two RL steps of 2 optimizer updates each, with the flip tracker: at rate 0.05 each layer's bias moves by a
+    whole number of rates, at most 4 (megatron's sign update, once per optimizer step), is checkpointed and
+    exported, and some flips come from it; at rate 0 the bias stays the checkpoint's and every flip is the
+    gradient's."""
+    from safetensors.torch import load_file
+
+    from moe_gspo.cli import main
+    from moe_gspo.train.loop import train
+
+    d, _ = checkpoint
+    key = "model.layers.{}.mlp.gate.e_score_correction_bias"
+    start = load_file(str(d / "model.safetensors"))
+    for rate in (0.05, 0.0):
+        run = tmp_path / f"run{rate}"
+        train(tiny_cfg(f"model.init_from={d}", "algorithm.track_flips=true", f"train.router_bias_update_rate={rate}",
+                       "rollout.reward=tests/data/spread_reward.py:compute_score", "train.cold_start_steps=0",
+                       "train.checkpoint_every=2", "train.lr=3e-3"), run_dir=run)
+        recs = records(run)
+        assert main(["export", str(run), "--out", str(tmp_path / f"hf{rate}")]) == 0
+        end = load_file(str(tmp_path / f"hf{rate}" / "model.safetensors"))
+        moved = torch.stack([end[key.format(i)] - start[key.format(i)] for i in (1, 2)])  # MoE layers 1, 2
+        for r in recs:
+            assert r["moe/flip_rate_from_gradient"] > 0
+            assert {f"moe/flip_rate_from_bias/layer_{i}" for i in (0, 1)} <= set(r)  # MoE layers only
+        if rate:
+            steps = moved / rate
+            assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 4 and steps.any()
+            assert sum(r["moe/flip_rate_from_bias"] for r in recs) > 0
+        else:
+            assert not moved.any()
+            assert all(r["moe/flip_rate_from_bias"] == 0 and
+                       r["moe/flip_rate_from_gradient"] == pytest.approx(r["moe/flip_rate"]) for r in recs)
+
+
+def test_tp2_and_ep2_equal_one_rank(checkpoint, tmp_path):
+    """The parallel worker of tests/test_parallel.py on the DeepSeek-V3 checkpoint: TP 2 x EP 2 on 2 ranks (latent
+    attention's up projections split by heads, its down projections replicated, the dense layer's MLP, the shared
+    expert and the vocab over TP, routed experts over EP) gives one rank's logits, routing, gradients and three
+    optimizer steps, and the engine's weights streamed from the shards equal the export. With megatron's local MLA
+    spec (column-parallel down projections) the rotary key's gradient stays partial per rank: the embedding's
+    gradient then differs by 7.5e3 of 4.2e4."""
+    d, _ = checkpoint
+    worker = ROOT / "tests/dist/parallel_worker.py"
+
+    def run(tp, ep, nproc, out):
+        run_torchrun(worker, "--ckpt", d, "--tp", tp, "--ep", ep, "--out", out, "--experts", "grouped", nproc=nproc)
+        return torch.load(out)
+
+    ref, par = run(1, 1, 1, tmp_path / "one.pt"), run(2, 2, 2, tmp_path / "tp2ep2.pt")
+    torch.testing.assert_close(par["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(par["routing"], ref["routing"])
+    assert sorted(par["grads"]) == sorted(ref["grads"])
+    for k, g in ref["grads"].items():  # within 1e-5 of each gradient's scale (the embedding's reaches 4e4 here)
+        torch.testing.assert_close(par["grads"][k], g, rtol=0, atol=1e-5 * max(1.0, g.abs().max().item()),
+                                   msg=lambda m: f"grad {k}: {m}")
+    # Adam at the worker's lr 0.05 turns reduction-order noise into ~6e-5 of the loss by step 3 (a wrong reduction
+    # moves it by O(lr), as tests/test_parallel.py explains)
+    torch.testing.assert_close(torch.tensor(par["losses"]), torch.tensor(ref["losses"]), rtol=2e-4, atol=1e-6)
+    assert par["engine_sync"]["max_abs_diff"] == 0.0
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("rope_scaling", {"rope_type": "yarn", "factor": 40}, "rope_scaling=.*implements rope_scaling=None only"),
+    ("scoring_func", "softmax", "scoring_func='softmax': moe-gspo's DeepSeek-V3 implements scoring_func='sigmoid'"),
+    ("topk_method", "greedy", "topk_method='greedy'"),
+    ("rope_interleave", False, "rope_interleave=False"),
+    ("quantization_config", {"quant_method": "fp8"}, "dequantize the weights to bfloat16 first"),
+    ("n_group", 3, "model.n_group=3 must divide model.num_experts=8"),
+])
+def test_what_a_deepseek_checkpoint_asks_and_the_policy_lacks_is_refused(checkpoint, tmp_path, field, value, needle):
+    from moe_gspo.config import ConfigError
+
+    d, _ = checkpoint
+    c = json.loads((d / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**c, field: value}))
+    with pytest.raises(ConfigError, match=needle):
+        tiny_cfg(f"model.init_from={tmp_path}")
+
+
+@pytest.mark.parametrize("over,needle", [
+    (["rollout.engine=vllm"], "rollout.engine=vllm with model.family='deepseek_v3': its latent attention is served"),
+    (["model.spec=te"], "model.spec='te' with model.family='deepseek_v3'"),
+])
+def test_what_the_run_cannot_do_with_deepseek_is_refused(checkpoint, over, needle):
+    from moe_gspo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        tiny_cfg(f"model.init_from={checkpoint[0]}", *over)
+
+
+def test_a_bias_update_rate_needs_an_expert_bias():
+    from moe_gspo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.router_bias_update_rate=0.001 with model.family='qwen3_moe': its "
+                                          "router has no expert bias"):
+        tiny_cfg("train.router_bias_update_rate=0.001")

@@ -86,5 +86,32 @@ def deepseek_v3_checkpoint(path, seed: int = 0, **over):
     return model
 
 
+def glm4_moe_checkpoint(path, seed: int = 0):
+    """A tiny random GLM-4.5: grouped-query attention with q/k/v biases (drawn nonzero) and per-head query/key norms,
+    rotary embeddings on the first half of each head, a dense first layer, a shared expert, and DeepSeek-V3's
+    sigmoid router with its expert bias drawn nonzero, in one group as GLM-4.5 has it."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(seed)
+    c = Glm4MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=48, moe_intermediate_size=32,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, n_shared_experts=1,
+                      n_routed_experts=8, routed_scaling_factor=2.5, n_group=1, topk_group=1, num_experts_per_tok=2,
+                      first_k_dense_replace=1, norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=256,
+                      initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Glm4MoeForCausalLM(c).eval()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    return model
+
+
 CHECKPOINTS = {"mixtral": mixtral_checkpoint, "qwen2_moe": qwen2_moe_checkpoint, "olmoe": olmoe_checkpoint,
-               "deepseek_v3": deepseek_v3_checkpoint}
+               "deepseek_v3": deepseek_v3_checkpoint, "glm4_moe": glm4_moe_checkpoint}

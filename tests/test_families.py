@@ -1,6 +1,6 @@
 """Model families beside Qwen3-MoE (Mixtral; Qwen2-MoE with its q/k/v biases and gated shared expert; OLMoE with
 its query/key norms over all heads; DeepSeek-V3 with latent attention, a dense first layer and a sigmoid router with
-an expert bias and groups), each from a tiny random transformers checkpoint (tests/family_checkpoints.py): the policy's fp32 logits equal transformers' (1e-5 of the logit scale), the
+an expert bias and groups; GLM-4.5 with that router, q/k/v biases and rotary embeddings on half of each head), each from a tiny random transformers checkpoint (tests/family_checkpoints.py): the policy's fp32 logits equal transformers' (1e-5 of the logit scale), the
 checkpoint exports back bit for bit to a folder transformers loads, RL steps with R3 run on the hf and hf_static
 engines (which route as the trainer does), TP 2 x EP 2 equals one rank, and what a family cannot do yet is refused at
 config load in one line."""
@@ -37,9 +37,10 @@ def test_logits_equal_transformers_and_export_bit_for_bit(family, tmp_path):
 
     name, d, hf = family
     cfg = tiny_cfg(f"model.init_from={d}")
-    assert cfg.model.family == name and cfg.model.qk_norm == (name == "olmoe") and cfg.model.num_experts == 8
+    assert cfg.model.family == name and cfg.model.qk_norm == (name in ("olmoe", "glm4_moe"))
+    assert cfg.model.num_experts == 8
     assert (cfg.model.shared_expert_intermediate_size, cfg.model.attention_bias) == \
-        {"qwen2_moe": (48, True), "deepseek_v3": (32, False)}.get(name, (0, False))
+        {"qwen2_moe": (48, True), "deepseek_v3": (32, False), "glm4_moe": (32, True)}.get(name, (0, False))
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

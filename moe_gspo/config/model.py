@@ -10,7 +10,10 @@ from typing import ClassVar
 from moe_gspo.config.checks import ConfigError, choice, positive
 
 
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe")
+
+SIGMOID_FAMILIES = ("deepseek_v3", "glm4_moe")
+"""Families whose router is sigmoid + expert bias + groups + scaling, with shared experts and dense first layers."""
 """The model families a policy can be (Hugging Face model_type names)."""
 
 
@@ -29,7 +32,10 @@ class ModelConfig:
     RMSNorm over all heads of the queries and one over all heads of the keys, top-k probabilities not renormalized
     by default) or 'deepseek_v3' (DeepSeek-V3, and Moonlight and Kimi K2, which share its architecture: multi-head
     latent attention, a sigmoid router with a load-balancing expert bias, grouped top-k and a scaling factor, shared
-    experts, dense first layers). A checkpoint's config.json (model.init_from) sets it."""
+    experts, dense first layers) or 'glm4_moe' (GLM-4.5: DeepSeek-V3's router, shared experts and dense first
+    layers, with grouped-query attention carrying q/k/v biases, rotary embeddings on part of each head
+    (partial_rotary_factor) and an optional per-head query/key norm). A checkpoint's config.json (model.init_from)
+    sets it."""
 
     vocab_size: int = 128
     """Vocabulary size (rows of the embedding and of the LM head)."""
@@ -56,7 +62,12 @@ class ModelConfig:
     scaled by sigmoid(gate . x) (Qwen2-MoE); 0: none. A shared expert is never routed: routing metrics, replay and
     the flip tracker count routed experts only."""
     attention_bias: bool = False
-    """Biases on the query, key and value projections (Qwen2-MoE)."""
+    """Biases on the query, key and value projections (Qwen2-MoE, GLM-4.5)."""
+    use_qk_norm: bool = False
+    """GLM-4.5: RMSNorm on each query and key head (Qwen3-MoE always has it; the other families never)."""
+    partial_rotary_factor: float = 1.0
+    """GLM-4.5: the fraction of each head's dimensions that rotary embeddings rotate (the first ones; 0.5 in
+    GLM-4.5); 1 for every other family."""
     first_k_dense_replace: int = 0
     """The first k decoder layers have a dense SwiGLU MLP of width intermediate_size instead of experts (DeepSeek-V3:
     3). Routing metrics, replay and the flip tracker count the MoE layers only, numbered from 0 at layer k."""
@@ -141,9 +152,15 @@ class ModelConfig:
             raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                               f"model.num_experts={self.num_experts}")
         choice(self, "family", FAMILIES)
-        if self.family != "qwen2_moe" and self.attention_bias:
-            raise ConfigError(f"model.attention_bias is Qwen2-MoE's: model.family='{self.family}' has no q/k/v biases")
-        if self.family not in ("qwen2_moe", "deepseek_v3") and self.shared_expert_intermediate_size:
+        if self.family not in ("qwen2_moe", "glm4_moe") and self.attention_bias:
+            raise ConfigError(f"model.attention_bias: model.family='{self.family}' has no q/k/v biases")
+        if self.family != "glm4_moe" and (self.use_qk_norm or self.partial_rotary_factor != 1.0):
+            raise ConfigError(f"model.use_qk_norm / model.partial_rotary_factor are GLM-4.5's: "
+                              f"model.family='{self.family}' does not use them")
+        if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ConfigError(f"model.partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and "
+                              f"rotate an even number of model.head_dim={self.head_dim}'s dimensions")
+        if self.family not in ("qwen2_moe", *SIGMOID_FAMILIES) and self.shared_expert_intermediate_size:
             raise ConfigError(f"model.shared_expert_intermediate_size: model.family='{self.family}' has no shared "
                               "expert")
         self._check_deepseek()
@@ -176,21 +193,27 @@ class ModelConfig:
 
 
     def _check_deepseek(self) -> None:
-        """The fields only DeepSeek-V3's layers read, checked together."""
-        deepseek = ("first_k_dense_replace", "intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                    "qk_rope_head_dim", "v_head_dim")
-        if self.family != "deepseek_v3":
-            given = [f for f in deepseek if getattr(self, f)]
+        """The fields only DeepSeek-V3's and GLM-4.5's layers read (latent attention: DeepSeek-V3's only),
+        checked together."""
+        mla = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        given = [f for f in mla if getattr(self, f)] if self.family != "deepseek_v3" else []
+        if self.family not in SIGMOID_FAMILIES:
+            given += [f for f in ("first_k_dense_replace", "intermediate_size") if getattr(self, f)]
             given += [f for f, d in (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0))
                       if getattr(self, f) != d]
-            if given:
-                raise ConfigError(f"model.{given[0]} is DeepSeek-V3's: model.family='{self.family}' does not use it")
+        if given:
+            raise ConfigError(f"model.{given[0]}: model.family='{self.family}' does not use it")
+        if self.family not in SIGMOID_FAMILIES:
             return
-        positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group")
-        if self.q_lora_rank < 0 or self.first_k_dense_replace < 0:
-            raise ConfigError("model.q_lora_rank and model.first_k_dense_replace must be >= 0")
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)")
+        if self.family == "deepseek_v3":
+            positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            if self.q_lora_rank < 0:
+                raise ConfigError("model.q_lora_rank must be >= 0")
+            if self.qk_rope_head_dim % 2:
+                raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)")
+        positive(self, "n_group", "topk_group")
+        if self.first_k_dense_replace < 0:
+            raise ConfigError("model.first_k_dense_replace must be >= 0")
         if self.first_k_dense_replace >= self.num_hidden_layers:
             raise ConfigError(f"model.first_k_dense_replace={self.first_k_dense_replace} leaves no MoE layer of "
                               f"model.num_hidden_layers={self.num_hidden_layers}")
@@ -208,8 +231,8 @@ class ModelConfig:
         if not 0 < self.routed_scaling_factor < float("inf"):
             raise ConfigError(f"model.routed_scaling_factor={self.routed_scaling_factor} must be a finite number > 0")
         if self.spec == "te":
-            raise ConfigError("model.spec='te' with model.family='deepseek_v3': its latent attention and dense "
-                              "layers run on the local spec only; use model.spec=local")
+            raise ConfigError(f"model.spec='te' with model.family='{self.family}': its latent attention, dense layers "
+                              "and expert bias run on the local spec only; use model.spec=local")
 
     @property
     def mla(self) -> bool:
@@ -220,7 +243,7 @@ class ModelConfig:
     def router_sigmoid(self) -> bool:
         """Whether the router scores experts by sigmoid, chooses them by score plus a load-balancing expert bias
         (within groups) and scales their weights (DeepSeek-V3), rather than by softmax."""
-        return self.family == "deepseek_v3"
+        return self.family in SIGMOID_FAMILIES
 
     @property
     def shared_expert_gate(self) -> bool:
@@ -236,7 +259,7 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """Whether attention normalizes queries and keys (RMSNorm) before rotary: per head over head_dim, or over all
         heads at once (qk_norm_all_heads)."""
-        return self.family in ("qwen3_moe", "olmoe")
+        return self.family in ("qwen3_moe", "olmoe") or self.use_qk_norm
 
     @property
     def qk_norm_all_heads(self) -> bool:
@@ -335,8 +358,8 @@ def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None)
         elif mt == "olmoe":  # its experts' width is intermediate_size
             family = dict(num_experts=c["num_experts"], moe_intermediate_size=c["intermediate_size"],
                           norm_topk_prob=bool(c.get("norm_topk_prob", False)))
-        elif mt == "deepseek_v3":
-            family = _deepseek_fields(c, f)
+        elif mt in SIGMOID_FAMILIES:
+            family = _sigmoid_family_fields(c, f, mt)
         else:
             family = dict(num_experts=c.get("num_experts") or c["num_local_experts"],
                           moe_intermediate_size=c["moe_intermediate_size"],
@@ -360,34 +383,44 @@ def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None)
         raise ConfigError(f"{f}: missing field {e.args[0]!r}") from None
 
 
-def _deepseek_fields(c: dict, f: Path) -> dict:
-    """DeepSeek-V3's config.json fields (DeepseekV3Config's names) as ModelConfig fields; refuses what its layers
-    here do not implement."""
-    refused = {"scoring_func": ("sigmoid", None), "topk_method": ("noaux_tc", None), "rope_interleave": (True, None),
-               "attention_bias": (False, None), "rope_scaling": (None,), "quantization_config": (None,)}
+def _sigmoid_family_fields(c: dict, f: Path, mt: str) -> dict:
+    """DeepSeek-V3's or GLM-4.5's config.json fields (their transformers configs' names) as ModelConfig fields;
+    refuses what their layers here do not implement."""
+    name = {"deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4.5"}[mt]
+    refused = {"scoring_func": ("sigmoid", None), "topk_method": ("noaux_tc", None), "rope_scaling": (None,),
+               "quantization_config": (None,)}
+    if mt == "deepseek_v3":
+        refused.update(rope_interleave=(True, None), attention_bias=(False, None))
     for key, allowed in refused.items():
         if c.get(key) not in allowed:
-            raise ConfigError(f"{f}: {key}={c[key]!r}: moe-gspo's DeepSeek-V3 implements "
+            raise ConfigError(f"{f}: {key}={c[key]!r}: moe-gspo's {name} implements "
                               f"{key}={allowed[0]!r} only" + (" (dequantize the weights to bfloat16 first)"
                                                                if key == "quantization_config" else ""))
     params = c.get("rope_parameters") or {}
     if params.get("rope_type", "default") != "default":
-        raise ConfigError(f"{f}: rope_parameters.rope_type={params['rope_type']!r}: moe-gspo's DeepSeek-V3 "
+        raise ConfigError(f"{f}: rope_parameters.rope_type={params['rope_type']!r}: moe-gspo's {name} "
                           "implements plain rotary embeddings only")
-    return dict(num_experts=c["n_routed_experts"], moe_intermediate_size=c["moe_intermediate_size"],
-                norm_topk_prob=bool(c.get("norm_topk_prob", True)),
-                shared_expert_intermediate_size=int(c.get("n_shared_experts") or 0) * c["moe_intermediate_size"],
-                first_k_dense_replace=int(c.get("first_k_dense_replace") or 0),
-                intermediate_size=int(c["intermediate_size"]) if c.get("first_k_dense_replace") else 0,
-                q_lora_rank=int(c.get("q_lora_rank") or 0), kv_lora_rank=c["kv_lora_rank"],
-                qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
-                v_head_dim=c["v_head_dim"], n_group=int(c.get("n_group") or 1), topk_group=int(c.get("topk_group") or 1),
-                routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)))
+    out = dict(num_experts=c["n_routed_experts"], moe_intermediate_size=c["moe_intermediate_size"],
+               norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+               shared_expert_intermediate_size=int(c.get("n_shared_experts") or 0) * c["moe_intermediate_size"],
+               first_k_dense_replace=int(c.get("first_k_dense_replace") or 0),
+               intermediate_size=int(c["intermediate_size"]) if c.get("first_k_dense_replace") else 0,
+               n_group=int(c.get("n_group") or 1), topk_group=int(c.get("topk_group") or 1),
+               routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)))
+    if mt == "glm4_moe":
+        return {**out, "attention_bias": bool(c.get("attention_bias", False)),
+                "use_qk_norm": bool(c.get("use_qk_norm", False)),
+                "partial_rotary_factor": float(c.get("partial_rotary_factor") or
+                                               params.get("partial_rotary_factor", 1.0))}
+    return {**out, "q_lora_rank": int(c.get("q_lora_rank") or 0), "kv_lora_rank": c["kv_lora_rank"],
+            "qk_nope_head_dim": c["qk_nope_head_dim"], "qk_rope_head_dim": c["qk_rope_head_dim"],
+            "v_head_dim": c["v_head_dim"]}
 
 
 ARCHITECTURE = ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                "shared_expert_intermediate_size", "attention_bias", "first_k_dense_replace", "intermediate_size",
+                "shared_expert_intermediate_size", "attention_bias", "use_qk_norm", "partial_rotary_factor",
+                "first_k_dense_replace", "intermediate_size",
                 "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
                 "topk_group", "routed_scaling_factor", "rms_norm_eps", "rope_theta", "max_position_embeddings", "tie_word_embeddings", "initializer_range")
 """The ModelConfig fields a checkpoint's config.json defines (model.init_from)."""

@@ -425,9 +425,6 @@ class Config:
             self.model = resolved
         check_layout(self.model, self.parallel)
         check_engine_family(self.model, self.rollout)
-        if self.model.mla and self.rollout.engine in ("vllm", "sglang"):
-            raise ConfigError(f"rollout.engine={self.rollout.engine} with model.family='{self.model.family}': its "
-                              "latent attention is served by rollout.engine=hf or hf_static only so far")
         if self.train.router_bias_update_rate and not self.model.router_sigmoid:
             raise ConfigError(f"train.router_bias_update_rate={self.train.router_bias_update_rate} with "
                               f"model.family='{self.model.family}': its router has no expert bias to update")

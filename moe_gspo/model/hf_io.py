@@ -32,7 +32,7 @@ from moe_gspo.config.model import model_config_from_hf  # noqa: F401 - read by m
 
 HF_ARCH = "Qwen3MoeForCausalLM"
 HF_ARCHS = {"qwen3_moe": HF_ARCH, "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+            "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 
 # package name -> file name of the tensors a family's checkpoint files name otherwise (per-expert: a suffix)
 _FILE_NAMES = {"mixtral": {".mlp.gate.weight": ".block_sparse_moe.gate.weight",
@@ -92,15 +92,20 @@ def hf_config_dict(mc: ModelConfig) -> dict:
     if mc.family == "olmoe":
         return {**common, "num_experts": mc.num_experts, "intermediate_size": mc.moe_intermediate_size,
                 "norm_topk_prob": mc.norm_topk_prob, "clip_qkv": None, "attention_bias": False}
-    if mc.family == "deepseek_v3":  # topk_method and scoring_func: what vLLM reads (transformers implies them)
-        return {**common, "n_routed_experts": mc.num_experts, "moe_intermediate_size": mc.moe_intermediate_size,
-                "intermediate_size": mc.intermediate_size or mc.moe_intermediate_size,
-                "n_shared_experts": mc.shared_expert_intermediate_size // mc.moe_intermediate_size,
-                "first_k_dense_replace": mc.first_k_dense_replace, "q_lora_rank": mc.q_lora_rank or None,
-                "kv_lora_rank": mc.kv_lora_rank, "qk_nope_head_dim": mc.qk_nope_head_dim,
-                "qk_rope_head_dim": mc.qk_rope_head_dim, "v_head_dim": mc.v_head_dim, "n_group": mc.n_group,
-                "topk_group": mc.topk_group, "routed_scaling_factor": mc.routed_scaling_factor,
-                "norm_topk_prob": mc.norm_topk_prob, "rope_interleave": True, "attention_bias": False,
+    if mc.router_sigmoid:
+        sigmoid = {**common, "n_routed_experts": mc.num_experts, "moe_intermediate_size": mc.moe_intermediate_size,
+                   "intermediate_size": mc.intermediate_size or mc.moe_intermediate_size,
+                   "n_shared_experts": mc.shared_expert_intermediate_size // mc.moe_intermediate_size,
+                   "first_k_dense_replace": mc.first_k_dense_replace, "n_group": mc.n_group,
+                   "topk_group": mc.topk_group, "routed_scaling_factor": mc.routed_scaling_factor,
+                   "norm_topk_prob": mc.norm_topk_prob}
+        if mc.family == "glm4_moe":
+            return {**sigmoid, "attention_bias": mc.attention_bias, "use_qk_norm": mc.use_qk_norm,
+                    "partial_rotary_factor": mc.partial_rotary_factor}
+        # topk_method and scoring_func: what vLLM reads (transformers implies them)
+        return {**sigmoid, "q_lora_rank": mc.q_lora_rank or None, "kv_lora_rank": mc.kv_lora_rank,
+                "qk_nope_head_dim": mc.qk_nope_head_dim, "qk_rope_head_dim": mc.qk_rope_head_dim,
+                "v_head_dim": mc.v_head_dim, "rope_interleave": True, "attention_bias": False,
                 "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
     # Qwen3-MoE and Qwen2-MoE
     out = {**common, "num_experts": mc.num_experts, "moe_intermediate_size": mc.moe_intermediate_size,
@@ -157,6 +162,10 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
             out[m + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight")
         else:
             _moe_to_megatron(hf, out, take, mc, p, m)
+    if mc.router_sigmoid:  # their checkpoints append multi-token-prediction layers, which neither transformers
+        # nor RL uses: layer indices from L on
+        for k in [k for k in hf if k.startswith("model.layers.") and int(k.split(".")[2]) >= L]:
+            del hf[k]
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
     if not mc.tie_word_embeddings:
         out["output_layer.weight"] = take("lm_head.weight")
@@ -191,8 +200,9 @@ def _renamed(mc: ModelConfig, i: int) -> list[tuple[str, str]]:
 
 
 def _shared_prefix(mc: ModelConfig) -> str:
-    """The HF module of the shared expert(s): Qwen2-MoE's one, or DeepSeek-V3's n_shared_experts fused into one."""
-    return "mlp.shared_experts." if mc.family == "deepseek_v3" else "mlp.shared_expert."
+    """The HF module of the shared expert(s): Qwen2-MoE's one, or DeepSeek-V3's and GLM-4.5's n_shared_experts
+    fused into one."""
+    return "mlp.shared_experts." if mc.router_sigmoid else "mlp.shared_expert."
 
 
 def _moe_to_megatron(hf, out, take, mc: ModelConfig, p: str, m: str) -> None:

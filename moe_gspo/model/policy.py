@@ -64,7 +64,8 @@ class MoEPolicy(torch.nn.Module):
             config=self.config, transformer_layer_spec=block, vocab_size=mc.vocab_size,
             max_sequence_length=mc.max_position_embeddings, pre_process=True, post_process=True,
             parallel_output=True, share_embeddings_and_output_weights=mc.tie_word_embeddings,
-            position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(mc.rope_theta),
+            position_embedding_type="rope", rotary_percent=mc.partial_rotary_factor,
+            rotary_base=int(mc.rope_theta),
             pg_collection=groups,
         )
         if torch.cuda.is_available():

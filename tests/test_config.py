@@ -106,3 +106,25 @@ def test_layer_spec_is_chosen_by_the_config_alone():
         pytest.skip("Transformer Engine runs here: the refusal cannot be shown")
     with pytest.raises(ConfigError, match=r"model.spec='te' needs Transformer Engine on CUDA: "):
         layer_spec(te)
+
+
+def test_a_config_may_start_from_a_base_config(tmp_path):
+    """`base:` reads the named file first (relative to the file naming it); the file's sections override it key by
+    key, nested mappings merged; a cycle and a missing base are refused in one line naming the file."""
+    from moe_gspo.config import ConfigError, read_yaml
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "root.yaml").write_text("model:\n  hidden_size: 48\n  num_experts: 4\ntrain:\n  steps: 7\n")
+    (tmp_path / "sub" / "mid.yaml").write_text("base: ../root.yaml\nmodel:\n  num_experts: 6\n")
+    (tmp_path / "leaf.yaml").write_text("base: sub/mid.yaml\ntrain:\n  steps: 9\n  lr: 0.01\n")
+    assert read_yaml(tmp_path / "leaf.yaml") == {"model": {"hidden_size": 48, "num_experts": 6},
+                                                 "train": {"steps": 9, "lr": 0.01}}
+    cfg = load_config(tmp_path / "leaf.yaml", ["model.num_experts=8"])
+    assert (cfg.model.hidden_size, cfg.model.num_experts, cfg.train.steps) == (48, 8, 9)
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match=r"b.yaml: base='a.yaml' makes a cycle \(a.yaml -> b.yaml -> a.yaml\)"):
+        read_yaml(tmp_path / "a.yaml")
+    (tmp_path / "lost.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml"):
+        read_yaml(tmp_path / "lost.yaml")

@@ -95,6 +95,7 @@ def test_the_bias_update_moves_the_bias_by_its_rate_and_the_tracker_splits_its_f
     from safetensors.torch import load_file
 
     from moe_gspo.cli import main
+    from moe_gspo.report.volatility import write_volatility_report
     from moe_gspo.train.loop import train
 
     d, _ = checkpoint
@@ -116,6 +117,8 @@ def test_the_bias_update_moves_the_bias_by_its_rate_and_the_tracker_splits_its_f
             steps = moved / rate
             assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 4 and steps.any()
             assert sum(r["moe/flip_rate_from_bias"] for r in recs) > 0
+            page = write_volatility_report([run]).read_text()  # the report shows both sources per layer
+            assert "Expert bias and gradient" in page and (run / "volatility_sources.png").stat().st_size > 0
         else:
             assert not moved.any()
             assert all(r["moe/flip_rate_from_bias"] == 0 and

@@ -147,3 +147,24 @@ def test_olmoe_refuses_tensor_parallelism_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"parallel.tp=2 with model.family='olmoe': its query/key norm spans all "
                                           r"heads"):
         tiny_cfg(f"model.init_from={tmp_path}", "parallel.tp=2")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe"])
+def test_each_family_config_draws_a_policy_that_transformers_computes_alike(name, tmp_path):
+    """configs/compare_tiny_<family>.yaml (the embedded comparison on a freshly drawn policy of the family) builds
+    its policy, and the folder it exports is that family's transformers model with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    import moe_gspo
+    from moe_gspo.config import load_config
+
+    cfg = load_config(ROOT / "configs" / f"compare_tiny_{name}.yaml")
+    assert cfg.model.family == name and cfg.algorithm.track_flips
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
+    policy.save_pretrained(tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert hf.config.model_type == name
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert (policy(ids).float() - ref).abs().max() <= 1e-5 * ref.abs().max()

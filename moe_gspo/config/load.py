@@ -124,8 +124,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def read_yaml(path: str | Path) -> dict:
-    """The mapping in a YAML config file (empty file: {}); a missing file or bad YAML raises one line naming it."""
+def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """The mapping in a YAML config file (empty file: {}); a missing file or bad YAML raises one line naming it.
+
+    A file may start from another: `base: OTHER.yaml` (relative to the file) reads OTHER first, then this file's
+    sections override it key by key (a mapping merges into the base's mapping, anything else replaces it)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -138,7 +141,22 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError(f"{where}: invalid YAML: {what}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
-    return data
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base={base!r} must be the path of another config file")
+    chain = (*_chain, path.resolve())
+    if (path.parent / base).resolve() in chain:
+        raise ConfigError(f"{path}: base={base!r} makes a cycle ({' -> '.join(p.name for p in chain)} -> {base})")
+    return _merged(read_yaml(path.parent / base, chain), data)
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

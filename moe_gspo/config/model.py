@@ -48,7 +48,8 @@ class ModelConfig:
     num_key_value_heads: int = 2
     """Key/value heads (grouped-query attention); must divide num_attention_heads."""
     head_dim: int = 32
-    """Per-head width (Qwen3 decouples it from hidden_size / heads)."""
+    """Per-head width (Qwen3 decouples it from hidden_size / heads). Multi-head latent attention does not read it
+    (its widths are qk_nope_head_dim, qk_rope_head_dim and v_head_dim); its checkpoints set it to qk_rope_head_dim."""
     num_experts: int = 8
     """Routed experts per MoE layer."""
     num_experts_per_tok: int = 2
@@ -207,6 +208,10 @@ class ModelConfig:
             return
         if self.family == "deepseek_v3":
             positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            if self.num_key_value_heads != self.num_attention_heads:
+                raise ConfigError(f"model.num_key_value_heads={self.num_key_value_heads} with model.family="
+                                  "'deepseek_v3': latent attention expands one key and value per query head; set "
+                                  f"it to model.num_attention_heads={self.num_attention_heads}")
             if self.q_lora_rank < 0:
                 raise ConfigError("model.q_lora_rank must be >= 0")
             if self.qk_rope_head_dim % 2:

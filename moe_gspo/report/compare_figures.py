@@ -134,6 +134,17 @@ def volatility_section(out: Path, variants: Sequence[Variant], window: int, smoo
         parts.append(html.figure(f.name, "Per MoE layer, each run's mean flip rate over its steps with gradient "
                                          "(some group with reward variance), averaged over the seeds that have such steps; shaded "
                                          "where two or more do: the 95% t-band across them."))
+    split = [(f"{v.name}: {source}", *layer_profile(v, f"moe/flip_rate_from_{source}/layer_"))
+             for v in variants for source in ("bias", "gradient")]
+    split = [(name, layers, mean, None if lo is None else np.maximum(lo, 0.0), hi)
+             for name, layers, mean, lo, hi in split if layers]
+    if split:
+        f = band_plot(png("flip_sources"), split, "Flips from the expert-bias update and from the gradient",
+                      "MoE layer (0 = first)", "fraction of top-k slots")
+        parts.append(html.figure(f.name, "Per MoE layer, the flips the expert-bias updates alone caused (the live "
+                                         "logits under the old bias against the current one) and those the weight "
+                                         "updates caused (the old bias, live logits against the old routing), each "
+                                         "run's mean over its steps with gradient, then over seeds."))
     bars = []
     for label, prefix in (("slots lost (out)", CHURN_OUT), ("slots gained (in)", CHURN_IN)):
         churn = {v.name: expert_churn(v, prefix) for v in variants}

@@ -7,7 +7,9 @@ Reads each RUN_DIR/metrics.jsonl (keys written by moe_gspo.routing.ExpertFlipTra
 moe/flip_rate/layer_{i}, moe/churn_in/expert_{e}, moe/churn_out/expert_{e}, moe/rollout_train_mismatch) and
 writes, next to the HTML (default: the first run dir's volatility.html): volatility_heatmap.png (layer x step),
 volatility_flip_rate.png (overall flip rate, one line per run; engine mismatch dashed), volatility_churn.png
-(mean per-expert churn), plus a summary table in the HTML.
+(mean per-expert churn), volatility_sources.png (per MoE layer, the flips from the expert-bias update and from
+the gradient, for runs whose router has an updated expert bias: moe/flip_rate_from_{bias,gradient}/layer_{i}),
+plus a summary table in the HTML.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from moe_gspo.report.plots import Run, grouped_bars, heatmap_panels, line_plot, 
 
 FLIP, LAYER, MISMATCH = "moe/flip_rate", "moe/flip_rate/layer_", "moe/rollout_train_mismatch"
 CHURN_IN, CHURN_OUT = "moe/churn_in/expert_", "moe/churn_out/expert_"
+BIAS, GRADIENT = "moe/flip_rate_from_bias/layer_", "moe/flip_rate_from_gradient/layer_"
 
 
 def summary_row(run: Run) -> list:
@@ -75,6 +78,24 @@ def write_volatility_report(run_dirs: Sequence[str | Path], out_html: str | Path
     if panels:
         fig = heatmap_panels(png("heatmap"), panels, "Flip rate", "MoE layer", "flip rate")
         parts.append("<h2>Per layer</h2>" + html.figure(fig.name, "Flip rate per MoE layer (rows) and step (columns)."))
+
+    sources = []
+    for r in have:
+        means = {}
+        for name, prefix in (("expert-bias update", BIAS), ("gradient", GRADIENT)):
+            _, got, M = r.matrix(prefix)
+            means[name] = {i: (np.nanmean(M[j]) if np.isfinite(M[j]).any() else 0.0) for j, i in enumerate(got)}
+        ids = sorted(set(means["expert-bias update"]) | set(means["gradient"]))
+        if ids:
+            sources.append((r.label, ids, {n: [m.get(i, 0.0) for i in ids] for n, m in means.items()}))
+    if sources:
+        fig = grouped_bars(png("sources"), sources, "Flips by source (mean over steps)", "MoE layer",
+                           "fraction of top-k slots")
+        parts.append("<h2>Expert bias and gradient</h2>" + html.figure(
+            fig.name, "Per MoE layer: the flips the expert-bias updates alone caused (the same live logits under the "
+                      "old policy's bias against the current one) and those the weight updates caused (the live "
+                      "logits under the old bias against the old routing). Their sum can exceed the flip rate: a "
+                      "slot one source flips the other may flip back."))
 
     bars = []
     for r in have:

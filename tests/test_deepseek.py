@@ -66,6 +66,31 @@ def test_the_router_rule_equals_transformers_for_any_grouping(router, experts, n
     torch.testing.assert_close(w.gather(1, ours.indices), w_ref.gather(1, theirs.indices), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("mscale", [None, (0.7, 0.7), (1.0, 0.5)])
+def test_yarn_rotary_scaling_equals_transformers_past_the_original_length(mscale, tmp_path):
+    """DeepSeek-V3 with YaRN (factor 4 over an original 64 positions; without mscale, and with mscale and
+    mscale_all_dim equal and not): logits of 160-token sequences equal transformers' within 1e-5 of their scale, and
+    the export loads back in transformers with equal logits (its rope_scaling written out)."""
+    from transformers import AutoModelForCausalLM
+
+    import moe_gspo
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+            "beta_slow": 1, "rope_theta": 10000.0}
+    if mscale:
+        yarn.update(mscale=mscale[0], mscale_all_dim=mscale[1])
+    hf = deepseek_v3_checkpoint(tmp_path / "ckpt", rope_parameters=yarn)
+    cfg = tiny_cfg(f"model.init_from={tmp_path / 'ckpt'}")
+    assert cfg.model.rope_scaling["factor"] == 4.0
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
+    ids = torch.randint(0, 128, (2, 160), generator=torch.Generator().manual_seed(1))
+    policy.save_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert (policy(ids).float() - ref).abs().max() <= 1e-5 * ref.abs().max()
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()(ids).logits, ref)
+
+
 def test_the_flip_split_counts_a_hand_made_case():
     """Three tokens, one layer, top 2 of 4 experts, all in the mask:
     reference {0,1} {0,1} {2,3}; under the reference bias the live logits choose {0,2} {0,1} {2,3}; with the
@@ -153,12 +178,15 @@ def test_tp2_and_ep2_equal_one_rank(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("field,value,needle", [
-    ("rope_scaling", {"rope_type": "yarn", "factor": 40}, "rope_scaling=.*implements rope_scaling=None only"),
     ("scoring_func", "softmax", "scoring_func='softmax': moe-gspo's DeepSeek-V3 implements scoring_func='sigmoid'"),
     ("topk_method", "greedy", "topk_method='greedy'"),
     ("rope_interleave", False, "rope_interleave=False"),
     ("quantization_config", {"quant_method": "fp8"}, "dequantize the weights to bfloat16 first"),
     ("n_group", 3, "model.n_group=3 must divide model.num_experts=8"),
+    ("rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0},
+     "give both mscale and mscale_all_dim, or neither"),
+    ("rope_scaling", {"type": "linear", "factor": 4.0}, "rope_scaling type 'linear': moe-gspo's DeepSeek-V3 "
+                                                        "implements YaRN only"),
 ])
 def test_what_a_deepseek_checkpoint_asks_and_the_policy_lacks_is_refused(checkpoint, tmp_path, field, value, needle):
     from moe_gspo.config import ConfigError

@@ -94,6 +94,11 @@ class ModelConfig:
     """Grouped top-k: how many groups a token's experts may come from."""
     routed_scaling_factor: float = 1.0
     """Sigmoid routers: the routed experts' weights (normalized if norm_topk_prob) are multiplied by this."""
+    rope_scaling: dict[str, float] | None = None
+    """DeepSeek-V3 (and Kimi K2): YaRN rotary scaling, as its config.json's rope_scaling gives it: factor,
+    original_max_position_embeddings, and optionally beta_fast (32), beta_slow (1), mscale and mscale_all_dim
+    (megatron's YarnRotaryEmbedding, whose correction range is rounded to whole dimensions as transformers' default
+    truncate=true does). None: plain rotary embeddings."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon (must match the checkpoint: megatron's 1e-5 default flips experts)."""
     rope_theta: float = 1_000_000.0
@@ -216,6 +221,8 @@ class ModelConfig:
                 raise ConfigError("model.q_lora_rank must be >= 0")
             if self.qk_rope_head_dim % 2:
                 raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)")
+        if self.rope_scaling is not None:
+            self._check_yarn()
         positive(self, "n_group", "topk_group")
         if self.first_k_dense_replace < 0:
             raise ConfigError("model.first_k_dense_replace must be >= 0")
@@ -238,6 +245,23 @@ class ModelConfig:
         if self.spec == "te":
             raise ConfigError(f"model.spec='te' with model.family='{self.family}': its latent attention, dense layers "
                               "and expert bias run on the local spec only; use model.spec=local")
+
+    def _check_yarn(self) -> None:
+        if self.family != "deepseek_v3":
+            raise ConfigError(f"model.rope_scaling: YaRN is implemented for model.family='deepseek_v3' only, not "
+                              f"'{self.family}'")
+        keys = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
+        unknown = sorted(set(self.rope_scaling) - keys)
+        if unknown:
+            raise ConfigError(f"model.rope_scaling: unknown key {unknown[0]!r}; YaRN reads {sorted(keys)}")
+        for k in ("factor", "original_max_position_embeddings"):
+            if k not in self.rope_scaling:
+                raise ConfigError(f"model.rope_scaling needs {k!r}")
+        if bool(self.rope_scaling.get("mscale")) != bool(self.rope_scaling.get("mscale_all_dim")):
+            raise ConfigError("model.rope_scaling: give both mscale and mscale_all_dim, or neither (with one alone "
+                              "transformers' and megatron's YaRN attention factors differ)")
+        if not self.rope_scaling["factor"] > 1:
+            raise ConfigError(f"model.rope_scaling.factor={self.rope_scaling['factor']} must be > 1")
 
     @property
     def mla(self) -> bool:
@@ -392,8 +416,10 @@ def _sigmoid_family_fields(c: dict, f: Path, mt: str) -> dict:
     """DeepSeek-V3's or GLM-4.5's config.json fields (their transformers configs' names) as ModelConfig fields;
     refuses what their layers here do not implement."""
     name = {"deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4.5"}[mt]
-    refused = {"scoring_func": ("sigmoid", None), "topk_method": ("noaux_tc", None), "rope_scaling": (None,),
-               "quantization_config": (None,)}
+    refused = {"scoring_func": ("sigmoid", None), "topk_method": ("noaux_tc", None), "quantization_config": (None,)}
+    yarn = _yarn_fields(c, f) if mt == "deepseek_v3" else None
+    if mt != "deepseek_v3":
+        refused["rope_scaling"] = (None,)
     if mt == "deepseek_v3":
         refused.update(rope_interleave=(True, None), attention_bias=(False, None))
     for key, allowed in refused.items():
@@ -402,9 +428,9 @@ def _sigmoid_family_fields(c: dict, f: Path, mt: str) -> dict:
                               f"{key}={allowed[0]!r} only" + (" (dequantize the weights to bfloat16 first)"
                                                                if key == "quantization_config" else ""))
     params = c.get("rope_parameters") or {}
-    if params.get("rope_type", "default") != "default":
+    if params.get("rope_type", "default") not in ("default", "yarn" if yarn else "default"):
         raise ConfigError(f"{f}: rope_parameters.rope_type={params['rope_type']!r}: moe-gspo's {name} "
-                          "implements plain rotary embeddings only")
+                          "implements plain rotary embeddings" + (" and YaRN" if mt == "deepseek_v3" else "") + " only")
     out = dict(num_experts=c["n_routed_experts"], moe_intermediate_size=c["moe_intermediate_size"],
                norm_topk_prob=bool(c.get("norm_topk_prob", True)),
                shared_expert_intermediate_size=int(c.get("n_shared_experts") or 0) * c["moe_intermediate_size"],
@@ -417,9 +443,28 @@ def _sigmoid_family_fields(c: dict, f: Path, mt: str) -> dict:
                 "use_qk_norm": bool(c.get("use_qk_norm", False)),
                 "partial_rotary_factor": float(c.get("partial_rotary_factor") or
                                                params.get("partial_rotary_factor", 1.0))}
-    return {**out, "q_lora_rank": int(c.get("q_lora_rank") or 0), "kv_lora_rank": c["kv_lora_rank"],
+    return {**out, "rope_scaling": yarn, "q_lora_rank": int(c.get("q_lora_rank") or 0),
+            "kv_lora_rank": c["kv_lora_rank"],
             "qk_nope_head_dim": c["qk_nope_head_dim"], "qk_rope_head_dim": c["qk_rope_head_dim"],
             "v_head_dim": c["v_head_dim"]}
+
+
+def _yarn_fields(c: dict, f: Path) -> dict | None:
+    """DeepSeek-V3's YaRN settings from config.json (rope_scaling, or transformers 5's rope_parameters), or None."""
+    given = c.get("rope_scaling") or {}
+    params = c.get("rope_parameters") or {}
+    if not given and params.get("rope_type") == "yarn":
+        given = params
+    if not given:
+        return None
+    kind = given.get("type", given.get("rope_type"))
+    if kind != "yarn":
+        raise ConfigError(f"{f}: rope_scaling type {kind!r}: moe-gspo's DeepSeek-V3 implements YaRN only")
+    if given.get("attention_factor") is not None or given.get("truncate", True) is not True:
+        raise ConfigError(f"{f}: rope_scaling with attention_factor or truncate=false: moe-gspo's YaRN derives the "
+                          "attention factor from mscale and rounds the correction range (truncate=true)")
+    keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+    return {k: float(given[k]) for k in keys if given.get(k) is not None}
 
 
 ARCHITECTURE = ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -427,7 +472,8 @@ ARCHITECTURE = ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num
                 "shared_expert_intermediate_size", "attention_bias", "use_qk_norm", "partial_rotary_factor",
                 "first_k_dense_replace", "intermediate_size",
                 "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
-                "topk_group", "routed_scaling_factor", "rms_norm_eps", "rope_theta", "max_position_embeddings", "tie_word_embeddings", "initializer_range")
+                "topk_group", "routed_scaling_factor", "rope_scaling", "rms_norm_eps", "rope_theta",
+                "max_position_embeddings", "tie_word_embeddings", "initializer_range")
 """The ModelConfig fields a checkpoint's config.json defines (model.init_from)."""
 
 

@@ -104,7 +104,8 @@ def hf_config_dict(mc: ModelConfig) -> dict:
                     "partial_rotary_factor": mc.partial_rotary_factor}
         # topk_method and scoring_func: what vLLM reads (transformers implies them); head_dim is the rotary part's
         # width, as transformers' DeepseekV3Config sets it
-        return {**sigmoid, "head_dim": mc.qk_rope_head_dim, "q_lora_rank": mc.q_lora_rank or None,
+        yarn = {"rope_scaling": {"type": "yarn", **mc.rope_scaling}} if mc.rope_scaling else {}
+        return {**sigmoid, **yarn, "head_dim": mc.qk_rope_head_dim, "q_lora_rank": mc.q_lora_rank or None,
                 "kv_lora_rank": mc.kv_lora_rank,
                 "qk_nope_head_dim": mc.qk_nope_head_dim, "qk_rope_head_dim": mc.qk_rope_head_dim,
                 "v_head_dim": mc.v_head_dim, "rope_interleave": True, "attention_bias": False,

@@ -50,9 +50,24 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig
     if mc.mla:  # transformers' qk_nope_head_dim is megatron's qk_head_dim; plain rotary, deinterleaved as DeepSeek's
         return MLATransformerConfig(
             q_lora_rank=mc.q_lora_rank or None, kv_lora_rank=mc.kv_lora_rank, qk_head_dim=mc.qk_nope_head_dim,
-            qk_pos_emb_head_dim=mc.qk_rope_head_dim, v_head_dim=mc.v_head_dim, rope_type="rope",
-            rotary_base=mc.rope_theta, **_common(mc, pc, dtype, **family))
+            qk_pos_emb_head_dim=mc.qk_rope_head_dim, v_head_dim=mc.v_head_dim, rotary_base=mc.rope_theta,
+            **_rope(mc), **_common(mc, pc, dtype, **family))
     return TransformerConfig(**_common(mc, pc, dtype, **family))
+
+
+def _rope(mc: ModelConfig) -> dict:
+    """MLA's rotary settings: plain, or YaRN as transformers computes it for DeepSeek-V3. With mscale and
+    mscale_all_dim both given, both compute the cos/sin factor as their ratio and the softmax scale's from
+    mscale_all_dim; with neither, transformers' factor 0.1 ln(factor) + 1 is megatron's at its defaults mscale=1,
+    mscale_all_dim=0 (ModelConfig refuses one without the other, where the two would differ)."""
+    y = mc.rope_scaling
+    if not y:
+        return dict(rope_type="rope")
+    both = bool(y.get("mscale") and y.get("mscale_all_dim"))
+    return dict(rope_type="yarn", rotary_scaling_factor=y["factor"],
+                original_max_position_embeddings=int(y["original_max_position_embeddings"]),
+                beta_fast=y.get("beta_fast", 32.0), beta_slow=y.get("beta_slow", 1.0),
+                mscale=y["mscale"] if both else 1.0, mscale_all_dim=y["mscale_all_dim"] if both else 0.0)
 
 
 def _common(mc: ModelConfig, pc: ParallelConfig, dtype: torch.dtype, **family) -> dict:

@@ -2,8 +2,8 @@
 its query/key norms over all heads; DeepSeek-V3 with latent attention, a dense first layer and a sigmoid router with
 an expert bias and groups; GLM-4.5 with that router, q/k/v biases and rotary embeddings on half of each head), each from a tiny random transformers checkpoint (tests/family_checkpoints.py): the policy's fp32 logits equal transformers' (1e-5 of the logit scale), the
 checkpoint exports back bit for bit to a folder transformers loads, RL steps with R3 run on the hf and hf_static
-engines (which route as the trainer does), TP 2 x EP 2 equals one rank, and what a family cannot do yet is refused at
-config load in one line."""
+engines (which route as the trainer does), TP 2 x EP 2 equals one rank (Qwen2-MoE, OLMoE), and what a family cannot
+do yet is refused at config load in one line."""
 
 from __future__ import annotations
 
@@ -140,13 +140,27 @@ def test_qwen2_moe_under_tp2_and_ep2_equals_one_rank(tmp_path):
     assert par["engine_sync"]["max_abs_diff"] == 0.0  # the engine's weights, streamed from the shards, equal the export
 
 
-def test_olmoe_refuses_tensor_parallelism_in_one_line(tmp_path):
-    from moe_gspo.config import ConfigError
+@pytest.mark.slow
+def test_olmoe_under_tp2_and_ep2_equals_one_rank(tmp_path):
+    """OLMoE's query/key norms span all heads, which TP 2 splits over the ranks: each rank holds its heads' part of
+    the weights and the mean of squares is summed over the TP group. TP 2 x EP 2 on 2 ranks gives one rank's logits,
+    routing, gradients (the norm weights' included) and three optimizer steps."""
+    d = tmp_path / "ckpt"
+    olmoe_checkpoint(d)
+    worker = ROOT / "tests/dist/parallel_worker.py"
 
-    olmoe_checkpoint(tmp_path)
-    with pytest.raises(ConfigError, match=r"parallel.tp=2 with model.family='olmoe': its query/key norm spans all "
-                                          r"heads"):
-        tiny_cfg(f"model.init_from={tmp_path}", "parallel.tp=2")
+    def run(tp, ep, nproc, out):
+        run_torchrun(worker, "--ckpt", d, "--tp", tp, "--ep", ep, "--out", out, "--experts", "grouped", nproc=nproc)
+        return torch.load(out)
+
+    ref, par = run(1, 1, 1, tmp_path / "one.pt"), run(2, 2, 2, tmp_path / "tp2ep2.pt")
+    torch.testing.assert_close(par["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(par["routing"], ref["routing"])
+    for k, g in ref["grads"].items():
+        torch.testing.assert_close(par["grads"][k], g, rtol=0, atol=1e-5 * max(1.0, g.abs().max().item()),
+                                   msg=lambda m: f"grad {k}: {m}")
+    torch.testing.assert_close(torch.tensor(par["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-6)
+    assert par["engine_sync"]["max_abs_diff"] == 0.0
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe"])
@@ -168,3 +182,12 @@ def test_each_family_config_draws_a_policy_that_transformers_computes_alike(name
     with torch.no_grad():
         ref = hf(ids).logits
         assert (policy(ids).float() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_olmoe_needs_heads_times_head_dim_to_be_the_hidden_size():
+    """transformers' and vLLM's OLMoE size the query norm by hidden_size: another head_dim would export a checkpoint
+    neither can load, so the config refuses it in one line."""
+    from moe_gspo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.head_dim=16 with model.family='olmoe': .* \(head_dim=8\)"):
+        tiny_cfg("model.family=olmoe", "model.num_attention_heads=4")

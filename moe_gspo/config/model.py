@@ -189,6 +189,13 @@ class ModelConfig:
             raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} with "
                               f"model.moe_router_load_balancing_type='{self.moe_router_load_balancing_type}': a "
                               f"load-balancing loss needs both a type other than 'none' and a coefficient > 0")
+        if self.family == "olmoe" and self.num_attention_heads * self.head_dim != self.hidden_size:
+            raise ConfigError(f"model.head_dim={self.head_dim} with model.family='olmoe': OLMoE's query norm is "
+                              f"hidden_size={self.hidden_size} wide in transformers and vLLM, so num_attention_heads x "
+                              f"head_dim must equal it (head_dim={self.hidden_size // self.num_attention_heads})")
+        if self.spec == "te" and self.qk_norm_all_heads:
+            raise ConfigError(f"model.spec='te' with model.family='{self.family}': its query/key norms span all heads, "
+                              "which TE's per-head norms do not compute; use model.spec=local")
         if self.spec == "te":  # what the TE spec cannot honour is refused, never ignored
             if self.experts == "torch":
                 raise ConfigError("model.experts='torch' is a local-spec module; with model.spec='te' use 'grouped' "
@@ -342,14 +349,6 @@ class ParallelConfig:
         positive(self, "tp", "ep")
         choice(self, "backend", ("auto", "gloo", "nccl"))
         choice(self, "dispatcher", ("allgather", "alltoall"))
-
-
-def check_layout(mc: ModelConfig, pc: ParallelConfig) -> None:
-    """ConfigError for a parallel layout the family's modules do not implement."""
-    if mc.qk_norm_all_heads and pc.tp > 1:
-        raise ConfigError(f"parallel.tp={pc.tp} with model.family='{mc.family}': its query/key norm spans all heads, "
-                          "which tensor parallelism would split over ranks (not implemented); use parallel.tp=1 "
-                          "(parallel.ep splits the experts)")
 
 
 def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None) -> ModelConfig:

@@ -7,8 +7,7 @@ from typing import Any, ClassVar
 
 from moe_gspo.config.algorithm import AlgorithmConfig
 from moe_gspo.config.checks import ConfigError, choice, positive
-from moe_gspo.config.model import (ModelConfig, ParallelConfig, architecture_changes, check_layout,
-                                   model_config_from_hf)
+from moe_gspo.config.model import ModelConfig, ParallelConfig, architecture_changes, model_config_from_hf
 
 
 @dataclass
@@ -423,7 +422,6 @@ class Config:
             resolved = model_config_from_hf(self.model.init_from, self.model)
             self.checkpoint_overrides = architecture_changes(self.model, resolved)
             self.model = resolved
-        check_layout(self.model, self.parallel)
         check_engine_family(self.model, self.rollout)
         if self.train.router_bias_update_rate and not self.model.router_sigmoid:
             raise ConfigError(f"train.router_bias_update_rate={self.train.router_bias_update_rate} with "

@@ -347,10 +347,13 @@ def _expert_of(name: str) -> tuple[str, int, str] | None:
     return head + key, int(e), rest
 
 
-def tp_dim(name: str) -> int | None:
-    """The dimension megatron splits over TP for a (non-expert) parameter, or None if replicated."""
+def tp_dim(name: str, mc: ModelConfig | None = None) -> int | None:
+    """The dimension megatron splits over TP for a (non-expert) parameter of `mc`'s architecture, or None if
+    replicated."""
     if name.endswith(_TP_ROWS):
         return 0
+    if mc is not None and mc.qk_norm_all_heads and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return 0  # a norm over all heads: each rank holds its heads' part
     if name.endswith(("linear_proj.weight", "shared_experts.linear_fc2.weight", "mlp.linear_fc2.weight")):
         return 1
     return None
@@ -370,7 +373,7 @@ def _tp_slice(name: str, t: torch.Tensor, mc: ModelConfig, tp: int, r: int) -> t
         return t.view(mc.num_key_value_heads, -1, *t.shape[1:]).chunk(tp, dim=0)[r].reshape(-1, *t.shape[1:])
     if name.endswith(_GATE_UP):  # gate over up, each split: [gate_r; up_r]
         return t.view(2, -1, t.shape[-1]).chunk(tp, dim=1)[r].reshape(-1, t.shape[-1])
-    return t.chunk(tp, dim=tp_dim(name))[r]
+    return t.chunk(tp, dim=tp_dim(name, mc))[r]
 
 
 def _tp_join(name: str, parts: list[torch.Tensor], mc: ModelConfig, tp: int) -> torch.Tensor:
@@ -381,7 +384,7 @@ def _tp_join(name: str, parts: list[torch.Tensor], mc: ModelConfig, tp: int) -> 
             -1, *t.shape[1:])
     if name.endswith(_GATE_UP):
         return torch.cat([p.view(2, -1, t.shape[-1]) for p in parts], dim=1).reshape(-1, t.shape[-1])
-    return torch.cat(parts, dim=tp_dim(name))
+    return torch.cat(parts, dim=tp_dim(name, mc))
 
 
 def shard_state(full: dict[str, torch.Tensor], mc: ModelConfig, tp: int, tp_rank: int, ep: int,
@@ -396,7 +399,7 @@ def shard_state(full: dict[str, torch.Tensor], mc: ModelConfig, tp: int, tp_rank
             if e // e_local == ep_rank:
                 out[f"{head}{e % e_local}.{rest}"] = t
             continue
-        if tp_dim(name) is not None and tp > 1:
+        if tp_dim(name, mc) is not None and tp > 1:
             t = _tp_slice(name, t, mc, tp, tp_rank)
         out[name] = t
     return out
@@ -419,7 +422,7 @@ def gather_state(local: dict[str, torch.Tensor], mc: ModelConfig, tp_group, ep_g
             for r, p in enumerate(parts):
                 full[f"{head}{r * e_local + e}.{rest}"] = p
             continue
-        if tp_dim(name) is not None and tp > 1:
+        if tp_dim(name, mc) is not None and tp > 1:
             parts = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(parts, t.contiguous(), group=tp_group)
             t = _tp_join(name, parts, mc, tp)

@@ -111,6 +111,8 @@ class TrainerShards:
             return 0
         if key.endswith(("o_proj.weight", "shared_expert.down_proj.weight")):
             return 1
+        if self.mc.qk_norm_all_heads and key.endswith(("q_norm.weight", "k_norm.weight")):
+            return 0  # OLMoE's norm over all heads, split like the heads
         return None
 
     def region(self, key: str, tp_rank: int, ep_rank: int) -> Region | None:

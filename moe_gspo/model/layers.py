@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -30,18 +31,43 @@ class _AllHeadsRMSNorm(torch.nn.RMSNorm):
     """RMSNorm over all heads of a query or key at once (OLMoE normalizes q_proj's and k_proj's whole output,
     nq x head_dim and nkv x head_dim wide), where megatron's q_layernorm / k_layernorm normalize each head over
     head_dim. Built by megatron as a q/k layernorm (its constructor gets head_dim as hidden_size) and applied to
-    (sq, b, heads, head_dim); the weight spans the heads in order. At tensor parallelism 1 only: split over ranks the
-    norm would need the other ranks' heads (ModelConfig refuses it)."""
+    (sq, b, heads, head_dim); the weight spans this rank's heads in order. Under tensor parallelism each rank holds
+    its heads' part of the weight (split like the heads, saved as a TP-sharded tensor), and the mean of squares
+    sums each rank's part over the TP group (an all-reduce whose backward all-reduces too: every rank's output
+    depends on every rank's heads)."""
 
     HEADS = ""  # the TransformerConfig field giving the head count
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_unused):
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
-        self.heads = getattr(config, self.HEADS)
+        self.tp = config.tensor_model_parallel_size
+        heads = getattr(config, self.HEADS)
+        self.heads, self.width = divide(heads, self.tp), heads * hidden_size
         super().__init__(self.heads * hidden_size, eps=eps, dtype=config.params_dtype, device=device)
+        if self.tp > 1:
+            set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.flatten(-2)).view(x.shape)
+        flat = x.flatten(-2)
+        if self.tp == 1:
+            return super().forward(flat).view(x.shape)
+        from megatron.core import parallel_state
+        from torch.distributed.nn.functional import all_reduce
+
+        h = flat.float()
+        squares = all_reduce(h.pow(2).sum(-1, keepdim=True), group=parallel_state.get_tensor_model_parallel_group())
+        return (self.weight * (h * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)).view(x.shape)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The weight as a tensor split over TP along its heads (megatron treats a module without this method as
+        replicated)."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets,
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
 
 class QueryNormAllHeads(_AllHeadsRMSNorm):

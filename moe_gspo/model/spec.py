@@ -19,7 +19,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
-from moe_gspo.config.model import check_layout
 from moe_gspo.model import te_names
 from moe_gspo.model.experts import GroupedGemmExperts
 from moe_gspo.model.layers import KeyNormAllHeads, QueryNormAllHeads, RMSNorm, SDPAttention, TorchLoopExperts
@@ -39,7 +38,6 @@ def te_missing() -> str | None:
 
 def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig:
     """Megatron's config for the model's architecture (see docs/architecture.md for each choice)."""
-    check_layout(mc, pc)
     dtype = torch.bfloat16 if mc.params_dtype == "bfloat16" else torch.float32
     family = {}
     if mc.router_sigmoid:  # the expert bias is megatron's buffer; the rule itself is MoERouter's
@@ -80,7 +78,10 @@ def _common(mc: ModelConfig, pc: ParallelConfig, dtype: torch.dtype, **family) -
         ffn_hidden_size=mc.intermediate_size or mc.moe_intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=mc.rms_norm_eps,
-        qk_layernorm=mc.qk_norm,
+        # megatron's finalize_model_grads sums every q/k-layernorm gradient over TP when this is set: right for
+        # per-head norms (replicated weights), wrong for OLMoE's all-heads norms (TP-sharded weights); the spec,
+        # not this flag, decides which norms the layers have
+        qk_layernorm=mc.qk_norm and not mc.qk_norm_all_heads,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,

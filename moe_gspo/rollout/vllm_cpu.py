@@ -2,7 +2,7 @@
 
     with keep_dense_weights():                 # while the engine is built
         llm = LLM(...)
-    load_weights_cpu(model, state_dict, moe_intermediate_size)   # any number of times: what a fresh engine loads
+    load_weights_cpu(model, state_dict, model_type)   # any number of times: what a fresh engine loads
     with RouterTaps(model_runner) as taps:
         outputs = llm.generate(...)
     routing = taps.by_request()               # request id -> (positions, L, k)
@@ -13,10 +13,15 @@ routed experts' `w13_weight` [E, 2I, H] and `w2_weight` [E, H, I] in place, zero
 Its own `reload_weights` writes new, unpacked values into those packed tensors, which the kernels then misread.
 So the engine is built with the dense weights kept (`keep_dense_weights` passes remove_weight=False to vLLM's GEMM
 dispatch while the engine loads), and an update:
-- loads the dense tensors with the model's own `load_weights` (its q/k/v and gate/up stacking), then reruns each
-  dense layer's GEMM dispatch so that its packed copy is rebuilt from the new values;
-- assembles each MoE layer's experts, one layer at a time, in vLLM's unpacked padded layout (gate rows, then up rows
-  at the padded offset) and prepacks them into the engine's expert tensors in place, as vLLM does at load.
+- loads the dense tensors with the model's own `load_weights` (its q/k/v and gate/up stacking), under the names the
+  family's checkpoint files use (moe_gspo.model.hf_io.file_keys: Mixtral's router is `block_sparse_moe.gate`), then
+  reruns each dense layer's GEMM dispatch so that its packed copy is rebuilt from the new values;
+- assembles each MoE layer's routed experts, one layer at a time, in vLLM's unpacked padded layout (gate rows, then
+  up rows at the padded offset) and prepacks them into the engine's expert tensors in place, as vLLM does at load.
+  The experts arrive under the package's names (`model.layers.N.mlp.experts.e.gate_proj / up_proj / down_proj`,
+  every family's), and layer N's expert tensors are the ones vLLM's layer N holds, whatever vLLM calls its MoE
+  block (`mlp`, Mixtral's `block_sparse_moe`). A shared expert (Qwen2-MoE) is a dense MLP to vLLM: it loads with
+  the dense tensors.
 
 Routing. vLLM's routed-experts capture needs its GPU model runner. On the CPU each MoE layer's router
 (`CPURouter`) calls a capture function with the top-k expert ids of every forward; the rows are the step's scheduled
@@ -32,9 +37,13 @@ from contextlib import contextmanager
 
 import torch
 
+from moe_gspo.model.hf_io import file_keys
 from moe_gspo.rollout.weight_sync import cast_into
 
-_EXPERT_KEY = re.compile(r"^(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# a routed expert's projection under the package's names (every family's in-memory names)
+_EXPERT_KEY = re.compile(r"^model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<e>\d+)\."
+                         r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 # ---------------------------------------------------------------------------------------------------------- weights
@@ -56,13 +65,13 @@ def keep_dense_weights():
         vllm_utils.dispatch_cpu_unquantized_gemm = original
 
 
-def _experts_modules(model) -> dict[str, torch.nn.Module]:
-    """HF prefix ('model.layers.N.mlp.experts') -> the vLLM module holding that layer's w13_weight / w2_weight."""
+def experts_modules(model) -> dict[int, torch.nn.Module]:
+    """Layer index -> the vLLM module holding that layer's routed experts (`w13_weight`, `w2_weight`), for every MoE
+    layer, whatever the layer calls its MoE block."""
     out = {}
     for name, mod in model.named_modules():
         if hasattr(mod, "w13_weight") and hasattr(mod, "w2_weight"):
-            prefix = name[:name.index(".mlp.experts") + len(".mlp.experts")]
-            out[prefix] = mod
+            out[int(_LAYER.match(name)[1])] = mod
     return out
 
 
@@ -151,48 +160,54 @@ def _redispatch_dense(model) -> int:
 
 
 @torch.no_grad()
-def load_weights_cpu(model, state: Mapping[str, torch.Tensor], moe_intermediate_size: int) -> int:
-    """Write a checkpoint-format state (HF names, one tensor per expert) into a CPU vLLM model built under
-    `keep_dense_weights`, reading the keys once in the state's order (a streamed state gathers on reading). Returns
-    the number of tensors written. Raises KeyError naming an expert layer the state leaves incomplete."""
-    experts = _experts_modules(model)
-    if any(m.w13_weight.shape[1] // 2 < moe_intermediate_size for m in experts.values()):
-        raise ValueError(f"moe_intermediate_size={moe_intermediate_size} exceeds the engine's expert tensors")
-    staging: dict[str, _ExpertStaging] = {}
+def load_weights_cpu(model, state: Mapping[str, torch.Tensor], model_type: str) -> int:
+    """Write a state under the package's HF names (one tensor per expert) into a CPU vLLM model of `model_type`
+    (config.json's) built under `keep_dense_weights`, reading the keys once in the state's order (a streamed state
+    gathers on reading). Returns the number of tensors written. Raises KeyError naming an expert layer the state
+    leaves incomplete or the engine lacks."""
+    experts = experts_modules(model)
+    staging: dict[int, _ExpertStaging] = {}
     pool = staging_pool(model)
     count = 0
 
     def dense() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal count
-        for key in state:
+        # the names the family's checkpoint files use, which the model's load_weights maps (key order kept)
+        for key, name in zip(state, file_keys(dict.fromkeys(state), model_type)):
             w = state[key]
             count += 1
             m = _EXPERT_KEY.match(key)
             if m is None:
-                yield key, w
+                yield name, w
                 continue
-            layer = m["layer"]
+            layer, proj = int(m["layer"]), m["proj"]
             if layer not in experts:
-                raise KeyError(f"{key}: the engine has no MoE layer {layer!r}")
+                raise KeyError(f"{key}: the engine has no MoE layer {layer}")
             if layer not in staging:
-                staging[layer] = _ExpertStaging(experts[layer], moe_intermediate_size, pool)
+                inter = w.shape[1] if proj == "down_proj" else w.shape[0]
+                if experts[layer].w13_weight.shape[1] // 2 < inter:
+                    raise ValueError(f"{key}: expert width {inter} exceeds the engine's expert tensors")
+                staging[layer] = _ExpertStaging(experts[layer], inter, pool)
             st = staging[layer]
-            if st.put(int(m["e"]), m["proj"], w):
+            if st.put(int(m["e"]), proj, w):
                 st.commit()
                 del staging[layer]  # one layer's staging at a time when the state comes layer by layer
 
     model.load_weights(dense())
     if staging:
-        raise KeyError(f"per-expert weights incomplete for {sorted(staging)[:4]}")
+        raise KeyError(f"per-expert weights incomplete for layers {sorted(staging)[:4]}")
     _redispatch_dense(model)
     return count
 
 
 # ---------------------------------------------------------------------------------------------------------- routing
 def moe_routers(model) -> list[torch.nn.Module]:
-    """The router of every MoE decoder layer of a vLLM model, in layer order."""
-    return [layer.mlp.experts.router for layer in model.model.layers
-            if hasattr(layer.mlp, "experts") and hasattr(layer.mlp.experts, "router")]
+    """The router of every MoE decoder layer of a vLLM model, in layer order (the layer's MoE runner holds it,
+    whatever the layer calls its MoE block; dense layers have none)."""
+    out = []
+    for layer in model.model.layers:
+        out += [m.router for m in layer.modules() if hasattr(getattr(m, "router", None), "set_capture_fn")]
+    return out
 
 
 class RouterTaps:
@@ -257,3 +272,26 @@ class RouterTaps:
             first[1:] = pos[1:] != pos[:-1]
             out[rid] = (pos[first], exp[first].to(torch.uint8))
         return out
+
+
+def by_completion(routes: dict, n: int) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
+    """RouterTaps.by_request keyed by (the prompt's request id as LLM.generate reports it, sample index): the model
+    runner sees vLLM's internal ids, the prompt's id with a suffix ('{id}-{random}'), and with n > 1 sample j as
+    '{j}_{that}'."""
+    out = {}
+    for rid, route in routes.items():
+        j, parent = rid.split("_", 1) if n > 1 else ("0", rid)
+        out[(parent.rsplit("-", 1)[0], int(j))] = route
+    return out
+
+
+def tapped_routing(routes: dict, request_id: str, index: int, rows: int) -> torch.Tensor:
+    """(rows, L, k) uint8 routing of one completion: positions 0 .. rows-1 of the request vLLM ran for it."""
+    if (request_id, index) not in routes:
+        raise RuntimeError(f"no routing recorded for vLLM request {request_id} sample {index}")
+    pos, exp = routes[(request_id, index)]
+    if pos.numel() < rows or not torch.equal(pos[:rows], torch.arange(rows)):
+        missing = sorted(set(range(rows)) - set(pos.tolist()))[:8]
+        raise RuntimeError(f"vLLM request {request_id} sample {index}: routing missing for positions {missing} "
+                           "(prefix-cached or skipped rows)")
+    return exp[:rows]

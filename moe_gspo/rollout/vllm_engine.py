@@ -37,9 +37,11 @@ Routed experts (R3), in RolloutBatch's layout (prompt positions 0..P-2, then pos
 
 Weights (update_weights, from a WeightSource): an engine of one rank reads the source's whole tensors once, key by
 key (a TP/EP policy's source gathers one parameter at a time, so a sharded trainer never holds a full copy):
-- on a GPU, into vLLM's `model.load_weights`;
+- on a GPU, into vLLM's `model.load_weights`, under the names the family's checkpoint files use (hf_io.file_keys);
 - on the CPU, through moe_gspo.rollout.vllm_cpu.load_weights_cpu, because vLLM packs its CPU weights at load and its
   own reload leaves them wrong.
+The families it serves, and what vLLM's model of a family fixes whatever config.json says, are
+moe_gspo.config.run's ENGINE_FAMILIES and vllm_family_mismatch (refused at build, as at config load).
 The prefix cache is reset after every update (cached keys and values belong to the old weights).
 """
 
@@ -61,6 +63,7 @@ import numpy as np
 import torch
 
 from moe_gspo.config import ConfigError
+from moe_gspo.config.run import vllm_family_mismatch
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
@@ -190,6 +193,11 @@ class VLLMEngine(RolloutEngine):
         self.on_cuda = self.device.type == "cuda"
         check_options(int(config_dict["head_dim"]), int(config_dict["hidden_size"]), 1.0, self.on_cuda)
         self.config_dict = dict(config_dict)
+        self.model_type = config_dict.get("model_type", "qwen3_moe")
+        why = vllm_family_mismatch(self.model_type, config_dict["rms_norm_eps"], config_dict["head_dim"],
+                                   config_dict["hidden_size"], config_dict["num_attention_heads"])
+        if why:
+            raise ValueError(why)
         self.num_layers = int(config_dict["num_hidden_layers"])  # every layer is MoE in this project's models
         self.top_k = int(config_dict["num_experts_per_tok"])
         self.vocab_size = int(config_dict["vocab_size"])
@@ -236,6 +244,9 @@ class VLLMEngine(RolloutEngine):
                         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
         self._release = release_llm(self.llm)
+        if self.eos_token_id is None:  # as the hf engine: the eos of the family's transformers config (one that
+            eos = self.llm.llm_engine.model_config.hf_config.eos_token_id  # can be sampled: vLLM refuses others)
+            self.eos_token_id = eos if isinstance(eos, int) and 0 <= eos < self.vocab_size else None
         self._runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         self.untruncated_logprobs = untruncated_logprobs(self._runner)
         self.last_sync_seconds = 0.0
@@ -298,19 +309,21 @@ class VLLMEngine(RolloutEngine):
         t0 = time.perf_counter()
         model = self._runner.get_model()  # unwrapped from any CUDA-graph wrapper
         if self.on_cuda:
+            from moe_gspo.model.hf_io import file_keys
+
             n = 0
 
-            def counted():
+            def counted():  # under the names the family's checkpoint files use, which vLLM's loader maps
                 nonlocal n
-                for key in state:
+                for key, name in zip(state, file_keys(dict.fromkeys(state), self.model_type)):
                     n += 1
-                    yield key, state[key]
+                    yield name, state[key]
 
             model.load_weights(counted())
         else:
             from moe_gspo.rollout.vllm_cpu import load_weights_cpu
 
-            n = load_weights_cpu(model, state, int(self.config_dict["moe_intermediate_size"]))
+            n = load_weights_cpu(model, state, self.model_type)
         self.llm.reset_prefix_cache()
         self.last_sync_tensors, self.last_sync_seconds = n, time.perf_counter() - t0
 
@@ -349,9 +362,11 @@ class VLLMEngine(RolloutEngine):
             # vLLM refuses n > 1 for greedy decoding, whose n samples are one: it decodes one, repeated n times here
             n_run = 1 if sp.temperature == 0 else n_per_prompt
             spans.append((len(inputs), len(prompts), n_run))
+            # ignore_eos: the stop ids are these alone (the tokenizer's eos, as in the hf engine), not also the
+            # config's eos_token_id, a transformers default for a policy's export (Mixtral's 2)
             params += [VSamplingParams(n=n_run, temperature=sp.temperature, top_p=sp.top_p,
-                                       max_tokens=sp.max_new_tokens, stop_token_ids=stop_ids, logprobs=0,
-                                       detokenize=False, skip_special_tokens=False,
+                                       max_tokens=sp.max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True,
+                                       logprobs=0, detokenize=False, skip_special_tokens=False,
                                        seed=None if sp.seed is None else sp.seed * SEED_STRIDE + i * n_per_prompt)
                        for i in range(len(prompts))]
             inputs += [{"prompt_token_ids": list(map(int, p))} for p in prompts]
@@ -382,7 +397,10 @@ class VLLMEngine(RolloutEngine):
 
     def _batch(self, outs, prompts, n_per_prompt: int, n_run: int, sp: SamplingParams, routes) -> RolloutBatch:
         """One part's RolloutBatch from vLLM's outputs for its prompts (in the prompts' order)."""
-        by_completion = _by_completion(routes, n_run) if routes is not None and sp.return_routing else None
+        if routes is not None and sp.return_routing:
+            from moe_gspo.rollout.vllm_cpu import by_completion
+
+            routes = by_completion(routes, n_run)
         rows, resp, logps, finish, routed, prompt_routed = [], [], [], [], [], []
         for i, out in enumerate(outs):
             P = len(prompts[i])
@@ -396,7 +414,7 @@ class VLLMEngine(RolloutEngine):
                 logps.append(torch.tensor([float(d[t].logprob) for d, t in zip(c.logprobs, ids)], dtype=torch.float32))
                 finish.append("length" if c.finish_reason == "length" else "stop")
                 if sp.return_routing:
-                    r = self._routing(by_completion, out.request_id, c, P + len(ids) - 1)
+                    r = self._routing(routes, out.request_id, c, P + len(ids) - 1)
                     prompt_routed.append(r[:P - 1])
                     routed.append(r[P - 1:])
         return RolloutBatch([torch.tensor(p, dtype=torch.long) for p in rows], resp, logps, finish,
@@ -407,7 +425,9 @@ class VLLMEngine(RolloutEngine):
         """(rows, L, k) uint8, ids sorted: the experts of positions 0 .. rows-1 (P + R - 1) of one completion, from
         the CPU taps or (GPU) vLLM's own capture."""
         if routes is not None:
-            return _tapped_routing(routes, request_id, completion.index, rows)
+            from moe_gspo.rollout.vllm_cpu import tapped_routing
+
+            return tapped_routing(routes, request_id, completion.index, rows)
         r = torch.as_tensor(np.asarray(completion.routed_experts)).long().reshape(-1, self.num_layers, self.top_k)
         if r.shape[0] < rows:
             raise RuntimeError(f"vLLM returned routing for {r.shape[0]} positions of request {request_id} sample "
@@ -473,26 +493,3 @@ def _release_core(core) -> None:
                          (core.scheduler, "shutdown")):
         if part is not None:
             getattr(part, method)()
-
-
-def _by_completion(routes: dict, n: int) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
-    """RouterTaps.by_request keyed by (the prompt's request id as LLM.generate reports it, sample index): the model
-    runner sees vLLM's internal ids, the prompt's id with a suffix ('{id}-{random}'), and with n > 1 sample j as
-    '{j}_{that}'."""
-    out = {}
-    for rid, route in routes.items():
-        j, parent = rid.split("_", 1) if n > 1 else ("0", rid)
-        out[(parent.rsplit("-", 1)[0], int(j))] = route
-    return out
-
-
-def _tapped_routing(routes: dict, request_id: str, index: int, rows: int) -> torch.Tensor:
-    """(rows, L, k) uint8 routing of one completion: positions 0 .. rows-1 of the request vLLM ran for it."""
-    if (request_id, index) not in routes:
-        raise RuntimeError(f"no routing recorded for vLLM request {request_id} sample {index}")
-    pos, exp = routes[(request_id, index)]
-    if pos.numel() < rows or not torch.equal(pos[:rows], torch.arange(rows)):
-        missing = sorted(set(range(rows)) - set(pos.tolist()))[:8]
-        raise RuntimeError(f"vLLM request {request_id} sample {index}: routing missing for positions {missing} "
-                           "(prefix-cached or skipped rows)")
-    return exp[:rows]

@@ -5,19 +5,25 @@
     for piece, tensor in plan.run(views): writer.write(piece, tensor)
     writer.finish()                                         # CPU: experts prepacked, dense GEMMs repacked
 
-vLLM's Qwen3-MoE at tensor-parallel size k, rank j (vllm 0.32; checked against the engine's modules when the
-writer is built, so a vLLM whose layout differs fails there, naming the tensor):
+vLLM's MoE models (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE) at tensor-parallel size k, rank j (vllm 0.32; checked
+against the engine's modules when the writer is built, so a vLLM whose layout differs fails there, naming the
+tensor). Keys go by the package's HF names (moe_gspo.model.hf_io); a tensor outside the stacked ones and the
+experts lands in the vLLM parameter its family's checkpoint files name (hf_io.file_keys: Mixtral's router is
+`block_sparse_moe.gate`):
 - embed_tokens / lm_head (VocabParallelEmbedding / ParallelLMHead): the vocabulary padded to a multiple of 64, cut
   into k equal blocks; rank j keeps rows [j*Vp/k, min((j+1)*Vp/k, V)) and leaves its padding rows alone (vLLM
   never reads them: padded logits are dropped);
-- qkv_proj (QKVParallelLinear): the q heads [j*nq/k, (j+1)*nq/k) stacked over this rank's kv heads, k then v; with
-  fewer kv heads than ranks each kv head is replicated on k/nkv consecutive ranks;
+- q/k/v_proj, weights and biases, stacked in qkv_proj (QKVParallelLinear): the q heads [j*nq/k, (j+1)*nq/k)
+  stacked over this rank's kv heads, k then v; with fewer kv heads than ranks each kv head is replicated on k/nkv
+  consecutive ranks;
 - o_proj (RowParallelLinear): the columns of this rank's q heads;
-- experts (FusedMoE, intermediate split): w13 [E, 2*I/k, H] holds rows [j*I/k, (j+1)*I/k) of every expert's
+- a shared expert (Qwen2-MoE; a dense MLP to vLLM): rows [j*S/k, (j+1)*S/k) of gate_proj and of up_proj stacked in
+  gate_up_proj (MergedColumnParallelLinear), those columns of down_proj; its sigmoid gate whole;
+- routed experts (FusedMoE, intermediate split): w13 [E, 2*I/k, H] holds rows [j*I/k, (j+1)*I/k) of every expert's
   gate_proj, then of its up_proj; w2 [E, H, I/k] those columns of down_proj. On the CPU vLLM pads I/k to its
   kernel's alignment and prepacks both in place, so the experts of a layer are staged unpacked and prepacked once
   the layer is complete (moe_gspo.rollout.vllm_cpu._ExpertStaging), as at load;
-- norms and the router gate: whole.
+- norms (OLMoE's query/key norms span all heads on every rank) and the router gate: whole.
 With expert parallelism (rollout.engine_ep, a GPU path) vLLM splits the experts by expert instead: rank j keeps
 experts [j*E/k, (j+1)*E/k) whole, so a trainer with parallel.ep = k on the same ranks sends no expert bytes at all.
 """
@@ -30,11 +36,17 @@ import time
 import torch
 
 from moe_gspo.config import ModelConfig
+from moe_gspo.model.hf_io import file_keys
 from moe_gspo.model.hf_shards import WHOLE, Region, expert_of, hf_shapes
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# HF projections vLLM stacks into one parameter: (module path, projection, weight | bias)
+_STACKED_KEY = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+"""HF projection -> (the vLLM parameter stacking it, its place in the stack)."""
 
 
 def check_engine_tp(mc: ModelConfig, tp: int) -> str | None:
@@ -45,8 +57,9 @@ def check_engine_tp(mc: ModelConfig, tp: int) -> str | None:
     if (ng >= tp and ng % tp) or (ng < tp and tp % ng):
         return (f"model.num_key_value_heads={ng} and rollout.engine_tp={tp}: one must divide the other "
                 "(vLLM splits or replicates whole kv heads)")
-    if mc.moe_intermediate_size % tp:
-        return f"model.moe_intermediate_size={mc.moe_intermediate_size} is not divisible by rollout.engine_tp={tp}"
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(mc, name) % tp:
+            return f"model.{name}={getattr(mc, name)} is not divisible by rollout.engine_tp={tp}"
     return None
 
 
@@ -67,7 +80,7 @@ def engine_needs(mc: ModelConfig, tp: int, j: int, expert_parallel: bool = False
     """(HF key, region) of every tensor engine rank j of `tp` keeps, in HF key order. With expert_parallel (vLLM's
     enable_expert_parallel) the experts are split by expert instead: rank j keeps experts [j*E/tp, (j+1)*E/tp)
     whole, and none of the others."""
-    d, inter = mc.head_dim, mc.moe_intermediate_size // tp
+    d, inter, shared = mc.head_dim, mc.moe_intermediate_size // tp, mc.shared_expert_intermediate_size // tp
     nq_l, kv_l, kv0 = _heads(mc, tp, j)
     e_local = mc.num_experts // tp
     out = []
@@ -80,12 +93,16 @@ def engine_needs(mc: ModelConfig, tp: int, j: int, expert_parallel: bool = False
             a, b = vocab_rows(mc.vocab_size, tp, j)
             if a < b:
                 out.append((key, Region(0, a, b)))
-        elif key.endswith("q_proj.weight"):
+        elif key.endswith(("q_proj.weight", "q_proj.bias")):
             out.append((key, Region(0, j * nq_l * d, (j + 1) * nq_l * d)))
-        elif key.endswith(("k_proj.weight", "v_proj.weight")):
+        elif key.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
             out.append((key, Region(0, kv0 * d, (kv0 + kv_l) * d)))
         elif key.endswith("o_proj.weight"):
             out.append((key, Region(1, j * nq_l * d, (j + 1) * nq_l * d)))
+        elif key.endswith(("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight")):
+            out.append((key, Region(0, j * shared, (j + 1) * shared)))
+        elif key.endswith("shared_expert.down_proj.weight"):
+            out.append((key, Region(1, j * shared, (j + 1) * shared)))
         elif key.endswith(("gate_proj.weight", "up_proj.weight")):
             out.append((key, Region(0, j * inter, (j + 1) * inter)))
         elif key.endswith("down_proj.weight"):
@@ -104,6 +121,12 @@ class ShardWriter:
         self.e_first = j * (mc.num_experts // tp) if expert_parallel else 0  # local expert index = e - e_first
         self.nq_l, self.kv_l, _ = _heads(mc, tp, j)
         self.layers = model.model.layers
+        from moe_gspo.rollout.vllm_cpu import experts_modules
+
+        self.experts = experts_modules(model)  # layer index -> its routed experts' module
+        self.shapes = hf_shapes(mc)
+        # package name -> the name the family's checkpoint files use, which vLLM's parameters follow
+        self.file_names = dict(zip(self.shapes, file_keys(dict.fromkeys(self.shapes), mc.family)))
         self._staging: dict[int, object] = {}
         self.written = 0
         self.prepack_s = 0.0  # seconds spent prepacking experts (CPU), summed until reset by the caller
@@ -122,14 +145,10 @@ class ShardWriter:
         if (emb.org_vocab_start_index, emb.org_vocab_end_index) != (a, max(a, b)):
             raise RuntimeError(f"vLLM's embed_tokens on engine rank {j} of {tp} holds rows "
                                f"[{emb.org_vocab_start_index}, {emb.org_vocab_end_index}), expected [{a}, {b})")
-        w2 = self._experts(0).w2_weight
+        w2 = next(iter(self.experts.values())).w2_weight
         if w2.shape[1] != H or w2.shape[2] < self.inter:
             raise RuntimeError(f"vLLM's experts w2 on engine rank {j} of {tp} is {tuple(w2.shape)}, expected "
                                f"[E, {H}, >= {self.inter}]")
-
-    def _experts(self, layer: int):
-        mod = self.layers[layer].mlp.experts
-        return getattr(mod, "routed_experts", mod)
 
     @torch.no_grad()
     def write(self, key: str, region: Region, need: Region, t: torch.Tensor) -> None:
@@ -145,26 +164,29 @@ class ShardWriter:
             return self._put(self.model.lm_head.weight, dim, off, t)
         if key == "model.norm.weight":
             return self._put(self.model.model.norm.weight, dim, off, t)
-        m = _LAYER.match(key)
-        i, rest = int(m[1]), m[2]
-        layer = self.layers[i]
-        d = self.mc.head_dim
-        if rest == "self_attn.q_proj.weight":
-            return self._put(layer.self_attn.qkv_proj.weight, dim, off, t)
-        if rest == "self_attn.k_proj.weight":
-            return self._put(layer.self_attn.qkv_proj.weight, dim, off + self.nq_l * d, t)
-        if rest == "self_attn.v_proj.weight":
-            return self._put(layer.self_attn.qkv_proj.weight, dim, off + (self.nq_l + self.kv_l) * d, t)
-        if rest == "self_attn.o_proj.weight":
-            return self._put(layer.self_attn.o_proj.weight, dim, off, t)
-        if rest == "mlp.gate.weight":
-            return self._put(layer.mlp.gate.weight, dim, off, t)
+        i, rest = _LAYER.match(key).groups()
+        layer = self.layers[int(i)]
         ex = _EXPERT.match(rest)
-        if ex is None:
-            return self._put(layer.get_parameter(rest), dim, off, t)
-        if off or (region.dim is not None and region.length != self.inter):
-            raise RuntimeError(f"{key}: an expert slice arrived in parts ({region}); the trainer holds experts whole")
-        self._expert(i, int(ex[1]) - self.e_first, ex[2], t)
+        if ex is not None:
+            if off or (region.dim is not None and region.length != self.inter):
+                raise RuntimeError(f"{key}: an expert slice arrived in parts ({region}); the trainer holds experts "
+                                   "whole")
+            return self._expert(int(i), int(ex[1]) - self.e_first, ex[2], t)
+        st = _STACKED_KEY.match(rest)
+        if st is not None:
+            module, proj, kind = st.groups()
+            stacked, place = _STACKED[proj]
+            return self._put(layer.get_parameter(f"{module}.{stacked}.{kind}"), dim,
+                             off + self._stack_offset(proj, place, key, need), t)
+        return self._put(layer.get_parameter(_LAYER.match(self.file_names[key])[2]), dim, off, t)
+
+    def _stack_offset(self, proj: str, place: int, key: str, need: Region) -> int:
+        """Where this rank's part of a stacked projection begins in vLLM's stacked parameter: q, k, v after this
+        rank's q heads and kv heads; gate, up after this rank's rows of the gate (as many as of the up)."""
+        d = self.mc.head_dim
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            return (0, self.nq_l * d, (self.nq_l + self.kv_l) * d)[place]
+        return place * (need.length if need.dim == 0 else self.shapes[key][0])
 
     @staticmethod
     def _put(param: torch.Tensor, dim: int | None, off: int, t: torch.Tensor) -> None:
@@ -173,7 +195,7 @@ class ShardWriter:
         dest.copy_(t)
 
     def _expert(self, layer: int, e: int, proj: str, t: torch.Tensor) -> None:
-        mod = self._experts(layer)
+        mod = self.experts[layer]
         if self.on_cpu:
             from moe_gspo.rollout.vllm_cpu import _ExpertStaging, staging_pool
 

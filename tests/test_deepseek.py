@@ -241,6 +241,7 @@ def test_what_a_deepseek_checkpoint_asks_and_the_policy_lacks_is_refused(checkpo
     (["rollout.engine=vllm"], r"rollout.engine=vllm serves model.family in \[.*\] only; for model.family='deepseek_v3' "
                               "use rollout.engine=hf or hf_static"),
     (["model.spec=te"], "model.spec='te' with model.family='deepseek_v3'"),
+    (["model.attention=megatron"], "model.attention='megatron' with model.family='deepseek_v3'"),
 ])
 def test_what_the_run_cannot_do_with_deepseek_is_refused(checkpoint, over, needle):
     from moe_gspo.config import ConfigError

@@ -220,6 +220,10 @@ class ModelConfig:
             return
         if self.family == "deepseek_v3":
             positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            if self.attention == "megatron":
+                raise ConfigError("model.attention='megatron' with model.family='deepseek_v3': megatron's local core "
+                                  "attention takes no separate query/key and value widths, which latent attention "
+                                  "needs; use model.attention=sdpa")
             if self.num_key_value_heads != self.num_attention_heads:
                 raise ConfigError(f"model.num_key_value_heads={self.num_key_value_heads} with model.family="
                                   "'deepseek_v3': latent attention expands one key and value per query head; set "

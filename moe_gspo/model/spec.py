@@ -45,7 +45,7 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig
                       moe_router_bias_update_rate=0.0)
     if mc.first_k_dense_replace:
         family.update(moe_layer_freq=[0] * mc.first_k_dense_replace + [1] * mc.num_moe_layers)
-    if mc.mla:  # transformers' qk_nope_head_dim is megatron's qk_head_dim; plain rotary, deinterleaved as DeepSeek's
+    if mc.mla:  # transformers' qk_nope_head_dim is megatron's qk_head_dim; MLA's rotary deinterleaves as DeepSeek's
         return MLATransformerConfig(
             q_lora_rank=mc.q_lora_rank or None, kv_lora_rank=mc.kv_lora_rank, qk_head_dim=mc.qk_nope_head_dim,
             qk_pos_emb_head_dim=mc.qk_rope_head_dim, v_head_dim=mc.v_head_dim, rotary_base=mc.rope_theta,
@@ -158,7 +158,7 @@ def layer_spec(mc: ModelConfig, dense: bool = False) -> ModuleSpec:
         att.q_layernorm, att.k_layernorm = QueryNormAllHeads, KeyNormAllHeads
     elif mc.qk_norm:
         att.q_layernorm, att.k_layernorm = RMSNorm, RMSNorm
-    if mc.attention == "sdpa" or mc.mla:  # megatron's local core attention cannot run MLA (SDPAttention)
+    if mc.attention == "sdpa":  # MLA's too: megatron's local core attention takes no separate k/v widths
         att.core_attention = SDPAttention
     if dense:
         return spec

@@ -80,6 +80,7 @@ def _info(_args) -> int:
     import torch
 
     import moe_gspo
+    from moe_gspo.config.model import FAMILIES
 
     def version(mod):
         try:
@@ -97,6 +98,7 @@ def _info(_args) -> int:
         ("SGLang", version("sglang")), ("vLLM", _vllm_row()), ("math-verify", version("math_verify")),
         ("CPU threads", str(torch.get_num_threads())),
         ("layer spec (model.spec)", _spec_line()),
+        ("model families", f"{', '.join(FAMILIES)} (model.family; a checkpoint's config.json sets it)"),
     ]
     from rich.console import Console
     from rich.table import Table

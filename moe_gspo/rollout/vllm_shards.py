@@ -5,11 +5,11 @@
     for piece, tensor in plan.run(views): writer.write(piece, tensor)
     writer.finish()                                         # CPU: experts prepacked, dense GEMMs repacked
 
-vLLM's MoE models (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE) at tensor-parallel size k, rank j (vllm 0.32; checked
-against the engine's modules when the writer is built, so a vLLM whose layout differs fails there, naming the
-tensor). Keys go by the package's HF names (moe_gspo.model.hf_io); a tensor outside the stacked ones and the
-experts lands in the vLLM parameter its family's checkpoint files name (hf_io.file_keys: Mixtral's router is
-`block_sparse_moe.gate`):
+vLLM's MoE models (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3, GLM-4.5) at tensor-parallel size k, rank j
+(vllm 0.32; checked against the engine's modules when the writer is built, so a vLLM whose layout differs fails
+there, naming the tensor). Keys go by the package's HF names (moe_gspo.model.hf_io); a tensor outside the stacked
+ones and the experts lands in the vLLM parameter its family's checkpoint files name (hf_io.file_keys: Mixtral's
+router is `block_sparse_moe.gate`):
 - embed_tokens / lm_head (VocabParallelEmbedding / ParallelLMHead): the vocabulary padded to a multiple of 64, cut
   into k equal blocks; rank j keeps rows [j*Vp/k, min((j+1)*Vp/k, V)) and leaves its padding rows alone (vLLM
   never reads them: padded logits are dropped);
@@ -17,13 +17,18 @@ experts lands in the vLLM parameter its family's checkpoint files name (hf_io.fi
   stacked over this rank's kv heads, k then v; with fewer kv heads than ranks each kv head is replicated on k/nkv
   consecutive ranks;
 - o_proj (RowParallelLinear): the columns of this rank's q heads;
-- a shared expert (Qwen2-MoE; a dense MLP to vLLM): rows [j*S/k, (j+1)*S/k) of gate_proj and of up_proj stacked in
-  gate_up_proj (MergedColumnParallelLinear), those columns of down_proj; its sigmoid gate whole;
+- a shared expert (Qwen2-MoE; DeepSeek-V3's and GLM-4.5's `shared_experts`) and a dense first layer's MLP, each a
+  dense MLP to vLLM: rows [j*S/k, (j+1)*S/k) of gate_proj and of up_proj stacked in gate_up_proj
+  (MergedColumnParallelLinear), those columns of down_proj, S its own width; Qwen2-MoE's sigmoid gate whole;
+- latent attention (DeepSeek-V3): q_b_proj (or q_proj) and kv_b_proj the rows of this rank's heads, o_proj their
+  columns; q_a_proj and kv_a_proj_with_mqa whole, stacked in fused_qkv_a_proj (without query compression
+  kv_a_proj_with_mqa stands alone); after a load each layer's absorbed matrices are rebuilt
+  (moe_gspo.rollout.vllm_mla). DeepSeek-V3 and GLM-4.5 are tested at k = 1 only (config load refuses k > 1);
 - routed experts (FusedMoE, intermediate split): w13 [E, 2*I/k, H] holds rows [j*I/k, (j+1)*I/k) of every expert's
   gate_proj, then of its up_proj; w2 [E, H, I/k] those columns of down_proj. On the CPU vLLM pads I/k to its
   kernel's alignment and prepacks both in place, so the experts of a layer are staged unpacked and prepacked once
   the layer is complete (moe_gspo.rollout.vllm_cpu._ExpertStaging), as at load;
-- norms (OLMoE's query/key norms span all heads on every rank) and the router gate: whole.
+- norms (OLMoE's query/key norms span all heads on every rank), the router gate and its expert bias: whole.
 With expert parallelism (rollout.engine_ep, a GPU path) vLLM splits the experts by expert instead: rank j keeps
 experts [j*E/k, (j+1)*E/k) whole, so a trainer with parallel.ep = k on the same ranks sends no expert bytes at all.
 """
@@ -38,15 +43,19 @@ import torch
 from moe_gspo.config import ModelConfig
 from moe_gspo.model.hf_io import file_keys
 from moe_gspo.model.hf_shards import WHOLE, Region, expert_of, hf_shapes
+from moe_gspo.rollout.vllm_mla import refresh_latent_attention
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# HF projections vLLM stacks into one parameter: (module path, projection, weight | bias)
-_STACKED_KEY = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+# HF projections vLLM stacks into one parameter where the layer has it: (module path, projection, weight | bias)
+_STACKED_KEY = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_a_proj|kv_a_proj_with_mqa)"
+                          r"\.(weight|bias)$")
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-"""HF projection -> (the vLLM parameter stacking it, its place in the stack)."""
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+            "q_a_proj": ("fused_qkv_a_proj", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1)}
+"""HF projection -> (the vLLM parameter stacking it, its place in the stack). Latent attention's query
+projection (`q_proj` without query compression) is a parameter of its own, not stacked."""
 
 
 def check_engine_tp(mc: ModelConfig, tp: int) -> str | None:
@@ -80,11 +89,11 @@ def engine_needs(mc: ModelConfig, tp: int, j: int, expert_parallel: bool = False
     """(HF key, region) of every tensor engine rank j of `tp` keeps, in HF key order. With expert_parallel (vLLM's
     enable_expert_parallel) the experts are split by expert instead: rank j keeps experts [j*E/tp, (j+1)*E/tp)
     whole, and none of the others."""
-    d, inter, shared = mc.head_dim, mc.moe_intermediate_size // tp, mc.shared_expert_intermediate_size // tp
-    nq_l, kv_l, kv0 = _heads(mc, tp, j)
+    d = mc.head_dim
+    _, kv_l, kv0 = _heads(mc, tp, j)
     e_local = mc.num_experts // tp
     out = []
-    for key in hf_shapes(mc):
+    for key, shape in hf_shapes(mc).items():
         e = expert_of(key)
         if expert_parallel and e is not None:
             if e // e_local == j:
@@ -93,23 +102,22 @@ def engine_needs(mc: ModelConfig, tp: int, j: int, expert_parallel: bool = False
             a, b = vocab_rows(mc.vocab_size, tp, j)
             if a < b:
                 out.append((key, Region(0, a, b)))
-        elif key.endswith(("q_proj.weight", "q_proj.bias")):
-            out.append((key, Region(0, j * nq_l * d, (j + 1) * nq_l * d)))
         elif key.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
             out.append((key, Region(0, kv0 * d, (kv0 + kv_l) * d)))
-        elif key.endswith("o_proj.weight"):
-            out.append((key, Region(1, j * nq_l * d, (j + 1) * nq_l * d)))
-        elif key.endswith(("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight")):
-            out.append((key, Region(0, j * shared, (j + 1) * shared)))
-        elif key.endswith("shared_expert.down_proj.weight"):
-            out.append((key, Region(1, j * shared, (j + 1) * shared)))
-        elif key.endswith(("gate_proj.weight", "up_proj.weight")):
-            out.append((key, Region(0, j * inter, (j + 1) * inter)))
-        elif key.endswith("down_proj.weight"):
-            out.append((key, Region(1, j * inter, (j + 1) * inter)))
+        elif key.endswith(_ROWS) or key.endswith(_COLUMNS):  # this rank's heads, or rows of every MLP's width
+            dim = 0 if key.endswith(_ROWS) else 1
+            n = shape[dim] // tp
+            out.append((key, Region(dim, j * n, (j + 1) * n)))
         else:
             out.append((key, WHOLE))
     return out
+
+
+_ROWS = ("q_proj.weight", "q_proj.bias", "q_b_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight")
+"""Tensors vLLM splits by rows in equal parts (query heads, latent attention's up projections by heads, every
+MLP's gate and up projections: routed and shared experts, dense layers)."""
+_COLUMNS = ("o_proj.weight", "down_proj.weight")
+"""Tensors vLLM splits by columns in equal parts (the output projection by heads, every MLP's down projection)."""
 
 
 class ShardWriter:
@@ -133,9 +141,11 @@ class ShardWriter:
         self._check(tp, j)
 
     def _check(self, tp: int, j: int) -> None:
-        d, H = self.mc.head_dim, self.mc.hidden_size
+        mc, d, H = self.mc, self.mc.head_dim, self.mc.hidden_size
         attn = self.layers[0].self_attn
-        want = {"qkv_proj": ((self.nq_l + 2 * self.kv_l) * d, H), "o_proj": (H, self.nq_l * d)}
+        want = {"qkv_proj": ((self.nq_l + 2 * self.kv_l) * d, H), "o_proj": (H, self.nq_l * d)} if not mc.mla else {
+            "kv_b_proj": (self.nq_l * (mc.qk_nope_head_dim + mc.v_head_dim), mc.kv_lora_rank),
+            "o_proj": (H, self.nq_l * mc.v_head_dim)}
         for name, shape in want.items():
             got = tuple(getattr(attn, name).weight.shape)
             if got != shape:
@@ -173,7 +183,7 @@ class ShardWriter:
                                    "whole")
             return self._expert(int(i), int(ex[1]) - self.e_first, ex[2], t)
         st = _STACKED_KEY.match(rest)
-        if st is not None:
+        if st is not None and hasattr(layer.get_submodule(st[1]), _STACKED[st[2]][0]):
             module, proj, kind = st.groups()
             stacked, place = _STACKED[proj]
             return self._put(layer.get_parameter(f"{module}.{stacked}.{kind}"), dim,
@@ -182,10 +192,13 @@ class ShardWriter:
 
     def _stack_offset(self, proj: str, place: int, key: str, need: Region) -> int:
         """Where this rank's part of a stacked projection begins in vLLM's stacked parameter: q, k, v after this
-        rank's q heads and kv heads; gate, up after this rank's rows of the gate (as many as of the up)."""
+        rank's q heads and kv heads; gate, up after this rank's rows of the gate (as many as of the up); latent
+        attention's compressed key-value after the compressed query (replicated: whole on every rank)."""
         d = self.mc.head_dim
         if proj in ("q_proj", "k_proj", "v_proj"):
             return (0, self.nq_l * d, (self.nq_l + self.kv_l) * d)[place]
+        if proj in ("q_a_proj", "kv_a_proj_with_mqa"):
+            return place * self.mc.q_lora_rank
         return place * (need.length if need.dim == 0 else self.shapes[key][0])
 
     @staticmethod
@@ -217,10 +230,12 @@ class ShardWriter:
             mod.w2_weight.data[e].copy_(t)
 
     def finish(self) -> None:
-        """After every piece of an update: on the CPU the dense layers' packed GEMM weights are rebuilt."""
+        """After every piece of an update: on the CPU the dense layers' packed GEMM weights are rebuilt; latent
+        attention's absorbed matrices everywhere."""
         if self._staging:
             raise RuntimeError(f"expert slices incomplete for layers {sorted(self._staging)[:4]}")
         if self.on_cpu:
             from moe_gspo.rollout.vllm_cpu import _redispatch_dense
 
             _redispatch_dense(self.model)
+        refresh_latent_attention(self.model)

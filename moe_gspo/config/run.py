@@ -357,12 +357,6 @@ ENGINE_FAMILIES = {"vllm": ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deeps
 loads the families' names and layouts (moe_gspo.rollout.vllm_cpu, vllm_shards, vllm_mla); SGLang's maps Qwen3-MoE's
 only."""
 
-VLLM_UNSPLIT_FAMILIES = ("deepseek_v3", "glm4_moe")
-"""Families whose vLLM weight sync is implemented and tested with whole tensors arriving at one engine rank only:
-the slices of latent attention, dense first layers and shared experts that a tensor-parallel engine keeps
-(rollout.engine_tp > 1), or that a tensor-parallel trainer sends to engine ranks of their own
-(rollout.placement=separate with parallel.tp > 1), are not, and are refused."""
-
 VLLM_FIXED_RMS_NORM_EPS = {"olmoe": 1e-5}
 """model.family -> the RMSNorm epsilon vLLM's model of that family uses whatever config.json says (vLLM 0.32's
 OLMoE hard-codes 1e-5, the released checkpoints' value)."""
@@ -396,21 +390,14 @@ def vllm_family_mismatch(family: str, rms_norm_eps: float, head_dim: int, hidden
     return None
 
 
-def check_engine_family(mc: ModelConfig, rc: RolloutConfig, trainer_tp: int = 1) -> None:
-    """ConfigError (one line) for a rollout engine that cannot serve this model exactly (`trainer_tp`:
-    parallel.tp)."""
+def check_engine_family(mc: ModelConfig, rc: RolloutConfig) -> None:
+    """ConfigError (one line) for a rollout engine that cannot serve this model exactly."""
     if mc.family not in ENGINE_FAMILIES.get(rc.engine, (mc.family,)):
         raise ConfigError(engine_family_refusal(rc.engine, mc.family))
     if rc.engine == "vllm":
         why = vllm_family_mismatch(mc.family, mc.rms_norm_eps, mc.head_dim, mc.hidden_size, mc.num_attention_heads)
         if why:
             raise ConfigError(why)
-        split = rc.engine_tp > 1 or (rc.placement == "separate" and trainer_tp > 1)
-        if mc.family in VLLM_UNSPLIT_FAMILIES and split:
-            raise ConfigError(f"rollout.engine_tp={rc.engine_tp} with rollout.placement={rc.placement}, parallel.tp="
-                              f"{trainer_tp} and model.family='{mc.family}': its vLLM weight sync takes whole "
-                              "tensors only; set rollout.engine_tp=1, and parallel.tp=1 with rollout.placement="
-                              "separate")
 
 
 @dataclass
@@ -437,7 +424,7 @@ class Config:
             resolved = model_config_from_hf(self.model.init_from, self.model)
             self.checkpoint_overrides = architecture_changes(self.model, resolved)
             self.model = resolved
-        check_engine_family(self.model, self.rollout, self.parallel.tp)
+        check_engine_family(self.model, self.rollout)
         if self.train.router_bias_update_rate and not self.model.router_sigmoid:
             raise ConfigError(f"train.router_bias_update_rate={self.train.router_bias_update_rate} with "
                               f"model.family='{self.model.family}': its router has no expert bias to update")

@@ -11,8 +11,10 @@ The trainer's layout (megatron-core, expert tensor parallelism 1):
 - embed_tokens / lm_head (word_embeddings / output_layer): a contiguous block of vocabulary rows;
 - q/k/v biases: the same rows as their weights;
 - experts: whole, on the expert-parallel rank that owns them (expert e on EP rank e // (E / ep));
-- a shared expert (megatron's SharedExpertMLP, tensor-parallel like a dense MLP): rows of gate_proj and up_proj,
-  the same columns of down_proj;
+- a shared expert (megatron's SharedExpertMLP, tensor-parallel like a dense MLP) and a dense first layer's MLP:
+  rows of gate_proj and up_proj, the same columns of down_proj;
+- latent attention: q_b_proj (or q_proj) and kv_b_proj the rows of the rank's heads, o_proj their columns; the
+  down projections (q_a_proj, kv_a_proj_with_mqa) and their norms whole;
 - norms, the router and the shared expert's gate: whole, on every rank.
 
 A rollout engine with its own tensor-parallel layout asks for regions of the same HF tensors, so the sync can move
@@ -116,11 +118,13 @@ class TrainerShards:
         """The dimension TP splits this HF tensor along in the trainer, None if no rank holds a part of it only."""
         if self.tp == 1:
             return None
+        # (region() has taken the routed experts: every gate/up/down projection here is a shared expert's or a dense
+        # first layer's MLP, tensor-parallel like any megatron MLP)
         if key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
-                         "v_proj.bias", "embed_tokens.weight", "lm_head.weight", "shared_expert.gate_proj.weight",
-                         "shared_expert.up_proj.weight")):
-            return 0
-        if key.endswith(("o_proj.weight", "shared_expert.down_proj.weight")):
+                         "v_proj.bias", "embed_tokens.weight", "lm_head.weight", "gate_proj.weight",
+                         "up_proj.weight", "q_b_proj.weight", "kv_b_proj.weight")):
+            return 0  # latent attention's up projections by heads; its down projections are replicated
+        if key.endswith(("o_proj.weight", "down_proj.weight")):
             return 1
         if self.mc.qk_norm_all_heads and key.endswith(("q_norm.weight", "k_norm.weight")):
             return 0  # OLMoE's norm over all heads, split like the heads
@@ -149,6 +153,7 @@ class TrainerShards:
         local_mc.num_key_value_heads = mc.num_key_value_heads // self.tp
         local_mc.num_experts = self.e_local
         local_mc.shared_expert_intermediate_size = mc.shared_expert_intermediate_size // self.tp
+        local_mc.intermediate_size = mc.intermediate_size // self.tp
         out = {}
         for key, src, f in hf_sources(local_mc):
             m = _EXPERT.match(key)

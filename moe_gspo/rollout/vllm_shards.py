@@ -23,7 +23,7 @@ router is `block_sparse_moe.gate`):
 - latent attention (DeepSeek-V3): q_b_proj (or q_proj) and kv_b_proj the rows of this rank's heads, o_proj their
   columns; q_a_proj and kv_a_proj_with_mqa whole, stacked in fused_qkv_a_proj (without query compression
   kv_a_proj_with_mqa stands alone); after a load each layer's absorbed matrices are rebuilt
-  (moe_gspo.rollout.vllm_mla). DeepSeek-V3 and GLM-4.5 are tested at k = 1 only (config load refuses k > 1);
+  (moe_gspo.rollout.vllm_mla);
 - routed experts (FusedMoE, intermediate split): w13 [E, 2*I/k, H] holds rows [j*I/k, (j+1)*I/k) of every expert's
   gate_proj, then of its up_proj; w2 [E, H, I/k] those columns of down_proj. On the CPU vLLM pads I/k to its
   kernel's alignment and prepacks both in place, so the experts of a layer are staged unpacked and prepacked once
@@ -66,7 +66,7 @@ def check_engine_tp(mc: ModelConfig, tp: int) -> str | None:
     if (ng >= tp and ng % tp) or (ng < tp and tp % ng):
         return (f"model.num_key_value_heads={ng} and rollout.engine_tp={tp}: one must divide the other "
                 "(vLLM splits or replicates whole kv heads)")
-    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size"):
         if getattr(mc, name) % tp:
             return f"model.{name}={getattr(mc, name)} is not divisible by rollout.engine_tp={tp}"
     return None

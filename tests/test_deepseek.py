@@ -238,8 +238,8 @@ def test_what_a_deepseek_checkpoint_asks_and_the_policy_lacks_is_refused(checkpo
 
 
 @pytest.mark.parametrize("over,needle", [
-    (["rollout.engine=vllm"], r"rollout.engine=vllm serves model.family in \[.*\] only; for model.family='deepseek_v3' "
-                              "use rollout.engine=hf or hf_static"),
+    (["rollout.engine=sglang"], r"rollout.engine=sglang serves model.family in \['qwen3_moe'\] only; for "
+                                "model.family='deepseek_v3'"),
     (["model.spec=te"], "model.spec='te' with model.family='deepseek_v3'"),
     (["model.attention=megatron"], "model.attention='megatron' with model.family='deepseek_v3'"),
 ])

@@ -257,7 +257,7 @@ def test_vllms_cpu_rotary_op_misrotates_latent_attentions_query_and_the_patch_is
     assert torch.equal(got, want)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "glm4_moe"])
 def test_engine_equals_trainer_and_its_sync_equals_vllms_loader(family, tmp_path):
     gaps = _check_family(family, tmp_path)
@@ -335,7 +335,7 @@ ENGINE_TP_FAMILY = {
 """tests/dist/engine_tp_worker.py's overrides for each family (configs/train_tiny_cpu.yaml's shape otherwise)."""
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 def test_engine_tp2_beside_trainer_tp2_and_ep2(family, tmp_path):
     """tests/dist/engine_tp_worker.py on 2 ranks: trainer TP 2 x EP 2 (latent attention's up projections, the dense

@@ -1,13 +1,17 @@
 """Model families beside Qwen3-MoE (Mixtral; Qwen2-MoE with its q/k/v biases and gated shared expert; OLMoE with
 its query/key norms over all heads; DeepSeek-V3 with latent attention, a dense first layer and a sigmoid router with
-an expert bias and groups; GLM-4.5 with that router, q/k/v biases and rotary embeddings on half of each head), each from a tiny random transformers checkpoint (tests/family_checkpoints.py): the policy's fp32 logits equal transformers' (1e-5 of the logit scale), the
-checkpoint exports back bit for bit to a folder transformers loads, RL steps with R3 run on the hf and hf_static
-engines (which route as the trainer does), TP 2 x EP 2 equals one rank (Qwen2-MoE, OLMoE), and what a family cannot
-do yet is refused at config load in one line."""
+an expert bias and groups; GLM-4.5 with that router, q/k/v biases and rotary embeddings on half of each head), each
+from a tiny random transformers checkpoint (tests/family_checkpoints.py): the policy's fp32 logits equal
+transformers' (1e-5 of the logit scale), the checkpoint exports back bit for bit to a folder transformers loads, RL
+steps with R3 run on the hf and hf_static engines (which route as the trainer does), TP 2 x EP 2 equals one rank
+(Qwen2-MoE, OLMoE, DeepSeek-V3), each family's comparison config draws a policy transformers computes alike, and
+what a family cannot do yet is refused at config load in one line."""
 
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import pytest
 import torch
@@ -115,7 +119,8 @@ def test_the_sglang_engine_refuses_the_other_families(family):
 
 def test_tp2_and_ep2_equal_one_rank(tmp_path):
     """The parallel worker of tests/test_parallel.py on one checkpoint of each family whose pieces tensor
-    parallelism splits its own way, all in one start of 1 rank and one of 2 ranks: TP 2 x EP 2 gives one rank's
+    parallelism splits its own way, all in one start of 2 ranks (the one-rank reference runs the worker's code in this
+    process): TP 2 x EP 2 gives one rank's
     logits, routing, gradients (within 1e-5 of each gradient's scale) and three optimizer steps, and the engine's
     weights streamed from the shards equal the export.
     - Qwen2-MoE: q/k/v biases split with their query groups, the gated shared expert split over TP.
@@ -129,14 +134,18 @@ def test_tp2_and_ep2_equal_one_rank(tmp_path):
         CHECKPOINTS[name](tmp_path / name)
     worker = ROOT / "tests/dist/parallel_worker.py"
 
-    def run(tp, ep, nproc, tag):
-        first, *rest = names
-        also = [x for n in rest for x in ("--also", tmp_path / n, tmp_path / f"{n}_{tag}.pt")]
-        run_torchrun(worker, "--ckpt", tmp_path / first, "--tp", tp, "--ep", ep, "--out",
-                     tmp_path / f"{first}_{tag}.pt", "--experts", "grouped", *also, nproc=nproc)
-        return {n: torch.load(tmp_path / f"{n}_{tag}.pt") for n in names}
+    first, *rest = names
+    also = [x for n in rest for x in ("--also", tmp_path / n, tmp_path / f"{n}_tp2ep2.pt")]
+    run_torchrun(worker, "--ckpt", tmp_path / first, "--tp", 2, "--ep", 2, "--out", tmp_path / f"{first}_tp2ep2.pt",
+                 "--experts", "grouped", *also, nproc=2)
+    pars = {n: torch.load(tmp_path / f"{n}_tp2ep2.pt") for n in names}
+    sys.path.insert(0, str(ROOT / "tests" / "dist"))
+    from parallel_worker import run as one_rank  # the reference in this process: the worker's own code at 1 x 1
 
-    ones, pars = run(1, 1, 1, "one"), run(2, 2, 2, "tp2ep2")
+    for n in names:
+        one_rank(types.SimpleNamespace(tp=1, ep=1, batch=4, seq=12, distopt=False, experts="grouped"),
+                 str(tmp_path / n), str(tmp_path / f"{n}_one.pt"))
+    ones = {n: torch.load(tmp_path / f"{n}_one.pt") for n in names}
     for name in names:
         ref, par = ones[name], pars[name]
         torch.testing.assert_close(par["logits"], ref["logits"], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -169,7 +169,7 @@ class ModelConfig:
         if self.family not in ("qwen2_moe", *SIGMOID_FAMILIES) and self.shared_expert_intermediate_size:
             raise ConfigError(f"model.shared_expert_intermediate_size: model.family='{self.family}' has no shared "
                               "expert")
-        self._check_deepseek()
+        self._check_deepseek_and_glm()
         if self.shared_expert_intermediate_size < 0:
             raise ConfigError(f"model.shared_expert_intermediate_size={self.shared_expert_intermediate_size} must "
                               "be >= 0 (0: no shared expert)")
@@ -205,7 +205,7 @@ class ModelConfig:
                                   "model.compile=false")
 
 
-    def _check_deepseek(self) -> None:
+    def _check_deepseek_and_glm(self) -> None:
         """The fields only DeepSeek-V3's and GLM-4.5's layers read (latent attention: DeepSeek-V3's only),
         checked together."""
         mla = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

@@ -151,3 +151,25 @@ def concat_responses(batches):
                         torch.cat([b.sample_ids for b in batches]), torch.cat([b.group_ids for b in batches]),
                         cat("routed_experts") if routed else None,
                         cat("prompt_routed_experts") if prompt_routed else None)
+
+
+def random_prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
+    """n prompts of bos (1) and 3-11 token ids in [8, 128), drawn from `seed`."""
+    import random
+
+    g = random.Random(seed)
+    return [[1] + [g.randrange(8, 128) for _ in range(g.randrange(3, 12))] for _ in range(n)]
+
+
+def trainer_logprobs_and_routing(policy, pb) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token log-probs (B, T) token-aligned, routing (B, T, L, k) ids sorted) of the fp32 policy's forward over a
+    padded rollout batch, what an engine's log-probs and R3 routing are compared with."""
+    from moe_gspo.kernels import token_logprobs_from_logits
+    from moe_gspo.model.routing_capture import RoutingCapture
+
+    cap = RoutingCapture()
+    with torch.no_grad():
+        logits = policy(pb.input_ids, routing=cap)
+    B, T = pb.input_ids.shape
+    routing = cap.stacked().reshape(B, T, *cap.stacked().shape[1:]).sort(-1).values
+    return token_logprobs_from_logits(logits, pb.input_ids), routing

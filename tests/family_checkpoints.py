@@ -6,6 +6,24 @@ from __future__ import annotations
 import torch
 
 
+def _redrawn_and_saved(model, path, expert_bias: bool = False, biases: bool = False, norms: tuple[str, ...] = ()):
+    """Draw what a fresh transformers model leaves at a default a loader could drop unnoticed, then save it: the
+    sigmoid router's expert bias N(0, 0.1) (buffers first), every linear bias N(0, 0.2), and the norm weights whose
+    names end with `norms` U(0.5, 1.5). Returns the model."""
+    with torch.no_grad():
+        if expert_bias:
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0, 0.1)
+        for name, w in model.named_parameters():
+            if biases and name.endswith("bias"):
+                w.normal_(0, 0.2)
+            elif norms and name.endswith(norms):
+                w.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    return model
+
+
 def mixtral_checkpoint(path, seed: int = 0):
     """A tiny random Mixtral (no query/key norm, experts named w1/w3/w2 in its files), saved by transformers."""
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -15,9 +33,7 @@ def mixtral_checkpoint(path, seed: int = 0):
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
                       num_experts_per_tok=2, rms_norm_eps=1e-6, max_position_embeddings=256,
                       initializer_range=0.2, router_jitter_noise=0.0)
-    model = MixtralForCausalLM(c).eval()
-    model.save_pretrained(str(path))
-    return model
+    return _redrawn_and_saved(MixtralForCausalLM(c).eval(), path)
 
 
 def qwen2_moe_checkpoint(path, seed: int = 0):
@@ -30,13 +46,7 @@ def qwen2_moe_checkpoint(path, seed: int = 0):
                        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6,
                        max_position_embeddings=256, initializer_range=0.2, norm_topk_prob=False)
-    model = Qwen2MoeForCausalLM(c).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-    model.save_pretrained(str(path))
-    return model
+    return _redrawn_and_saved(Qwen2MoeForCausalLM(c).eval(), path, biases=True)
 
 
 def olmoe_checkpoint(path, seed: int = 0):
@@ -50,13 +60,7 @@ def olmoe_checkpoint(path, seed: int = 0):
                     num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6,
                     max_position_embeddings=256, initializer_range=0.2, norm_topk_prob=False, bos_token_id=1,
                     eos_token_id=2, pad_token_id=0)
-    model = OlmoeForCausalLM(c).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(str(path))
-    return model
+    return _redrawn_and_saved(OlmoeForCausalLM(c).eval(), path, norms=("q_norm.weight", "k_norm.weight"))
 
 
 def deepseek_v3_checkpoint(path, seed: int = 0, **over):
@@ -75,15 +79,7 @@ def deepseek_v3_checkpoint(path, seed: int = 0, **over):
                   norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=256, initializer_range=0.2,
                   rope_scaling=None, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**fields, **over})).eval()
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(str(path))
-    return model
+    return _redrawn_and_saved(model, path, expert_bias=True, norms=("norm.weight",))
 
 
 def glm4_moe_checkpoint(path, seed: int = 0):
@@ -99,18 +95,7 @@ def glm4_moe_checkpoint(path, seed: int = 0):
                       n_routed_experts=8, routed_scaling_factor=2.5, n_group=1, topk_group=1, num_experts_per_tok=2,
                       first_k_dense_replace=1, norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=256,
                       initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = Glm4MoeForCausalLM(c).eval()
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-            elif name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(str(path))
-    return model
+    return _redrawn_and_saved(Glm4MoeForCausalLM(c).eval(), path, expert_bias=True, biases=True, norms=("norm.weight",))
 
 
 CHECKPOINTS = {"mixtral": mixtral_checkpoint, "qwen2_moe": qwen2_moe_checkpoint, "olmoe": olmoe_checkpoint,

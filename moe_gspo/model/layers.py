@@ -44,18 +44,21 @@ class _AllHeadsRMSNorm(torch.nn.RMSNorm):
         heads = getattr(config, self.HEADS)
         self.heads, self.width = divide(heads, self.tp), heads * hidden_size
         super().__init__(self.heads * hidden_size, eps=eps, dtype=config.params_dtype, device=device)
+        self.tp_group = None
         if self.tp > 1:
+            from megatron.core import parallel_state
+
             set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+            self.tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.flatten(-2)
         if self.tp == 1:
             return super().forward(flat).view(x.shape)
-        from megatron.core import parallel_state
         from torch.distributed.nn.functional import all_reduce
 
         h = flat.float()
-        squares = all_reduce(h.pow(2).sum(-1, keepdim=True), group=parallel_state.get_tensor_model_parallel_group())
+        squares = all_reduce(h.pow(2).sum(-1, keepdim=True), group=self.tp_group)
         return (self.weight * (h * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)).view(x.shape)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
@@ -66,7 +69,7 @@ class _AllHeadsRMSNorm(torch.nn.RMSNorm):
 
         return make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets,
-            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            tp_group=self.tp_group or parallel_state.get_tensor_model_parallel_group(),
             dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
 

@@ -45,6 +45,7 @@ over the experts):
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -177,16 +178,19 @@ class ExpertFlipTracker:
         if acc is None:
             return {}
         L, E, k, c = self.num_layers, self.num_experts, acc["k"], acc["counts"]
-        # one host transfer of the (3, L) and (3, E) marginals and the mismatch pair; the ratios are host math
-        flat = torch.cat([c.sum(2).view(-1), c.sum(1).view(-1), acc["mismatch_tokens"][None],
-                          acc["mismatch_token_count"][None], acc["mismatch"][None], acc["mismatch_slots"][None],
-                          c[2].view(-1)]).tolist()
-        load_LE, flat = flat[-L * E:], flat[:-L * E]
-        mismatch_tokens, token_count = flat[-4:-2]
-        flat = flat[:-4] + flat[-2:]
-        flips, load_l = flat[:L], flat[2 * L:3 * L]
-        gained_e, lost_e, load_e = flat[3 * L:3 * L + E], flat[3 * L + E:3 * L + 2 * E], flat[3 * L + 2 * E:3 * L + 3 * E]
-        mismatch, mismatch_slots = flat[-2:]
+        # one host transfer of the (3, L) and (3, E) marginals, the mismatch counts, the (L, E) load and the (3, L)
+        # flip split; the ratios are host math
+        parts = [c.sum(2).view(-1), c.sum(1).view(-1),
+                 torch.stack([acc["mismatch_tokens"], acc["mismatch_token_count"], acc["mismatch"],
+                              acc["mismatch_slots"]]),
+                 c[2].view(-1), torch.stack([acc["bias"], acc["gradient"], acc["split_slots"]]).view(-1)]
+        flat = torch.cat(parts).tolist()
+        ends = list(itertools.accumulate(p.numel() for p in parts))
+        layer3, expert3, mism, load_LE, split = (flat[a:b] for a, b in zip([0, *ends[:-1]], ends))
+        flips, load_l = layer3[:L], layer3[2 * L:]
+        gained_e, lost_e, load_e = expert3[:E], expert3[E:2 * E], expert3[2 * E:]
+        mismatch_tokens, token_count, mismatch, mismatch_slots = mism
+        bias_l, gradient_l, split_l = split[:L], split[L:2 * L], split[2 * L:]
         out: dict[str, float] = {}
         if sum(load_l) > 0:
             out["moe/flip_rate"] = sum(flips) / sum(load_l)
@@ -198,12 +202,11 @@ class ExpertFlipTracker:
         if mismatch_slots > 0:
             out["moe/rollout_train_mismatch"] = mismatch / mismatch_slots
             out["moe/rollout_train_token_mismatch"] = mismatch_tokens / token_count
-        split = torch.stack([acc["bias"], acc["gradient"], acc["split_slots"]]).tolist()
-        if sum(split[2]) > 0:
-            for name, row in (("bias", split[0]), ("gradient", split[1])):
-                out[f"moe/flip_rate_from_{name}"] = sum(row) / sum(split[2])
+        if sum(split_l) > 0:
+            for name, row in (("bias", bias_l), ("gradient", gradient_l)):
+                out[f"moe/flip_rate_from_{name}"] = sum(row) / sum(split_l)
                 out.update({f"moe/flip_rate_from_{name}/layer_{i}": f / max(n, 1)
-                            for i, (f, n) in enumerate(zip(row, split[2]))})
+                            for i, (f, n) in enumerate(zip(row, split_l))})
         return out
 
     # ---------------------------------------------------------------- helpers

@@ -13,7 +13,8 @@ import torch
 
 from helpers import ROOT, free_port, kill_tree, run_torchrun
 from moe_gspo.config import ModelConfig
-from moe_gspo.model.hf_io import hf_to_megatron, megatron_to_hf, shard_state
+from moe_gspo.model.hf_io import hf_to_megatron, megatron_to_hf
+from moe_gspo.model.hf_shards import shard_state
 from moe_gspo.model.hf_shards import TrainerShards, hf_shapes
 from moe_gspo.rollout.shard_sync import SyncPlan, take
 from moe_gspo.rollout.vllm_shards import engine_needs

@@ -4,7 +4,7 @@
 
 Every check names the field and the bad value; unknown keys and wrong types fail before anything is built.
 The sections live in model.py (model, parallel), algorithm.py, run.py (rollout, train, logging, the whole Config,
-compare); load.py reads YAML and overrides.
+compare); load.py reads YAML and overrides, hf_config.py a checkpoint's config.json.
 """
 
 from moe_gspo.config.algorithm import AlgorithmConfig

@@ -7,7 +7,8 @@ from typing import Any, ClassVar
 
 from moe_gspo.config.algorithm import AlgorithmConfig
 from moe_gspo.config.checks import ConfigError, choice, positive
-from moe_gspo.config.model import ModelConfig, ParallelConfig, architecture_changes, model_config_from_hf
+from moe_gspo.config.hf_config import model_config_from_hf
+from moe_gspo.config.model import ModelConfig, ParallelConfig, architecture_changes
 
 
 @dataclass

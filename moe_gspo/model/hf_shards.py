@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import copy
 import re
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -161,3 +163,136 @@ class TrainerShards:
                 key = f"{m[1]}{ep_rank * self.e_local + int(m[2])}{m[3]}"
             out[key] = f(local[src].detach())
         return out
+
+
+# ---------------------------------------------------------------- sharding (tp, ep)
+def _expert_of(name: str) -> tuple[str, int, str] | None:
+    key = ".mlp.experts.local_experts."
+    if key not in name:
+        return None
+    head, tail = name.split(key)
+    e, rest = tail.split(".", 1)
+    return head + key, int(e), rest
+
+
+def tp_dim(name: str, mc: ModelConfig | None = None) -> int | None:
+    """The dimension megatron splits over TP for a (non-expert) parameter of `mc`'s architecture, or None if
+    replicated."""
+    if name.endswith(_TP_ROWS):
+        return 0
+    if mc is not None and mc.qk_norm_all_heads and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return 0  # a norm over all heads: each rank holds its heads' part
+    if name.endswith(("linear_proj.weight", "shared_experts.linear_fc2.weight", "mlp.linear_fc2.weight")):
+        return 1
+    return None
+
+
+# column-parallel: split over TP by output rows (multi-head latent attention's up projections by whole heads; its
+# down projections are replicated)
+_TP_ROWS = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
+            "shared_experts.linear_fc1.weight", "mlp.linear_fc1.weight", "linear_q_proj.weight",
+            "linear_q_up_proj.weight", "linear_kv_up_proj.weight")
+_GATE_UP = ("shared_experts.linear_fc1.weight", "mlp.linear_fc1.weight")  # gate over up, each split over TP
+
+
+def _tp_slice(name: str, t: torch.Tensor, mc: ModelConfig, tp: int, r: int) -> torch.Tensor:
+    """TP rank r's slice of the full parameter `name` (tp_dim says it is split)."""
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):  # whole query groups
+        return t.view(mc.num_key_value_heads, -1, *t.shape[1:]).chunk(tp, dim=0)[r].reshape(-1, *t.shape[1:])
+    if name.endswith(_GATE_UP):  # gate over up, each split: [gate_r; up_r]
+        return t.view(2, -1, t.shape[-1]).chunk(tp, dim=1)[r].reshape(-1, t.shape[-1])
+    return t.chunk(tp, dim=tp_dim(name, mc))[r]
+
+
+def _tp_join(name: str, parts: list[torch.Tensor], mc: ModelConfig, tp: int) -> torch.Tensor:
+    """The inverse of _tp_slice over the TP ranks' parts."""
+    t = parts[0]
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        return torch.cat([p.view(mc.num_key_value_heads // tp, -1, *t.shape[1:]) for p in parts]).reshape(
+            -1, *t.shape[1:])
+    if name.endswith(_GATE_UP):
+        return torch.cat([p.view(2, -1, t.shape[-1]) for p in parts], dim=1).reshape(-1, t.shape[-1])
+    return torch.cat(parts, dim=tp_dim(name, mc))
+
+
+def shard_state(full: dict[str, torch.Tensor], mc: ModelConfig, tp: int, tp_rank: int, ep: int,
+                ep_rank: int) -> dict[str, torch.Tensor]:
+    """This rank's slice of a full megatron state dict (experts renumbered locally; ETP = 1)."""
+    e_local = mc.num_experts // ep
+    out = {}
+    for name, t in full.items():
+        ex = _expert_of(name)
+        if ex is not None:
+            head, e, rest = ex
+            if e // e_local == ep_rank:
+                out[f"{head}{e % e_local}.{rest}"] = t
+            continue
+        if tp_dim(name, mc) is not None and tp > 1:
+            t = _tp_slice(name, t, mc, tp, tp_rank)
+        out[name] = t
+    return out
+
+
+def gather_state(local: dict[str, torch.Tensor], mc: ModelConfig, tp_group, ep_group) -> dict[str, torch.Tensor]:
+    """Inverse of shard_state: every rank returns the full megatron state dict (collective over TP and EP)."""
+    import torch.distributed as dist
+
+    tp, ep = dist.get_world_size(tp_group), dist.get_world_size(ep_group)
+    e_local = mc.num_experts // ep
+    full = {}
+    for name, t in local.items():
+        t = t.detach()
+        ex = _expert_of(name)
+        if ex is not None:
+            head, e, rest = ex
+            parts = [torch.empty_like(t) for _ in range(ep)]
+            dist.all_gather(parts, t.contiguous(), group=ep_group)
+            for r, p in enumerate(parts):
+                full[f"{head}{r * e_local + e}.{rest}"] = p
+            continue
+        if tp_dim(name, mc) is not None and tp > 1:
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=tp_group)
+            t = _tp_join(name, parts, mc, tp)
+        full[name] = t
+    return full
+
+
+class StreamedHFState(Mapping):
+    """A rank's view of the full HF-named state while its parameters stay sharded over TP and EP: reading a key
+    gathers the megatron parameter behind it (one collective), and a gathered parameter is dropped once every HF
+    tensor cut from it has been read. Reading the keys in order therefore holds at most one layer's experts
+    beyond what the reader keeps (an expert gather brings that local expert of every EP rank). Every rank of the
+    TP and EP groups must read every key once, in this mapping's order (the collectives must match)."""
+
+    def __init__(self, local: dict[str, torch.Tensor], mc: ModelConfig, tp_group, ep_group):
+        import torch.distributed as dist
+
+        self._local, self._mc, self._tp_group, self._ep_group = local, mc, tp_group, ep_group
+        self._e_local = mc.num_experts // dist.get_world_size(ep_group)
+        self._sources = {k: (src, f) for k, src, f in hf_sources(mc)}
+        self._uses = Counter(src for src, _ in self._sources.values())  # HF tensors left to cut from each
+        self._cache: dict[str, torch.Tensor] = {}
+        self.peak_bytes = 0  # the most gathered bytes held at once (for tests and logs)
+
+    def __iter__(self):
+        return iter(self._sources)
+
+    def __len__(self):
+        return len(self._sources)
+
+    def _local_name(self, full_name: str) -> str:
+        ex = _expert_of(full_name)
+        return full_name if ex is None else f"{ex[0]}{ex[1] % self._e_local}.{ex[2]}"
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        src, f = self._sources[key]
+        if src not in self._cache:
+            name = self._local_name(src)
+            self._cache.update(gather_state({name: self._local[name]}, self._mc, self._tp_group, self._ep_group))
+            self.peak_bytes = max(self.peak_bytes, sum(t.numel() * t.element_size() for t in self._cache.values()))
+        t = f(self._cache[src])
+        self._uses[src] -= 1
+        if self._uses[src] == 0:
+            del self._cache[src]
+        return t

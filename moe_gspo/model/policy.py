@@ -27,7 +27,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
-from moe_gspo.model import hf_io, te_names
+from moe_gspo.model import hf_io, hf_shards, te_names
 from moe_gspo.model.experts import per_expert_state
 from moe_gspo.model.layers import RMSNorm
 from moe_gspo.model.router import MoERouter, RoutingContext
@@ -258,11 +258,11 @@ class MoEPolicy(torch.nn.Module):
         local = self.per_expert(local)
         if self.tp == 1 and self.ep == 1:
             return {k: v.detach() for k, v in local.items()}
-        return hf_io.gather_state(local, self.model_config, self.groups.tp, self.groups.ep)
+        return hf_shards.gather_state(local, self.model_config, self.groups.tp, self.groups.ep)
 
     def shard_full(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Inverse of gather_full: this rank's TP/EP shard of unsharded tensors (no communication)."""
-        return hf_io.shard_state(full, self.model_config, self.tp, self.tp_rank, self.ep, self.ep_rank)
+        return hf_shards.shard_state(full, self.model_config, self.tp, self.tp_rank, self.ep, self.ep_rank)
 
     def weights(self):
         """This policy's weights as engines load them (moe_gspo.model.weights.PolicyWeights): whole HF tensors,
@@ -284,7 +284,7 @@ class MoEPolicy(torch.nn.Module):
         otherwise views of this rank's weights."""
         if self.tp == 1 and self.ep == 1:
             return self.export_hf()
-        return hf_io.hf_config_dict(self.model_config), hf_io.StreamedHFState(
+        return hf_io.hf_config_dict(self.model_config), hf_shards.StreamedHFState(
             self.megatron_state(), self.model_config, self.groups.tp, self.groups.ep)
 
     def load_full_megatron_state(self, full: dict[str, torch.Tensor]) -> None:

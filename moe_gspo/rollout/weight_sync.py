@@ -7,7 +7,7 @@ bucket are packed into it with one multi-tensor copy (`torch._foreach_copy_`, ca
 buffer moves to the engine's device in one transfer (nothing moves when both sides share a device), and one more
 multi-tensor copy unpacks it into the engine's parameters. On a GPU this replaces one copy launch per tensor
 (thousands for a model with many experts) by two per bucket. The state is read in the order given, once per key, so
-a streamed state (moe_gspo.model.hf_io.StreamedHFState, gathering under TP/EP on reading) works; what is held at
+a streamed state (moe_gspo.model.hf_shards.StreamedHFState, gathering under TP/EP on reading) works; what is held at
 once beyond the engine's own weights is one bucket and the tensors read for it, never a copy of the model.
 """
 

@@ -164,7 +164,7 @@ class Optimizer:
         """{"param" | "exp_avg" | "exp_avg_sq": {megatron param name: fp32 tensor}}: the fp32 main parameters and
         Adam moments of this rank's TP/EP shard of every parameter, whole over data parallel (a DistributedOptimizer
         shard is completed by a sum over its data-parallel group: a collective). Shapes equal the model
-        parameters', so MoEPolicy.gather_full (per-expert names, then hf_io.gather_state) reshards them like weights."""
+        parameters', so MoEPolicy.gather_full (per-expert names, then hf_shards.gather_state) reshards them like weights."""
         out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in ADAM_KINDS}
         for name, model_p, main_p, states, sub in self._entries():
             if isinstance(sub, DistributedOptimizer):

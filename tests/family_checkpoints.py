@@ -98,5 +98,30 @@ def glm4_moe_checkpoint(path, seed: int = 0):
     return _redrawn_and_saved(Glm4MoeForCausalLM(c).eval(), path, expert_bias=True, biases=True, norms=("norm.weight",))
 
 
+
+
+def gpt_oss_checkpoint(path, seed: int = 0, **over):
+    """A tiny random GPT-OSS: grouped-query attention with biases on q/k/v/o and a learned sink logit per head, a
+    sliding window of 6 tokens on every other layer (the first included), YaRN rotary embeddings without rounding
+    (truncate=false, as its checkpoints have them) over an original 32 positions, a router with a bias (top-k of the
+    logits, then their softmax), and experts whose fused gate/up projection interleaves gate and up columns, with
+    biases and a clamped SwiGLU. Every bias and sink drawn nonzero, norm weights away from 1."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
+                  rms_norm_eps=1e-5, max_position_embeddings=256, initializer_range=0.2, rope_theta=150000.0,
+                  rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 32},
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = GptOssForCausalLM(GptOssConfig(**{**fields, **over})).eval()
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith("sinks"):
+                w.normal_(0, 1.0)
+    return _redrawn_and_saved(model, path, biases=True, norms=("norm.weight", "layernorm.weight"))
+
+
 CHECKPOINTS = {"mixtral": mixtral_checkpoint, "qwen2_moe": qwen2_moe_checkpoint, "olmoe": olmoe_checkpoint,
-               "deepseek_v3": deepseek_v3_checkpoint, "glm4_moe": glm4_moe_checkpoint}
+               "deepseek_v3": deepseek_v3_checkpoint, "glm4_moe": glm4_moe_checkpoint, "gpt_oss": gpt_oss_checkpoint}

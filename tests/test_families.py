@@ -1,10 +1,11 @@
 """Model families beside Qwen3-MoE (Mixtral; Qwen2-MoE with its q/k/v biases and gated shared expert; OLMoE with
 its query/key norms over all heads; DeepSeek-V3 with latent attention, a dense first layer and a sigmoid router with
-an expert bias and groups; GLM-4.5 with that router, q/k/v biases and rotary embeddings on half of each head), each
+an expert bias and groups; GLM-4.5 with that router, q/k/v biases and rotary embeddings on half of each head;
+GPT-OSS with attention sinks, a sliding window, un-rounded YaRN, a biased router and biased, clamped experts), each
 from a tiny random transformers checkpoint (tests/family_checkpoints.py): the policy's fp32 logits equal
 transformers' (1e-5 of the logit scale), the checkpoint exports back bit for bit to a folder transformers loads, RL
 steps with R3 run on the hf and hf_static engines (which route as the trainer does), TP 2 x EP 2 equals one rank
-(Qwen2-MoE, OLMoE, DeepSeek-V3), each family's comparison config draws a policy transformers computes alike, and
+(Qwen2-MoE, OLMoE, DeepSeek-V3, GPT-OSS), each family's comparison config draws a policy transformers computes alike, and
 what a family cannot do yet is refused at config load in one line."""
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def test_logits_equal_transformers_and_export_bit_for_bit(family, tmp_path):
     assert cfg.model.family == name and cfg.model.qk_norm == (name in ("olmoe", "glm4_moe"))
     assert cfg.model.num_experts == 8
     assert (cfg.model.shared_expert_intermediate_size, cfg.model.attention_bias) == \
-        {"qwen2_moe": (48, True), "deepseek_v3": (32, False), "glm4_moe": (32, True)}.get(name, (0, False))
+        {"qwen2_moe": (48, True), "deepseek_v3": (32, False), "glm4_moe": (32, True),
+         "gpt_oss": (0, True)}.get(name, (0, False))
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -128,8 +130,11 @@ def test_tp2_and_ep2_equal_one_rank(tmp_path):
       over TP (megatron's TP sum of q/k-layernorm gradients kept off them).
     - DeepSeek-V3: latent attention's up projections split by heads, its down projections replicated, the dense
       layer's MLP and the shared expert over TP. With megatron's local MLA spec (column-parallel down projections)
-      the rotary key's gradient stays partial per rank: the embedding's gradient then differs by 7.5e3 of 4.2e4."""
-    names = ("qwen2_moe", "olmoe", "deepseek_v3")
+      the rotary key's gradient stays partial per rank: the embedding's gradient then differs by 7.5e3 of 4.2e4.
+    - GPT-OSS: the sinks split with their heads, o_proj's bias replicated, the router's bias, and the experts' biases,
+      whose output bias megatron marks for a TP sum of its gradient (an expert's gradient would then take its TP
+      peer's other expert's: relative errors up to 3.6 before TorchLoopExperts unmarks it)."""
+    names = ("qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
     for name in names:
         CHECKPOINTS[name](tmp_path / name)
     worker = ROOT / "tests/dist/parallel_worker.py"
@@ -137,13 +142,13 @@ def test_tp2_and_ep2_equal_one_rank(tmp_path):
     first, *rest = names
     also = [x for n in rest for x in ("--also", tmp_path / n, tmp_path / f"{n}_tp2ep2.pt")]
     run_torchrun(worker, "--ckpt", tmp_path / first, "--tp", 2, "--ep", 2, "--out", tmp_path / f"{first}_tp2ep2.pt",
-                 "--experts", "grouped", *also, nproc=2)
+                 *also, nproc=2)
     pars = {n: torch.load(tmp_path / f"{n}_tp2ep2.pt") for n in names}
     sys.path.insert(0, str(ROOT / "tests" / "dist"))
     from parallel_worker import run as one_rank  # the reference in this process: the worker's own code at 1 x 1
 
     for n in names:
-        one_rank(types.SimpleNamespace(tp=1, ep=1, batch=4, seq=12, distopt=False, experts="grouped"),
+        one_rank(types.SimpleNamespace(tp=1, ep=1, batch=4, seq=12, distopt=False, experts=None),
                  str(tmp_path / n), str(tmp_path / f"{n}_one.pt"))
     ones = {n: torch.load(tmp_path / f"{n}_one.pt") for n in names}
     for name in names:

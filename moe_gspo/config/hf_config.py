@@ -47,6 +47,9 @@ def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None)
                           norm_topk_prob=bool(c.get("norm_topk_prob", False)))
         elif mt in SIGMOID_FAMILIES:
             family = _sigmoid_family_fields(c, f, mt)
+        elif mt == "gpt_oss":
+            family = _gpt_oss_fields(c, f)
+            rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 150_000.0)
         else:
             family = dict(num_experts=c.get("num_experts") or c["num_local_experts"],
                           moe_intermediate_size=c["moe_intermediate_size"],
@@ -63,7 +66,8 @@ def model_config_from_hf(path: str | Path, overrides: ModelConfig | None = None)
             rope_theta=float(rope), max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             initializer_range=c.get("initializer_range", 0.02), params_dtype=base.params_dtype,
-            spec=base.spec, attention=base.attention, experts=base.experts, compile=base.compile,
+            spec=base.spec, attention=base.attention, compile=base.compile,
+            experts=base.experts if getattr(base, "experts_chosen", True) else None,
             moe_router_load_balancing_type=base.moe_router_load_balancing_type,
             moe_aux_loss_coeff=base.moe_aux_loss_coeff, init_from=str(path), **family)
     except KeyError as e:
@@ -107,8 +111,29 @@ def _sigmoid_family_fields(c: dict, f: Path, mt: str) -> dict:
             "v_head_dim": c["v_head_dim"]}
 
 
-def _yarn_fields(c: dict, f: Path) -> dict | None:
-    """DeepSeek-V3's YaRN settings from config.json (rope_scaling, or transformers 5's rope_parameters), or None."""
+def _gpt_oss_fields(c: dict, f: Path) -> dict:
+    """GPT-OSS's config.json fields as ModelConfig fields; refuses what its layers here do not implement. Without
+    any rope settings transformers gives GPT-OSS its own YaRN (factor 32 over 4096 positions, not truncated), and so
+    does this."""
+    if c.get("quantization_config") is not None:
+        raise ConfigError(f"{f}: quantization_config: moe-gspo's GPT-OSS loads unquantized weights only (dequantize "
+                          "the MXFP4 experts to bfloat16 first)")
+    if float(c.get("swiglu_alpha", 1.702)) != 1.702:
+        raise ConfigError(f"{f}: swiglu_alpha={c['swiglu_alpha']}: moe-gspo's GPT-OSS implements 1.702 only "
+                          "(megatron's quick_gelu)")
+    given = c.get("rope_scaling") or c.get("rope_parameters")
+    yarn = _yarn_fields(c, f, "gpt_oss") if given else {
+        "factor": 32.0, "original_max_position_embeddings": 4096.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False}
+    return dict(num_experts=c["num_local_experts"], moe_intermediate_size=c["intermediate_size"],
+                norm_topk_prob=True, attention_bias=bool(c.get("attention_bias", True)),
+                sliding_window=int(c.get("sliding_window") or 0), layer_types=c.get("layer_types"),
+                swiglu_limit=float(c.get("swiglu_limit", 7.0)), rope_scaling=yarn)
+
+
+def _yarn_fields(c: dict, f: Path, mt: str = "deepseek_v3") -> dict | None:
+    """YaRN settings from config.json (rope_scaling, or transformers 5's rope_parameters), or None for plain
+    rotary embeddings. DeepSeek-V3's must round the correction range (megatron's YaRN does); GPT-OSS's may not."""
     given = c.get("rope_scaling") or {}
     params = c.get("rope_parameters") or {}
     if not given and params.get("rope_type") == "yarn":
@@ -116,10 +141,17 @@ def _yarn_fields(c: dict, f: Path) -> dict | None:
     if not given:
         return None
     kind = given.get("type", given.get("rope_type"))
+    name = {"deepseek_v3": "DeepSeek-V3", "gpt_oss": "GPT-OSS"}[mt]
     if kind != "yarn":
-        raise ConfigError(f"{f}: rope_scaling type {kind!r}: moe-gspo's DeepSeek-V3 implements YaRN only")
-    if given.get("attention_factor") is not None or given.get("truncate", True) is not True:
-        raise ConfigError(f"{f}: rope_scaling with attention_factor or truncate=false: moe-gspo's YaRN derives the "
-                          "attention factor from mscale and rounds the correction range (truncate=true)")
+        raise ConfigError(f"{f}: rope_scaling type {kind!r}: moe-gspo's {name} implements YaRN only")
+    if given.get("attention_factor") is not None:
+        raise ConfigError(f"{f}: rope_scaling.attention_factor: moe-gspo's YaRN derives the attention factor from "
+                          "factor (and mscale)")
+    if mt == "deepseek_v3" and given.get("truncate", True) is not True:
+        raise ConfigError(f"{f}: rope_scaling.truncate=false: moe-gspo's DeepSeek-V3 rounds the correction range "
+                          "(truncate=true)")
     keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-    return {k: float(given[k]) for k in keys if given.get(k) is not None}
+    out = {k: float(given[k]) for k in keys if given.get(k) is not None}
+    if mt == "gpt_oss":
+        out["truncate"] = bool(given.get("truncate", True))
+    return out

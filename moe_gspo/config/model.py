@@ -8,7 +8,7 @@ from typing import ClassVar
 from moe_gspo.config.checks import ConfigError, choice, positive
 
 
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe")
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
 """The model families a policy can be (Hugging Face model_type names)."""
 
 SIGMOID_FAMILIES = ("deepseek_v3", "glm4_moe")
@@ -32,7 +32,9 @@ class ModelConfig:
     latent attention, a sigmoid router with a load-balancing expert bias, grouped top-k and a scaling factor, shared
     experts, dense first layers) or 'glm4_moe' (GLM-4.5: DeepSeek-V3's router, shared experts and dense first
     layers, with grouped-query attention carrying q/k/v biases, rotary embeddings on part of each head
-    (partial_rotary_factor) and an optional per-head query/key norm). A checkpoint's config.json (model.init_from)
+    (partial_rotary_factor) and an optional per-head query/key norm) or 'gpt_oss' (GPT-OSS: Mixtral's router with a
+    bias on its logits, experts with biases and a clamped SwiGLU (swiglu_limit), biases on q/k/v/o, a learned sink
+    logit per attention head, and a sliding window on some layers). A checkpoint's config.json (model.init_from)
     sets it."""
 
     vocab_size: int = 128
@@ -67,6 +69,16 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     """GLM-4.5: the fraction of each head's dimensions that rotary embeddings rotate (the first ones; 0.5 in
     GLM-4.5); 1 for every other family."""
+    sliding_window: int = 0
+    """GPT-OSS: how many tokens (the query's own included) a query attends to in the layers layer_types marks
+    'sliding_attention'; the other layers attend to every earlier token. 0: no sliding window."""
+    layer_types: list[str] | None = None
+    """GPT-OSS: 'sliding_attention' or 'full_attention' for each decoder layer (transformers' field); None with a
+    sliding_window: every other layer from the first slides, GPT-OSS's own pattern."""
+    swiglu_limit: float = 0.0
+    """GPT-OSS: its experts compute clamp(gate, max=limit) * sigmoid(1.702 clamp(gate, max=limit)) *
+    (clamp(up, -limit, limit) + 1) instead of silu(gate) * up, and add each expert's output bias before the routing
+    weight scales it; 0 for every other family (GPT-OSS's checkpoints: 7)."""
     first_k_dense_replace: int = 0
     """The first k decoder layers have a dense SwiGLU MLP of width intermediate_size instead of experts (DeepSeek-V3:
     3). Routing metrics, replay and the flip tracker count the MoE layers only, numbered from 0 at layer k."""
@@ -93,10 +105,11 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     """Sigmoid routers: the routed experts' weights (normalized if norm_topk_prob) are multiplied by this."""
     rope_scaling: dict[str, float] | None = None
-    """DeepSeek-V3 (and Kimi K2): YaRN rotary scaling, as its config.json's rope_scaling gives it: factor,
+    """DeepSeek-V3 (and Kimi K2) and GPT-OSS: YaRN rotary scaling, as config.json's rope_scaling gives it: factor,
     original_max_position_embeddings, and optionally beta_fast (32), beta_slow (1), mscale and mscale_all_dim
-    (megatron's YarnRotaryEmbedding, whose correction range is rounded to whole dimensions as transformers' default
-    truncate=true does). None: plain rotary embeddings."""
+    (DeepSeek-V3: megatron's YarnRotaryEmbedding, whose correction range is rounded to whole dimensions as
+    transformers' default truncate=true does), and for GPT-OSS truncate (true or false: its checkpoints do not round
+    the range). None: plain rotary embeddings."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon (must match the checkpoint: megatron's 1e-5 default flips experts)."""
     rope_theta: float = 1_000_000.0
@@ -118,7 +131,7 @@ class ModelConfig:
     """Core attention: 'sdpa' (torch scaled_dot_product_attention) or 'megatron' (megatron's local unfused one) with
     model.spec='local' (None: 'sdpa'); 'te' (TE's fused attention, the only one the TE spec runs) with
     model.spec='te' (None: 'te')."""
-    experts: str = "grouped"
+    experts: str | None = None
     """Expert MLPs without Transformer Engine (with TE, TE's spec chooses), all the same math on the same weights:
     'grouped' (each rank's experts stacked in megatron GroupedMLP's layout and computed with two
     torch._grouped_mm calls, forward and backward; checkpoints interchange with the other two), 'torch'
@@ -128,7 +141,10 @@ class ModelConfig:
     forward of RL micro-batches, while 'torch' is about 5% faster per step at thousands of tokens per forward
     (docs/performance.md); on a GPU (H200, bf16, 8192 tokens) it is 3.3x 'torch' and 4.2x 'megatron' at 32
     experts and 6.5x 'torch' at 64; in fp32, where CUDA runs torch's fallback of the grouped GEMM, a forward+backward
-    of gpu_single.yaml's micro-batch (4096 tokens) takes 0.161 s against 0.298 s on a per-expert loop (docs/gpu.md)."""
+    of gpu_single.yaml's micro-batch (4096 tokens) takes 0.161 s against 0.298 s on a per-expert loop (docs/gpu.md).
+    GPT-OSS's experts carry biases and a clamped SwiGLU, which only 'torch' computes (megatron's SequentialMLP fails
+    in the backward with expert biases, and the grouped module has none): None picks 'torch' for GPT-OSS and
+    'grouped' for every other family."""
     moe_router_load_balancing_type: str = "none"
     """megatron's load-balancing loss on the router, added to the training loss of every forward with gradient:
     'none', 'aux_loss' (the Switch Transformer loss E * sum_e f_e P_e over the forward's tokens: f_e the fraction
@@ -156,7 +172,8 @@ class ModelConfig:
             raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                               f"model.num_experts={self.num_experts}")
         choice(self, "family", FAMILIES)
-        if self.family not in ("qwen2_moe", "glm4_moe") and self.attention_bias:
+        self._check_gpt_oss()
+        if self.family not in ("qwen2_moe", "glm4_moe", "gpt_oss") and self.attention_bias:
             raise ConfigError(f"model.attention_bias: model.family='{self.family}' has no q/k/v biases")
         if self.family != "glm4_moe" and (self.use_qk_norm or self.partial_rotary_factor != 1.0):
             raise ConfigError(f"model.use_qk_norm / model.partial_rotary_factor are GLM-4.5's: "
@@ -168,18 +185,26 @@ class ModelConfig:
             raise ConfigError(f"model.shared_expert_intermediate_size: model.family='{self.family}' has no shared "
                               "expert")
         self._check_deepseek_and_glm()
+        if self.rope_scaling is not None and self.family not in SIGMOID_FAMILIES:  # theirs is checked above
+            self._check_yarn()
         if self.shared_expert_intermediate_size < 0:
             raise ConfigError(f"model.shared_expert_intermediate_size={self.shared_expert_intermediate_size} must "
                               "be >= 0 (0: no shared expert)")
-        if self.family == "mixtral" and not self.norm_topk_prob:
-            raise ConfigError("model.norm_topk_prob=false with model.family='mixtral': Mixtral's router always "
+        if self.family in ("mixtral", "gpt_oss") and not self.norm_topk_prob:
+            raise ConfigError(f"model.norm_topk_prob=false with model.family='{self.family}': its router always "
                               "normalizes over the top k (its softmax is taken over the top-k logits)")
         choice(self, "params_dtype", ("float32", "bfloat16"))
         choice(self, "spec", ("local", "te"))
         if self.attention is None:
             self.attention = "te" if self.spec == "te" else "sdpa"
         choice(self, "attention", ("te",) if self.spec == "te" else ("sdpa", "megatron"))
+        self.experts_chosen = self.experts is not None  # whether a checkpoint's family may pick them instead
+        if self.experts is None:
+            self.experts = "torch" if self.family == "gpt_oss" else "grouped"
         choice(self, "experts", ("grouped", "torch", "megatron"))
+        if self.family == "gpt_oss" and self.experts != "torch":
+            raise ConfigError(f"model.experts='{self.experts}' with model.family='gpt_oss': GPT-OSS's experts (biases, "
+                              "clamped SwiGLU) run as model.experts=torch only")
         choice(self, "moe_router_load_balancing_type", ("none", "aux_loss", "seq_aux_loss"))
         if not 0 <= self.moe_aux_loss_coeff < float("inf"):
             raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be a finite number >= 0")
@@ -202,6 +227,29 @@ class ModelConfig:
                 raise ConfigError("model.compile=true is tested on the local spec only; with model.spec='te' set "
                                   "model.compile=false")
 
+
+    def _check_gpt_oss(self) -> None:
+        """GPT-OSS's fields: given for GPT-OSS only, and what its layers need."""
+        if self.family != "gpt_oss":
+            given = [f for f in ("sliding_window", "layer_types", "swiglu_limit") if getattr(self, f)]
+            if given:
+                raise ConfigError(f"model.{given[0]}: model.family='{self.family}' does not use it")
+            return
+        if self.spec == "te" or self.attention == "megatron":
+            raise ConfigError(f"model.spec='{self.spec}' / model.attention='{self.attention}' with model.family="
+                              "'gpt_oss': its sinks and sliding window run on the local spec with model.attention=sdpa")
+        if not self.attention_bias:
+            raise ConfigError("model.attention_bias=false with model.family='gpt_oss': its q/k/v/o projections, router "
+                              "and experts all carry biases here (megatron's add_bias_linear)")
+        if self.sliding_window < 0 or not 0 <= self.swiglu_limit < float("inf"):
+            raise ConfigError("model.sliding_window and model.swiglu_limit must be >= 0")
+        if self.layer_types is None:
+            self.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+        if len(self.layer_types) != self.num_hidden_layers or \
+                set(self.layer_types) - {"sliding_attention", "full_attention"}:
+            raise ConfigError(f"model.layer_types={self.layer_types}: one of 'sliding_attention' or 'full_attention' "
+                              f"per layer (model.num_hidden_layers={self.num_hidden_layers})")
 
     def _check_deepseek_and_glm(self) -> None:
         """The fields only DeepSeek-V3's and GLM-4.5's layers read (latent attention: DeepSeek-V3's only),
@@ -256,10 +304,12 @@ class ModelConfig:
                               "and expert bias run on the local spec only; use model.spec=local")
 
     def _check_yarn(self) -> None:
-        if self.family != "deepseek_v3":
-            raise ConfigError(f"model.rope_scaling: YaRN is implemented for model.family='deepseek_v3' only, not "
-                              f"'{self.family}'")
+        if self.family not in ("deepseek_v3", "gpt_oss"):
+            raise ConfigError(f"model.rope_scaling: YaRN is implemented for model.family='deepseek_v3' and 'gpt_oss' "
+                              f"only, not '{self.family}'")
         keys = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
+        if self.family == "gpt_oss":
+            keys.add("truncate")
         unknown = sorted(set(self.rope_scaling) - keys)
         if unknown:
             raise ConfigError(f"model.rope_scaling: unknown key {unknown[0]!r}; YaRN reads {sorted(keys)}")
@@ -287,6 +337,11 @@ class ModelConfig:
     def shared_expert_gate(self) -> bool:
         """Whether the shared expert's output is scaled by sigmoid(gate . x) (Qwen2-MoE; DeepSeek-V3's is not)."""
         return self.family == "qwen2_moe"
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether each attention head has a learned sink logit in its softmax's denominator (GPT-OSS)."""
+        return self.family == "gpt_oss"
 
     @property
     def num_moe_layers(self) -> int:
@@ -320,10 +375,14 @@ class ModelConfig:
             norms = (nq + ng) * d if self.qk_norm_all_heads else 2 * d if self.qk_norm else 0
             attention = H * (nq + 2 * ng) * d + nq * d * H + norms  # q, k, v, o, q/k norms
             attention += (nq + 2 * ng) * d if self.attention_bias else 0
+            attention += H + nq if self.family == "gpt_oss" else 0  # o_proj's bias, a sink per head
         moe_shared = self.num_experts * H  # the router
         if self.shared_expert_intermediate_size:
             moe_shared += 3 * H * self.shared_expert_intermediate_size + (H if self.shared_expert_gate else 0)
         expert = 3 * H * self.moe_intermediate_size  # gate, up, down
+        if self.family == "gpt_oss":  # the router's bias; each expert's gate, up and down biases
+            moe_shared += self.num_experts
+            expert += 2 * self.moe_intermediate_size + H
         outside = self.vocab_size * H * (1 if self.tie_word_embeddings else 2) + H  # embedding, head, final norm
         dense = self.first_k_dense_replace * (attention + 2 * H + 3 * H * self.intermediate_size)
         per_moe = attention + 2 * H + moe_shared  # + the two layer norms
@@ -356,6 +415,7 @@ class ParallelConfig:
 ARCHITECTURE = ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                 "shared_expert_intermediate_size", "attention_bias", "use_qk_norm", "partial_rotary_factor",
+                "sliding_window", "layer_types", "swiglu_limit",
                 "first_k_dense_replace", "intermediate_size",
                 "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
                 "topk_group", "routed_scaling_factor", "rope_scaling", "rms_norm_eps", "rope_theta",

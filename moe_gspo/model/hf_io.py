@@ -4,7 +4,10 @@ Inside the package every family's tensors go by Qwen3-MoE's HF names (the keys o
 `mlp.experts.e.gate_proj / up_proj / down_proj`, which are also transformers 5's in-memory module names of every
 family here); a family whose checkpoint files name them otherwise is renamed at the file boundary only
 (`file_keys` on writing, `package_keys` on reading): Mixtral's `block_sparse_moe.gate` and
-`block_sparse_moe.experts.e.w1 / w3 / w2`.
+`block_sparse_moe.experts.e.w1 / w3 / w2`; GPT-OSS's experts, which its files (and transformers' model) keep fused:
+`mlp.experts.gate_up_proj` (E, H, 2I) with gate and up columns interleaved, `gate_up_proj_bias` (E, 2I),
+`down_proj` (E, I, H), `down_proj_bias` (E, H). GPT-OSS's router (`mlp.router`, with a bias) and sinks
+(`self_attn.sinks`) keep its own names in the package.
 
 Layouts (transformers 5.x; megatron-core 0.16.1):
     q/k/v_proj           -> self_attention.linear_qkv: per query group, its q heads, then its k head, then its v head
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -31,7 +35,8 @@ from moe_gspo.config.hf_config import model_config_from_hf  # noqa: F401 - read 
 
 HF_ARCH = "Qwen3MoeForCausalLM"
 HF_ARCHS = {"qwen3_moe": HF_ARCH, "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+            "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+            "gpt_oss": "GptOssForCausalLM"}
 
 # package name -> file name of the tensors a family's checkpoint files name otherwise (per-expert: a suffix)
 _FILE_NAMES = {"mixtral": {".mlp.gate.weight": ".block_sparse_moe.gate.weight",
@@ -41,6 +46,8 @@ _FILE_NAMES = {"mixtral": {".mlp.gate.weight": ".block_sparse_moe.gate.weight",
 
 def file_keys(tensors: Mapping[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
     """The package's HF-named tensors under the names `model_type`'s checkpoint files use."""
+    if model_type == "gpt_oss":
+        return _fused_experts(tensors)
     names = _FILE_NAMES.get(model_type)
     return dict(tensors) if names is None else {_file_key(k, names): v for k, v in tensors.items()}
 
@@ -57,6 +64,8 @@ def _file_key(key: str, names: dict[str, str]) -> str:
 
 def package_keys(tensors: Mapping[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
     """A family's checkpoint tensors under the package's names (the inverse of file_keys)."""
+    if model_type == "gpt_oss":
+        return _per_expert(tensors)
     names = _FILE_NAMES.get(model_type)
     if names is None:
         return dict(tensors)
@@ -69,6 +78,52 @@ def package_keys(tensors: Mapping[str, torch.Tensor], model_type: str) -> dict[s
                 k = k.replace(".block_sparse_moe.experts.", ".mlp.experts.")
                 break
         out[k] = v
+    return out
+
+
+_PER_EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<kind>weight|bias)$")
+
+
+def _fused_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-OSS: per-expert gate/up/down weights and biases -> each layer's fused, interleaved tensors (module
+    docstring); every expert of a layer must be there."""
+    out, layers = {}, {}
+    for k, v in tensors.items():
+        m = _PER_EXPERT.match(k)
+        if m is None:
+            out[k] = v
+        else:
+            layers.setdefault(m["pre"], {})[(int(m["e"]), m["proj"], m["kind"])] = v
+    for pre, parts in layers.items():
+        E = 1 + max(e for e, _, _ in parts)
+        if len(parts) != 6 * E:
+            raise ValueError(f"{pre}: GPT-OSS's fused experts need every expert's six tensors, got {len(parts)}")
+        gate, up = [parts[e, "gate", "weight"] for e in range(E)], [parts[e, "up", "weight"] for e in range(E)]
+        out[pre + ".gate_up_proj"] = torch.stack([torch.stack([g, u], dim=1).reshape(-1, g.shape[1]).t()
+                                                  for g, u in zip(gate, up)])  # (E, H, 2I): gate, up, gate, ...
+        out[pre + ".gate_up_proj_bias"] = torch.stack([torch.stack([parts[e, "gate", "bias"], parts[e, "up", "bias"]],
+                                                                   dim=1).reshape(-1) for e in range(E)])
+        out[pre + ".down_proj"] = torch.stack([parts[e, "down", "weight"].t() for e in range(E)])
+        out[pre + ".down_proj_bias"] = torch.stack([parts[e, "down", "bias"] for e in range(E)])
+    return out
+
+
+def _per_expert(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-OSS: each layer's fused expert tensors -> per-expert gate/up/down weights and biases (views)."""
+    out = {}
+    for k, v in tensors.items():
+        if not k.endswith(".mlp.experts.gate_up_proj"):
+            if not k.endswith((".mlp.experts.gate_up_proj_bias", ".mlp.experts.down_proj", ".mlp.experts.down_proj_bias")):
+                out[k] = v
+            continue
+        pre = k[:-len(".gate_up_proj")]
+        for e in range(v.shape[0]):
+            x = f"{pre}.{e}."
+            out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = v[e, :, 0::2].t(), v[e, :, 1::2].t()
+            b = tensors[pre + ".gate_up_proj_bias"][e]
+            out[x + "gate_proj.bias"], out[x + "up_proj.bias"] = b[0::2], b[1::2]
+            out[x + "down_proj.weight"] = tensors[pre + ".down_proj"][e].t()
+            out[x + "down_proj.bias"] = tensors[pre + ".down_proj_bias"][e]
     return out
 
 
@@ -88,6 +143,15 @@ def hf_config_dict(mc: ModelConfig) -> dict:
     if mc.family == "mixtral":
         return {**common, "num_local_experts": mc.num_experts, "intermediate_size": mc.moe_intermediate_size,
                 "sliding_window": None, "router_jitter_noise": 0.0}
+    if mc.family == "gpt_oss":
+        y = mc.rope_scaling
+        rope = {"rope_parameters": {"rope_type": "yarn", "rope_theta": mc.rope_theta, **y,
+                                    "original_max_position_embeddings": int(y["original_max_position_embeddings"])}
+                if y else {"rope_type": "default", "rope_theta": mc.rope_theta}}
+        common = {k: v for k, v in common.items() if k not in ("rope_theta", "rope_scaling")}
+        return {**common, **rope, "num_local_experts": mc.num_experts, "intermediate_size": mc.moe_intermediate_size,
+                "attention_bias": True, "sliding_window": mc.sliding_window or None, "layer_types": mc.layer_types,
+                "swiglu_limit": mc.swiglu_limit, "swiglu_alpha": 1.702}
     if mc.family == "olmoe":
         return {**common, "num_experts": mc.num_experts, "intermediate_size": mc.moe_intermediate_size,
                 "norm_topk_prob": mc.norm_topk_prob, "clip_qkv": None, "attention_bias": False}
@@ -183,6 +247,11 @@ def _renamed(mc: ModelConfig, i: int) -> list[tuple[str, str]]:
     attention's own norms and projections where they map one to one (multi-head latent attention's all do), the
     router and its expert bias (q/k/v, interleaved per query group in megatron, and the experts are not)."""
     out = [("self_attn.o_proj.weight", "self_attention.linear_proj.weight")]
+    if mc.family == "gpt_oss":
+        out += [("self_attn.o_proj.bias", "self_attention.linear_proj.bias"),
+                ("self_attn.sinks", "self_attention.core_attention.softmax_offset"),
+                ("mlp.router.weight", "mlp.router.weight"), ("mlp.router.bias", "mlp.router.bias")]
+        return out
     if mc.mla:
         out += [("self_attn.q_a_proj.weight", "self_attention.linear_q_down_proj.weight"),
                 ("self_attn.q_a_layernorm.weight", "self_attention.q_layernorm.weight"),
@@ -226,6 +295,9 @@ def _moe_to_megatron(hf, out, take, mc: ModelConfig, p: str, m: str) -> None:
             pe = f"{p}mlp.experts.{e}."
             out[x + "linear_fc1.weight"] = torch.cat([take(pe + "gate_proj.weight"), take(pe + "up_proj.weight")])
             out[x + "linear_fc2.weight"] = take(pe + "down_proj.weight")
+            if mc.family == "gpt_oss":  # biases, gate over up as the weights
+                out[x + "linear_fc1.bias"] = torch.cat([take(pe + "gate_proj.bias"), take(pe + "up_proj.bias")])
+                out[x + "linear_fc2.bias"] = take(pe + "down_proj.bias")
     hf.pop(fused, None)
     hf.pop(p + "mlp.experts.down_proj", None)
 
@@ -285,6 +357,10 @@ def hf_sources(mc: ModelConfig) -> list[tuple[str, str, Callable[[torch.Tensor],
             out += [(pe + "gate_proj.weight", x + "linear_fc1.weight", fc1_part(0)),
                     (pe + "up_proj.weight", x + "linear_fc1.weight", fc1_part(1)),
                     (pe + "down_proj.weight", x + "linear_fc2.weight", same)]
+            if mc.family == "gpt_oss":
+                out += [(pe + "gate_proj.bias", x + "linear_fc1.bias", fc1_part(0)),
+                        (pe + "up_proj.bias", x + "linear_fc1.bias", fc1_part(1)),
+                        (pe + "down_proj.bias", x + "linear_fc2.bias", same)]
     out.append(("model.norm.weight", "decoder.final_layernorm.weight", same))
     out.append(("lm_head.weight", "output_layer.weight" if not mc.tie_word_embeddings else
                 "embedding.word_embeddings.weight", same))

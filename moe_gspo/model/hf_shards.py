@@ -191,7 +191,7 @@ def tp_dim(name: str, mc: ModelConfig | None = None) -> int | None:
 # down projections are replicated)
 _TP_ROWS = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
             "shared_experts.linear_fc1.weight", "mlp.linear_fc1.weight", "linear_q_proj.weight",
-            "linear_q_up_proj.weight", "linear_kv_up_proj.weight")
+            "linear_q_up_proj.weight", "linear_kv_up_proj.weight", "core_attention.softmax_offset")
 _GATE_UP = ("shared_experts.linear_fc1.weight", "mlp.linear_fc1.weight")  # gate over up, each split over TP
 
 

@@ -12,6 +12,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide, get_pg_size
 
 
@@ -91,6 +92,12 @@ class SDPAttention(MegatronModule):
     qkv_format='thd': q (t, np, hn) holding the sequences back to back); attention alone runs them as right-padded
     rows in one causal call (the rest of the layer stays packed), so no token sees another sequence and no [t, t]
     mask is built.
+
+    GPT-OSS's attention runs here too, explicitly (scores, mask, softmax, values; O(T^2) memory per head): a learned
+    sink logit per head (megatron's softmax_type='learnable', its `softmax_offset` parameter, split over TP with the
+    heads) joins each query's softmax denominator and takes no value, and the layers config.window_attn_skip_freq
+    marks attend to their window of config.window_size[0] + 1 tokens only. megatron's own local core attention has
+    both but allocates the sink on CUDA, so it does not build on the CPU.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
@@ -106,11 +113,58 @@ class SDPAttention(MegatronModule):
         self.head_dim = v_channels or config.kv_channels
         self.scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        self.window = config.window_size[0] + 1 if window else None  # keys a query sees, its own included
+        self.tp_group = pg_collection.tp if pg_collection is not None else None
+        self.softmax_offset = None
+        if config.softmax_type == "learnable":
+            device = None if config.use_cpu_initialization else torch.cuda.current_device()
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(self.heads, dtype=config.params_dtype,
+                                                                 device=device))
+            set_tensor_model_parallel_attributes(self.softmax_offset, is_parallel=True, dim=0, stride=1)
+            if config.perform_initialization:
+                with torch.no_grad():
+                    config.init_method(self.softmax_offset)
+        elif config.softmax_type != "vanilla":
+            raise ValueError(f"SDPAttention: softmax_type={config.softmax_type!r} is not implemented")
 
     def _sdpa(self, q, k, v):
+        if self.softmax_offset is not None or self.window is not None:
+            return self._explicit(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                               dropout_p=self.dropout if self.training else 0.0,
                                               enable_gqa=self.groups != self.heads)
+
+    def _explicit(self, q, k, v):
+        """Causal attention of q (b, np, s, hn) over k/v (b, ng, s, hn) with the window and the sinks, softmax in
+        float32 -> (b, np, s, hn_v)."""
+        rep = self.heads // self.groups
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        s = q.shape[2]
+        logits = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # (b, np, s, s)
+        pos = torch.arange(s, device=q.device)
+        back = pos[:, None] - pos[None, :]  # how far each key lies before each query
+        allowed = back >= 0 if self.window is None else (back >= 0) & (back < self.window)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        if self.softmax_offset is not None:
+            sink = self.softmax_offset.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+            probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :s]
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        probs = F.dropout(probs, p=self.dropout, training=self.training)
+        return torch.matmul(probs.to(v.dtype), v)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The sinks as a tensor split over TP with the heads (none without them)."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True) if self.softmax_offset is not None else {}
+        return make_sharded_tensors_for_checkpoint(
+            state, prefix, {"softmax_offset": 0}, sharded_offsets,
+            tp_group=self.tp_group or parallel_state.get_tensor_model_parallel_group(),
+            dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -169,14 +223,22 @@ class TorchLoopExperts(SequentialMLP):
     ops: x W1^T, SwiGLU, times the routing probability, W2^T. megatron's path wraps each of those GEMMs in its
     ColumnParallelLinear / RowParallelLinear autograd functions, whose per-call Python dominates at small widths;
     with an expert-TP group of size 1 their collectives are identities, so the plain ops compute the same values
-    and gradients. Any other case (expert TP > 1, FP8/FP4, biases, another activation) goes to megatron's forward."""
+    and gradients. GPT-OSS's experts take this path too: biases on both linears (the output's scaled by the routing
+    probability, as megatron's MLP scales it), and the GLU act(clamp(gate)) * (clamp(up) + offset) of megatron's
+    activation_func_clamp_value and glu_linear_offset. Any other case (expert TP > 1, FP8/FP4, another activation)
+    goes to megatron's forward."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         c = self.config
-        self._plain = (not (c.fp8 or c.fp4) and not c.add_bias_linear and c.gated_linear_unit
-                       and c.activation_func is F.silu and c.activation_func_clamp_value is None
-                       and not c.glu_linear_offset and not c.moe_apply_probs_on_input
+        for expert in self.local_experts:
+            # megatron-core 0.16.1 marks a RowParallelLinear's bias `sequence_parallel`, expert or not, so that
+            # finalize_model_grads sums its gradient over the TP group; an expert with expert-TP 1 computes every
+            # token dispatched to it, so its output bias's gradient is whole on each rank already (and under EP the
+            # TP peers hold other experts): summing would add unrelated gradients
+            if expert.linear_fc2.bias is not None:
+                setattr(expert.linear_fc2.bias, "sequence_parallel", False)
+        self._plain = (not (c.fp8 or c.fp4) and c.gated_linear_unit and not c.moe_apply_probs_on_input
                        and not c.use_te_activation_func and not c.bias_activation_fusion
                        and all(get_pg_size(e.linear_fc1.tp_group) == 1 and get_pg_size(e.linear_fc2.tp_group) == 1
                                for e in self.local_experts))
@@ -185,11 +247,18 @@ class TorchLoopExperts(SequentialMLP):
         if not self._plain:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         counts = tokens_per_expert.tolist()
+        c = self.config
+        clamp, offset = c.activation_func_clamp_value, c.glu_linear_offset
         out = []
         for expert, x, p in zip(self.local_experts, torch.split(permuted_local_hidden_states, counts),
                                 torch.split(permuted_probs, counts), strict=True):
-            h = torch.matmul(x, expert.linear_fc1.weight.t())  # (n, 2I): gate over up, as megatron's fc1
+            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+            h = F.linear(x, fc1.weight, fc1.bias)  # (n, 2I): gate over up, as megatron's fc1
             gate, up = torch.chunk(h, 2, dim=-1)
-            act = (F.silu(gate) * up) * p.unsqueeze(-1)  # megatron's MLP scales by the probability after the GLU
-            out.append(torch.matmul(act.to(h.dtype), expert.linear_fc2.weight.t()))
+            if clamp is not None:
+                gate, up = gate.clamp(max=clamp), up.clamp(min=-clamp, max=clamp)
+            p = p.unsqueeze(-1)
+            act = (c.activation_func(gate) * (up + offset if offset else up)) * p  # megatron's MLP scales by the probability here
+            y = torch.matmul(act.to(h.dtype), fc2.weight.t())
+            out.append(y if fc2.bias is None else y + fc2.bias * p)  # and the output bias by it too
         return torch.cat(out, dim=0), None

@@ -30,6 +30,7 @@ from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from moe_gspo.model import hf_io, hf_shards, te_names
 from moe_gspo.model.experts import per_expert_state
 from moe_gspo.model.layers import RMSNorm
+from moe_gspo.model.rope import yarn_inv_freq
 from moe_gspo.model.router import MoERouter, RoutingContext
 from moe_gspo.model.routing_capture import PackedLayout, RoutingCapture
 from moe_gspo.model.spec import layer_specs, transformer_config
@@ -50,7 +51,7 @@ def compiled(fn, num_layers: int):
 
 
 class MoEPolicy(torch.nn.Module):
-    """A Qwen3-MoE causal LM (megatron-core) with batch-first inputs and explicit routing exposure."""
+    """An MoE causal LM of one of the families (megatron-core) with batch-first inputs and explicit routing exposure."""
 
     def __init__(self, mc: ModelConfig, pc: ParallelConfig, groups):
         super().__init__()
@@ -68,6 +69,9 @@ class MoEPolicy(torch.nn.Module):
             rotary_base=int(mc.rope_theta),
             pg_collection=groups,
         )
+        if mc.family == "gpt_oss" and mc.rope_scaling:  # its YaRN on megatron's plain rotary (model.rope)
+            rotary = self.gpt.rotary_pos_emb
+            rotary.inv_freq = yarn_inv_freq(mc).to(rotary.inv_freq.device)
         if torch.cuda.is_available():
             # megatron builds some parameters on the CPU whatever use_cpu_initialization says (the router weight)
             # and leaves moving the model to the training script, as megatron's own get_model does

@@ -7,9 +7,11 @@ MLP."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -22,6 +24,7 @@ from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from moe_gspo.model import te_names
 from moe_gspo.model.experts import GroupedGemmExperts
 from moe_gspo.model.layers import KeyNormAllHeads, QueryNormAllHeads, RMSNorm, SDPAttention, TorchLoopExperts
+from moe_gspo.model.rope import yarn_attention_factor
 from moe_gspo.model.router import MoERouter
 
 
@@ -43,6 +46,8 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig
     if mc.router_sigmoid:  # the expert bias is megatron's buffer; the rule itself is MoERouter's
         family.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                       moe_router_bias_update_rate=0.0)
+    if mc.family == "gpt_oss":
+        family.update(_gpt_oss(mc))
     if mc.first_k_dense_replace:
         family.update(moe_layer_freq=[0] * mc.first_k_dense_replace + [1] * mc.num_moe_layers)
     if mc.mla:  # transformers' qk_nope_head_dim is megatron's qk_head_dim; MLA's rotary deinterleaves as DeepSeek's
@@ -66,6 +71,18 @@ def _rope(mc: ModelConfig) -> dict:
                 original_max_position_embeddings=int(y["original_max_position_embeddings"]),
                 beta_fast=y.get("beta_fast", 32.0), beta_slow=y.get("beta_slow", 1.0),
                 mscale=y["mscale"] if both else 1.0, mscale_all_dim=y["mscale_all_dim"] if both else 0.0)
+
+
+def _gpt_oss(mc: ModelConfig) -> dict:
+    """GPT-OSS in megatron's fields: biases on every linear and the router; the experts' GLU
+    quick_gelu(clamp(gate)) * (clamp(up) + 1), quick_gelu being x * sigmoid(1.702 x); a learned softmax offset (the
+    sink) per head; the sliding window on the layers layer_types marks (megatron's window covers the query and the
+    window - 1 tokens before it); YaRN's attention factor squared on the softmax scale (model.rope)."""
+    return dict(add_bias_linear=True, activation_func=quick_gelu, glu_linear_offset=1.0,
+                activation_func_clamp_value=mc.swiglu_limit or None, softmax_type="learnable",
+                window_size=(mc.sliding_window - 1, 0) if mc.sliding_window else None,
+                window_attn_skip_freq=[int(t == "sliding_attention") for t in mc.layer_types],
+                softmax_scale=yarn_attention_factor(mc) ** 2 / math.sqrt(mc.head_dim))
 
 
 def _common(mc: ModelConfig, pc: ParallelConfig, dtype: torch.dtype, **family) -> dict:

@@ -47,10 +47,12 @@ _SHARED = re.compile(
     r"|mlp\.shared_experts\.(?:linear_fc[12]\.weight|gate_weight)"
     r"|mlp\.experts\.local_experts\.\d+\.linear_fc[12]\.weight|mlp\.experts\.weight[12]))$")
 # local-spec names of the families the TE spec does not run (ModelConfig refuses model.spec='te' for them): multi-head
-# latent attention, dense MLPs, the sigmoid router's expert bias
+# latent attention, dense MLPs, the sigmoid router's expert bias; GPT-OSS's biases and sinks
 _LOCAL_ONLY = re.compile(
     rf"^{_LAYER}(?:self_attention\.(?:linear_q_proj|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj"
-    r"|linear_kv_up_proj|kv_layernorm)\.weight|mlp\.linear_fc[12]\.weight|mlp\.router\.expert_bias)$")
+    r"|linear_kv_up_proj|kv_layernorm)\.weight|mlp\.linear_fc[12]\.weight|mlp\.router\.expert_bias"
+    r"|self_attention\.linear_proj\.bias|self_attention\.core_attention\.softmax_offset|mlp\.router\.bias"
+    r"|mlp\.experts\.local_experts\.\d+\.linear_fc[12]\.bias)$")
 _TE_INPUT_NORM = re.compile(rf"^(?P<layer>{_LAYER})self_attention\.linear_qkv\.layer_norm_weight$")
 _TE_GROUPED = re.compile(rf"^(?P<head>{_LAYER}mlp\.experts\.)(?P<fc>linear_fc[12])\.weight(?P<e>\d+)$")
 _LOCAL_INPUT_NORM = re.compile(rf"^(?P<layer>{_LAYER})input_layernorm\.weight$")

@@ -34,7 +34,8 @@ from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_promp
 from moe_gspo.rollout.batch import RolloutBatch
 from moe_gspo.rollout.weight_sync import copy_in_buckets
 
-_EXPERT_KEY = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_KEY = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                         r"\.(?P<kind>weight|bias)$")
 
 
 # ---------------------------------------------------------------------------------------------------------- weights
@@ -44,8 +45,11 @@ def _destinations(model, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[t
 
     Keys the model has map to their parameter or persistent buffer; per-expert `...experts.{e}.{gate,up,down}_proj.weight` tensors map to
     their slice of the fused `...experts.gate_up_proj` (E, 2I, H) (gate rows first) or `...experts.down_proj`
-    (E, H, I). Raises KeyError naming missing or unused keys, before anything is written."""
+    (E, H, I); GPT-OSS's fused experts are transposed, (E, H, 2I) with gate and up columns interleaved and (E, I, H),
+    and carry biases (`gate_up_proj_bias` (E, 2I) interleaved alike, `down_proj_bias` (E, H)), which the per-expert
+    `.bias` tensors map to. Raises KeyError naming missing or unused keys, before anything is written."""
     params = dict(model.named_parameters())
+    interleaved = getattr(model.config, "model_type", None) == "gpt_oss"
     saved = model.state_dict(keep_vars=True).keys()  # persistent buffers too (DeepSeek-V3's e_score_correction_bias)
     params.update((k, b) for k, b in model.named_buffers() if k in saved)
     dests, unused, pieces = [], [], {}
@@ -54,18 +58,17 @@ def _destinations(model, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[t
             dests.append((params[key], key))
             continue
         m = _EXPERT_KEY.match(key)
-        name = None if m is None else f"{m['pre']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
+        name = None if m is None else (f"{m['pre']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
+                                       f"{'_bias' if m['kind'] == 'bias' else ''}")
         fused = params.get(name) if name else None
         if fused is None:
             unused.append(key)
             continue
-        e, inter = int(m["e"]), fused.shape[1] // 2
-        view = {"down_proj": fused[e], "gate_proj": fused[e, :inter], "up_proj": fused[e, inter:]}[m["proj"]]
-        dests.append((view, key))
-        pieces.setdefault(name, set()).add((e, m["proj"]))
+        dests.append((_expert_view(fused, int(m["e"]), m["proj"], interleaved), key))
+        pieces.setdefault(name, set()).add((int(m["e"]), m["proj"]))
     covered = {k for k in state_dict if k in params}
     for name, got in pieces.items():  # a fused tensor is covered once every expert's pieces are there
-        projs = ("down_proj",) if name.endswith("down_proj") else ("gate_proj", "up_proj")
+        projs = ("down_proj",) if ".down_proj" in name else ("gate_proj", "up_proj")
         lacking = sorted({(e, p) for e in range(params[name].shape[0]) for p in projs} - got)
         if lacking:
             raise KeyError(f"{name}: per-expert weights incomplete (missing {lacking[:8]})")
@@ -77,6 +80,19 @@ def _destinations(model, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[t
         raise KeyError(f"exported state dict does not match the HF model: missing {missing[:8]}"
                        f"{'...' if len(missing) > 8 else ''}, unused {unused[:8]}{'...' if len(unused) > 8 else ''}")
     return dests
+
+
+def _expert_view(fused: torch.Tensor, e: int, proj: str, interleaved: bool) -> torch.Tensor:
+    """Expert e's gate, up or down projection (or bias) as a view of a fused expert tensor, in the per-expert
+    layout: weights (out, in), biases (out,)."""
+    if not interleaved:  # (E, 2I, H) gate rows over up rows, (E, H, I)
+        inter = fused.shape[1] // 2
+        return {"down_proj": fused[e], "gate_proj": fused[e, :inter], "up_proj": fused[e, inter:]}[proj]
+    x = fused[e]  # GPT-OSS: (H, 2I) / (2I,) gate, up, gate, ...; (I, H) / (H,)
+    if proj == "down_proj":
+        return x.t() if x.dim() == 2 else x
+    cols = x[..., 0::2] if proj == "gate_proj" else x[..., 1::2]
+    return cols.t() if cols.dim() == 2 else cols
 
 
 @torch.no_grad()
@@ -100,7 +116,8 @@ def model_from_export(config_dict: dict, state_dict: Mapping[str, torch.Tensor],
     if model is None or getattr(model, "_moe_gspo_export_config", None) != config_dict:
         model_type = config_dict.get("model_type", "qwen3_moe")
         config = CONFIG_MAPPING[model_type].from_dict(dict(config_dict))
-        config._attn_implementation = attn_implementation
+        # transformers' GPT-OSS has no SDPA path (its sinks): eager attention, which the trainer's equals
+        config._attn_implementation = "eager" if model_type == "gpt_oss" else attn_implementation
         model = AutoModelForCausalLM.from_config(config).to(dtype)
         model._moe_gspo_export_config = dict(config_dict)
     model._moe_gspo_sync_copies = copy_into_model(model, state_dict, bucket_bytes)
@@ -111,7 +128,9 @@ def model_from_export(config_dict: dict, state_dict: Mapping[str, torch.Tensor],
 def moe_routers(model) -> list[torch.nn.Module]:
     """The router module of every MoE decoder layer, in layer order (dense layers skipped)."""
     layers = model.model.layers
-    return [layer.mlp.gate for layer in layers if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+    routers = [getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None) for layer in layers
+               if hasattr(layer.mlp, "experts")]  # GPT-OSS names its router `mlp.router`
+    return [r for r in routers if r is not None]
 
 
 @contextmanager

@@ -27,6 +27,8 @@ routed experts (tests/test_rollout_static.py).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from moe_gspo.rollout.base import SamplingParams, register_engine
@@ -67,6 +69,18 @@ class RouterTaps:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _full_cache_config(config):
+    """The model's config with every layer a full-attention layer for StaticCache: a sliding-window layer's cache
+    would keep only its window as a ring buffer, whose slots the one mask per step cannot address; here every layer
+    keeps all S slots and the sliding layers' mask hides the keys outside their window."""
+    if "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
+        return config
+    full = copy.copy(config)
+    full.layer_types = ["full_attention"] * len(config.layer_types)
+    full.sliding_window = None
+    return full
 
 
 @register_engine("hf_static")
@@ -133,15 +147,27 @@ class StaticHFEngine(HFEngine):
         if self._cache_shape is not None and self._cache_shape[0] == B and self._cache_shape[1] >= S:
             self._cache.reset()
             return self._cache, self._cache_shape[1]
-        self._cache, self._cache_shape = StaticCache(config=self.model.config, max_cache_len=S), (B, S)
+        self._cache, self._cache_shape = StaticCache(config=_full_cache_config(self.model.config),
+                                                     max_cache_len=S), (B, S)
         self._tap_LBk = torch.zeros(self._taps.layers, B, self.model.config.num_experts_per_tok, dtype=torch.long,
                                     device=self.device)
         if self.compiled:
             torch._dynamo.mark_static_address(self._tap_LBk)
         return self._cache, S
 
-    def _mask(self, visible: torch.Tensor) -> torch.Tensor:
-        """A bool visibility mask (B, 1, q, S) in the form the model's attention takes: bool for SDPA, else additive."""
+    def _mask(self, visible: torch.Tensor, q_slots: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """A bool visibility mask (B, 1, q, S) of the queries in cache slots q_slots (q,) in the form the model's
+        attention takes: bool for SDPA, else additive. A model with sliding-window layers (GPT-OSS) gets one per
+        layer type, the sliding layers' keeping the keys fewer than sliding_window slots back (left padding keeps a
+        row's slots consecutive, so slots count positions)."""
+        cfg = self.model.config
+        if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()) and cfg.sliding_window:
+            slots_S = torch.arange(visible.shape[-1], device=visible.device)
+            near = (q_slots[:, None] - slots_S[None]) < cfg.sliding_window
+            return {"full_attention": self._form(visible), "sliding_attention": self._form(visible & near)}
+        return self._form(visible)
+
+    def _form(self, visible: torch.Tensor) -> torch.Tensor:
         if self.model.config._attn_implementation == "sdpa":
             return visible
         return torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill(
@@ -187,7 +213,7 @@ class StaticHFEngine(HFEngine):
         model_experts = cfg._experts_implementation
         try:
             self._taps.target = route_prefill
-            logits_BV = self.model(input_ids=ids_BP, attention_mask=self._mask(prefill_BPS[:, None]),
+            logits_BV = self.model(input_ids=ids_BP, attention_mask=self._mask(prefill_BPS[:, None], q_P),
                                    position_ids=pos_BP, past_key_values=cache, use_cache=True,
                                    logits_to_keep=1).logits[:, -1]
             if sp.return_routing:
@@ -204,7 +230,7 @@ class StaticHFEngine(HFEngine):
                 if step == R - 1 or ((step + 1) % self.check_every == 0 and bool(finished_B.all())):
                     break
                 live_BS[:, P + step] = True
-                logits_BV = self._step(tok[:, None], (plen_B + step)[:, None], self._mask(live_BS[:, None, None]))
+                logits_BV = self._step(tok[:, None], (plen_B + step)[:, None], self._mask(live_BS[:, None, None], slots_S[P + step:P + step + 1]))
                 if sp.return_routing:
                     route_RLBk[step + 1] = self._tap_LBk
         finally:

@@ -26,7 +26,7 @@ def _options(ap):
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=12)
     ap.add_argument("--distopt", action="store_true")
-    ap.add_argument("--experts", default="grouped")
+    ap.add_argument("--experts", default=None)  # None: the family's own (ModelConfig.experts)
     ap.add_argument("--also", nargs=2, action="append", default=[], metavar=("CKPT", "OUT"))
 
 

@@ -167,7 +167,7 @@ def test_tp2_and_ep2_equal_one_rank(tmp_path):
         assert par["engine_sync"]["max_abs_diff"] == 0.0, name
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_each_family_config_draws_a_policy_that_transformers_computes_alike(name, tmp_path):
     """configs/compare_tiny_<family>.yaml (the embedded comparison on a freshly drawn policy of the family) builds
     its policy, and the folder it exports is that family's transformers model with the same logits."""

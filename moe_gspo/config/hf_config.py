@@ -136,12 +136,14 @@ def _yarn_fields(c: dict, f: Path, mt: str = "deepseek_v3") -> dict | None:
     rotary embeddings. DeepSeek-V3's must round the correction range (megatron's YaRN does); GPT-OSS's may not."""
     given = c.get("rope_scaling") or {}
     params = c.get("rope_parameters") or {}
+    name = {"deepseek_v3": "DeepSeek-V3", "gpt_oss": "GPT-OSS"}[mt]
+    if not given and params.get("rope_type", "default") not in ("default", "yarn"):
+        given = params  # refused below, naming its type
     if not given and params.get("rope_type") == "yarn":
         given = params
     if not given:
         return None
     kind = given.get("type", given.get("rope_type"))
-    name = {"deepseek_v3": "DeepSeek-V3", "gpt_oss": "GPT-OSS"}[mt]
     if kind != "yarn":
         raise ConfigError(f"{f}: rope_scaling type {kind!r}: moe-gspo's {name} implements YaRN only")
     if given.get("attention_factor") is not None:

@@ -83,6 +83,30 @@ class RoutingContext:
         self.capture.put(layer, idx, weights, live, layout=self.layout, scores=scores, bias_ref=bias_ref)
 
 
+class RoutingNoise:
+    """Noise in the routing of one forward (train.routing_noise): each routed slot, independently with probability
+    q, moves to the next expert in the router's own ranking that its token does not use yet (the (k+1)-th best for
+    its first moved slot, the (k+2)-th for a second, ...; within the allowed groups of a grouped router, and never
+    past the last expert), drawn from `generator` (on the router's device). The weights follow the moved experts
+    under the family's rule, so the forward's log-probs and gradient see the noise; the recorded `live` routing stays
+    the router's own choice."""
+
+    def __init__(self, q: float, generator: torch.Generator):
+        self.q, self.generator = q, generator
+
+    def apply(self, choice_NE: torch.Tensor, k: int) -> torch.Tensor:
+        """(N, k) experts from the rule's ranking scores choice_NE (-inf: not allowed), top k with slots moved."""
+        r = min(2 * k, choice_NE.shape[1])
+        vals_NR, ranked_NR = torch.topk(choice_NE, k=r, dim=1)
+        moved_NK = torch.rand(ranked_NR.shape[0], k, generator=self.generator, device=self.generator.device)
+        moved_NK = moved_NK.to(choice_NE.device) < self.q
+        order_NK = moved_NK.long().cumsum(1)  # the moved slot's rank among its token's moved slots, from 1
+        pick_NK = (k + order_NK - 1).clamp(max=r - 1)
+        moved_NK &= (order_NK <= r - k) & torch.isfinite(vals_NR.gather(1, pick_NK))
+        slot_NK = torch.arange(k, device=choice_NE.device).expand_as(pick_NK)
+        return ranked_NR.gather(1, torch.where(moved_NK, pick_NK, slot_NK))
+
+
 class MoERouter(TopKRouter):
     """Top-k routing by the family's rule (module docstring), in float32.
 
@@ -111,8 +135,13 @@ class MoERouter(TopKRouter):
 
     def choose(self, logits_NE: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """(N, k) experts the rule picks from float32 logits (with `bias` for the expert bias when given)."""
+        return torch.topk(self.choice_scores(logits_NE, bias), k=self.topk, dim=1).indices
+
+    def choice_scores(self, logits_NE: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, E) what the rule ranks experts by: the logits, or the biased sigmoid scores with the experts outside
+        a token's best groups at -inf."""
         if not self.sigmoid:
-            return torch.topk(logits_NE, k=self.topk, dim=1).indices
+            return logits_NE
         choice = torch.sigmoid(logits_NE) + (self.expert_bias if bias is None else bias)
         if self.n_group > 1:
             N, E = choice.shape
@@ -120,7 +149,7 @@ class MoERouter(TopKRouter):
             best = group_NG.topk(self.topk_group, dim=-1).indices
             keep = torch.zeros_like(group_NG, dtype=torch.bool).scatter_(1, best, True)
             choice = choice.masked_fill(~keep.repeat_interleave(E // self.n_group, dim=1), float("-inf"))
-        return torch.topk(choice, k=self.topk, dim=1).indices
+        return choice
 
     def weights(self, logits_NE: torch.Tensor, idx_NK: torch.Tensor) -> torch.Tensor:
         """(N, k) combine weights of experts idx_NK under the rule, differentiable in the logits."""
@@ -142,13 +171,19 @@ class MoERouter(TopKRouter):
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         logits_NE = logits.reshape(-1, self.config.num_moe_experts).float()
+        ctx = self.routing_context
+        noise = None if ctx is None else getattr(ctx.capture, "noise", None)
         with torch.no_grad():
-            live_idx_NK = self.choose(logits_NE)
-        idx_NK, ctx = live_idx_NK, self.routing_context
+            choice_NE = self.choice_scores(logits_NE)
+            live_idx_NK = torch.topk(choice_NE, k=self.topk, dim=1).indices
+        idx_NK = live_idx_NK
         layer = self.moe_layer
         replayed = ctx.replay(layer) if ctx is not None else None
         if replayed is not None:
             idx_NK = torch.where(replayed < 0, live_idx_NK, replayed)
+        elif noise is not None:
+            with torch.no_grad():
+                idx_NK = noise.apply(choice_NE, self.topk)
         w_NK = self.weights(logits_NE, idx_NK)
         probs_NE = torch.zeros_like(logits_NE).scatter(1, idx_NK, w_NK)
         routing_map_NE = torch.zeros_like(logits_NE, dtype=torch.bool).scatter(1, idx_NK, True)
@@ -163,7 +198,8 @@ class MoERouter(TopKRouter):
             if self.enable_expert_bias and ctx.capture.bias_split and self.bias_reference is not None:
                 with torch.no_grad():
                     under_ref_bias = self.choose(logits_NE, self.bias_reference)
-            ctx.record(layer, idx_NK, w_NK, None if replayed is None else live_idx_NK, scores_NK, under_ref_bias)
+            differs = replayed is not None or noise is not None
+            ctx.record(layer, idx_NK, w_NK, live_idx_NK if differs else None, scores_NK, under_ref_bias)
         return probs_NE, routing_map_NE
 
     def load_balancing_loss(self, logits, logits_NE, probs_NE, padding_mask):

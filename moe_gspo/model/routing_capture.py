@@ -146,7 +146,7 @@ class RoutingCapture:
     stacked() / live_stacked(), or per layer through `layers`."""
 
     def __init__(self, replay: ReplaySource | None = None, record: bool = True, scores: bool = False,
-                 score_at: ReplaySource | None = None, bias_split: bool = False):
+                 score_at: ReplaySource | None = None, bias_split: bool = False, noise=None):
         if score_at is not None and not record:
             raise ValueError("RoutingCapture(score_at=...) records scores: it needs record=True")
         self.replay = ROUTE_LIVE if replay is None and score_at is not None else replay
@@ -154,6 +154,7 @@ class RoutingCapture:
         self.score_at = score_at
         self.record_scores = record and (scores or score_at is not None)
         self.bias_split = record and bias_split
+        self.noise = noise  # a model.router.RoutingNoise for the live-routed slots of this forward, or None
         self._raw: dict[int, _Raw] = {}
         self._layers: dict[int, LayerRouting] | None = None
 

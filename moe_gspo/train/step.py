@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,7 @@ from moe_gspo.config import Config
 from moe_gspo.losses import (PolicyLoss, RolloutCorrection, loss_denominator, router_shift_metrics, router_shift_ratio,
                              router_shift_weight)
 from moe_gspo.model.policy import MoEPolicy
+from moe_gspo.model.router import RoutingNoise
 from moe_gspo.model.routing_capture import RoutingCapture
 from moe_gspo.parallel.state import comm_device, max_over_ranks, trainer_group
 from moe_gspo.rollout.batch import PaddedRollout, rollout_probs_diff
@@ -80,6 +82,7 @@ class StepContext:
     update_batches: object = field(init=False)
     logprob_batches: object = field(init=False)
     fused: bool = field(init=False)  # train.loss_impl == "fused": hidden states -> loss in one kernel
+    _noise_at: tuple[int, int] = field(init=False, default=(-1, 0))  # (optimizer step, forwards noised in it)
 
     def __post_init__(self):
         tc, a = self.cfg.train, self.cfg.algorithm
@@ -89,6 +92,22 @@ class StepContext:
         self.update_batches = micro_batches(tc, self.trainer_group)
         self.logprob_batches = micro_batches(tc, self.trainer_group, logprob_pass=True)
         self.fused = tc.loss_impl == "fused"
+
+    def routing_noise(self) -> RoutingNoise | None:
+        """The routing noise of the next pi_theta forward (train.routing_noise), or None when off. Its draws come
+        from a generator seeded by (train.seed, global rank, optimizer step, forward within the step), so a run and
+        its resume from a checkpoint draw alike."""
+        q = self.cfg.train.routing_noise
+        if q == 0:
+            return None
+        step = self.optim.adam_step if self.optim is not None else 0
+        n = self._noise_at[1] + 1 if self._noise_at[0] == step else 1
+        self._noise_at = (step, n)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        key = hashlib.sha256(f"{self.cfg.train.seed},{rank},{step},{n}".encode()).digest()
+        g = torch.Generator(device=self.policy.device)
+        g.manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
+        return RoutingNoise(q, g)
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -266,7 +285,7 @@ def micro_step(ctx: StepContext, ids_bT, rows: LossRows, lengths: list[int], mb:
     T = ids_bT.shape[1]
     src = ctx.replay.replay_source(sample_ids, seq_len=T, device=ids_bT.device)  # None when off
     old_src = old_router.source(old_rows, T, ids_bT.device) if ctx.router_shift else None
-    cap = RoutingCapture(replay=src, score_at=old_src, bias_split=ctx.tracker is not None)
+    cap = RoutingCapture(replay=src, score_at=old_src, bias_split=ctx.tracker is not None, noise=ctx.routing_noise())
     temperature = cfg.rollout.temperature
     if ctx.fused:
         packed = {} if mb.lengths is None else {"lengths": mb.lengths, "pack_to": mb.pack_to}

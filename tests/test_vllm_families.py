@@ -2,7 +2,9 @@
 block_sparse_moe / w1 w3 w2 in its files), Qwen2-MoE (q/k/v biases, a gated shared expert that is never routed),
 OLMoE (query/key norms over all heads), DeepSeek-V3 (latent attention, a dense first layer, a shared expert, the
 sigmoid router's grouped top-k with its expert bias) and GLM-4.5 (DeepSeek-V3's router, shared expert and dense first
-layer with q/k/v biases, per-head query/key norms and rotary on half of each head). Each family's test builds one
+layer with q/k/v biases, per-head query/key norms and rotary on half of each head) and GPT-OSS (biases on q/k/v/o,
+the router and the experts, sinks, a sliding window on every other layer, YaRN, experts whose gate and up rows vLLM
+interleaves, with a SwiGLU clamped at 7). Each family's test builds one
 engine over a random fp32 policy and checks the log-probs and routed experts against the trainer, then the in-place
 weight sync and the slice writer of sharded syncs against vLLM's own loader, the expert bias moved by each step.
 What vLLM computes otherwise than the trainer's config says is refused at config load in one line."""
@@ -34,6 +36,12 @@ FAMILIES = {
     "glm4_moe": ["model.num_hidden_layers=3", "model.attention_bias=true", "model.use_qk_norm=true",
                  "model.partial_rotary_factor=0.5", "model.first_k_dense_replace=1", "model.intermediate_size=192",
                  "model.shared_expert_intermediate_size=256", "model.routed_scaling_factor=2.5"],
+    # layer 0 slides a window of 6 tokens (prompts and responses are longer), layer 1 attends to all; vLLM's fixed
+    # RMSNorm eps and SwiGLU limit
+    "gpt_oss": ["model.attention_bias=true", "model.rms_norm_eps=1e-5", "model.sliding_window=6",
+                "model.swiglu_limit=7.0", "model.rope_theta=150000",
+                "model.rope_scaling={factor: 8.0, original_max_position_embeddings: 32, beta_fast: 32.0, "
+                "beta_slow: 1.0, truncate: false}"],
 }
 """Overrides of configs/tiny_cpu.yaml (head_dim 32, which vLLM's CPU attention runs) for each family."""
 
@@ -238,8 +246,8 @@ def test_vllms_cpu_rotary_op_misrotates_latent_attentions_query_and_the_patch_is
     assert torch.equal(got, want)
 
 
-@pytest.mark.extended
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.extended) for f in ("qwen2_moe", "olmoe",
+                                                                                         "glm4_moe")] + ["gpt_oss"])
 def test_engine_equals_trainer_and_its_sync_equals_vllms_loader(family, tmp_path):
     gaps = _check_family(family, tmp_path)
     assert gaps["before"] < 1e-5 and gaps["after"] < 1e-5, gaps
@@ -268,14 +276,41 @@ def test_config_serves_the_families_on_vllm_and_refuses_what_vllm_would_compute_
         tiny_cfg("model.family=qwen2_moe", "model.head_dim=32", "rollout.engine=vllm")
     with pytest.raises(ConfigError, match=r"rollout.engine=sglang serves model.family in \['qwen3_moe'\] only"):
         tiny_cfg("model.family=mixtral", "rollout.engine=sglang")
-    assert vllm_family_mismatch("gpt_oss", 1e-6, 32, 128, 4).startswith(
-        "rollout.engine=vllm serves model.family in ['qwen3_moe', 'mixtral', 'qwen2_moe', 'olmoe', 'deepseek_v3', "
-        "'glm4_moe'] only")
+    assert vllm_family_mismatch("gpt_oss", 1e-6, 32, 128, 4).startswith("model.rms_norm_eps=1e-06 with "
+                                                                        "rollout.engine=vllm")
 
     class Source(WeightSource):
         config = hf_config_dict(ModelConfig(family="olmoe", hidden_size=128, head_dim=32))
 
     with pytest.raises(ValueError, match="model.rms_norm_eps=1e-06 with rollout.engine=vllm"):
+        VLLMEngine(Source())
+
+
+def test_config_serves_gpt_oss_on_vllm_as_vllms_gpt_oss_computes_it():
+    """vLLM's GPT-OSS normalizes with eps 1e-5, clamps its experts' SwiGLU at 7, slides its window on the even
+    layers and always runs YaRN, whatever config.json says: another value of any is refused in one line, at config
+    load and at engine build."""
+    from moe_gspo.config import ConfigError, ModelConfig
+    from moe_gspo.model.hf_io import hf_config_dict
+    from moe_gspo.model.weights import WeightSource
+    from moe_gspo.rollout.vllm_engine import VLLMEngine
+
+    ok = ["model.family=gpt_oss", "model.num_hidden_layers=3", *FAMILIES["gpt_oss"], "rollout.engine=vllm"]
+    assert tiny_cfg(*ok).model.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    for over, needle in [("model.rms_norm_eps=1e-6", r"model.rms_norm_eps=1e-06 with rollout.engine=vllm"),
+                         ("model.swiglu_limit=5.0", r"model.swiglu_limit=5.0 with rollout.engine=vllm: vLLM's "
+                                                    r"model.family='gpt_oss' clamps its experts' SwiGLU at 7.0"),
+                         ("model.layer_types=[full_attention, sliding_attention, sliding_attention]",
+                          r"slides its window on the even layers"),
+                         ("model.rope_scaling=null", r"model.rope_scaling=None with rollout.engine=vllm")]:
+        with pytest.raises(ConfigError, match=needle):
+            tiny_cfg(*ok, over)
+
+    class Source(WeightSource):
+        config = hf_config_dict(ModelConfig(family="gpt_oss", attention_bias=True, rms_norm_eps=1e-5, head_dim=32,
+                                            hidden_size=128, sliding_window=6, swiglu_limit=5.0))
+
+    with pytest.raises(ValueError, match="model.swiglu_limit=5.0 with rollout.engine=vllm"):
         VLLMEngine(Source())
 
 

@@ -15,6 +15,8 @@ The trainer's layout (megatron-core, expert tensor parallelism 1):
   rows of gate_proj and up_proj, the same columns of down_proj;
 - latent attention: q_b_proj (or q_proj) and kv_b_proj the rows of the rank's heads, o_proj their columns; the
   down projections (q_a_proj, kv_a_proj_with_mqa) and their norms whole;
+- GPT-OSS's sinks: those of the rank's q heads; o_proj's bias, the router's weight and bias whole on every rank;
+  the experts' biases whole with their expert;
 - norms, the router and the shared expert's gate: whole, on every rank.
 
 A rollout engine with its own tensor-parallel layout asks for regions of the same HF tensors, so the sync can move
@@ -71,7 +73,9 @@ def hf_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
         "q_b_proj.weight": (nq * qk, mc.q_lora_rank), "kv_a_layernorm.weight": (mc.kv_lora_rank,),
         "kv_a_proj_with_mqa.weight": (mc.kv_lora_rank + mc.qk_rope_head_dim, H),
         "kv_b_proj.weight": (nq * (mc.qk_nope_head_dim + mc.v_head_dim), mc.kv_lora_rank),
-        "gate.e_score_correction_bias": (mc.num_experts,)}
+        "gate.e_score_correction_bias": (mc.num_experts,),
+        # GPT-OSS's sinks (a logit per query head), router with a bias
+        "self_attn.sinks": (nq,), "router.weight": (mc.num_experts, H), "router.bias": (mc.num_experts,)}
     out = {}
     for key, _, _ in hf_sources(mc):
         tail = ".".join(key.split(".")[-2:])
@@ -100,6 +104,8 @@ def hf_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[key] = (mc.num_experts, H)
         elif key.endswith(("gate_proj.weight", "up_proj.weight")):
             out[key] = (inter, H)
+        elif key.endswith(("gate_proj.bias", "up_proj.bias")):  # GPT-OSS's experts
+            out[key] = (inter,)
         elif key.endswith("down_proj.weight"):
             out[key] = (H, inter)
         else:
@@ -130,6 +136,8 @@ class TrainerShards:
             return 1
         if self.mc.qk_norm_all_heads and key.endswith(("q_norm.weight", "k_norm.weight")):
             return 0  # OLMoE's norm over all heads, split like the heads
+        if key.endswith("self_attn.sinks"):
+            return 0  # GPT-OSS: a sink per query head, split like the heads (o_proj's bias stays whole)
         return None
 
     def region(self, key: str, tp_rank: int, ep_rank: int) -> Region | None:

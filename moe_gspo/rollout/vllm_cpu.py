@@ -22,7 +22,10 @@ dispatch while the engine loads), and an update:
   every family's), and layer N's expert tensors are the ones vLLM's layer N holds, whatever vLLM calls its MoE
   block (`mlp`, Mixtral's `block_sparse_moe`). A shared expert (Qwen2-MoE, DeepSeek-V3, GLM-4.5) and a dense first
   layer's MLP are dense MLPs to vLLM, and the sigmoid router's expert bias (`mlp.gate.e_score_correction_bias`) a
-  parameter of its gate that the router reads in place: they load with the dense tensors;
+  parameter of its gate that the router reads in place: they load with the dense tensors. GPT-OSS's experts differ
+  (vLLM's GPT-OSS, 'swigluoai' activation): w13 interleaves gate and up rows, unpadded, and their biases
+  (`w13_bias` [E, 2I], interleaved the same way, `w2_bias` [E, H]) are read unpacked, so they are written in place
+  as they arrive; its router (`mlp.router`, with a bias) and sinks load with the dense tensors;
 - reruns the post-load step of latent attention (moe_gspo.rollout.vllm_mla.refresh_latent_attention).
 
 Routing. vLLM's routed-experts capture needs its GPU model runner. On the CPU each MoE layer's router
@@ -43,9 +46,9 @@ from moe_gspo.model.hf_io import file_keys
 from moe_gspo.rollout.vllm_mla import refresh_latent_attention
 from moe_gspo.rollout.weight_sync import cast_into
 
-# a routed expert's projection under the package's names (every family's in-memory names)
+# a routed expert's projection under the package's names (every family's in-memory names; biases: GPT-OSS's)
 _EXPERT_KEY = re.compile(r"^model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<e>\d+)\."
-                         r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+                         r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>weight|bias)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -119,6 +122,32 @@ def staging_pool(model) -> StagingPool:
     return model.__dict__.setdefault("_moe_gspo_staging_pool", StagingPool())
 
 
+def interleaved_w13(mod) -> bool:
+    """Whether this experts module's w13 rows (and w13_bias) interleave gate and up (gate 0, up 0, gate 1, ...):
+    vLLM's GPT-OSS loads its checkpoint's interleaved gate_up_proj as it is and its 'swigluoai' activation reads
+    it so; every other family's w13 is gate rows over up rows. Its intermediate dimension is never padded."""
+    return str(getattr(getattr(mod, "activation", None), "value", "")) == "swigluoai"
+
+
+def w13_rows(mod, proj: str, start: int, stop: int, ipad: int) -> slice:
+    """The rows of vLLM's (unpacked) w13 or w13_bias holding rows [start, stop) of an expert's gate or up
+    projection (gate over up at the padded offset, or interleaved)."""
+    if interleaved_w13(mod):
+        return slice(2 * start + (proj == "up_proj"), 2 * stop, 2)
+    off = ipad if proj == "up_proj" else 0
+    return slice(off + start, off + stop)
+
+
+def put_expert_bias(mod, e: int, proj: str, b: torch.Tensor, start: int = 0, ipad: int | None = None) -> None:
+    """One expert's gate/up/down bias into vLLM's w13_bias (E, 2I) / w2_bias (E, H), which the CPU kernel reads
+    as they are (unpacked): in place. Gate/up: rows [start, start + len) of the expert's."""
+    if proj == "down_proj":
+        cast_into(mod.w2_bias.data[e], b)
+    else:
+        ipad = mod.w13_bias.shape[1] // 2 if ipad is None else ipad
+        cast_into(mod.w13_bias.data[e, w13_rows(mod, proj, start, start + b.shape[0], ipad)], b)
+
+
 class _ExpertStaging:
     """One MoE layer's experts in vLLM's unpacked, padded layout, filled from per-expert HF tensors."""
 
@@ -126,16 +155,14 @@ class _ExpertStaging:
         E, two_ipad, H = mod.w13_weight.shape
         self.mod, self.I, self.Ipad, self.pool = mod, intermediate, two_ipad // 2, pool
         self.w13, self.w2 = pool.take(mod, intermediate)
-        self.left = 3 * E  # tensors still to come
+        self.left = 3 * E  # weights still to come (biases are written in place as they come)
 
     def put(self, e: int, proj: str, w: torch.Tensor) -> bool:
         """Copy one expert's projection in; True once the layer is complete."""
-        if proj == "gate_proj":
-            cast_into(self.w13[e, :self.I], w)
-        elif proj == "up_proj":
-            cast_into(self.w13[e, self.Ipad:self.Ipad + self.I], w)
-        else:
+        if proj == "down_proj":
             cast_into(self.w2[e, :, :self.I], w)
+        else:
+            cast_into(self.w13[e, w13_rows(self.mod, proj, 0, self.I, self.Ipad)], w)
         self.left -= 1
         return self.left == 0
 
@@ -173,19 +200,27 @@ def load_weights_cpu(model, state: Mapping[str, torch.Tensor], model_type: str) 
     pool = staging_pool(model)
     count = 0
 
+    # the names the family's checkpoint files use for the dense tensors, which the model's load_weights maps
+    # (key by key: GPT-OSS's file_keys would fuse the experts, which take the experts path instead)
+    keys = list(state)
+    dense_keys = [k for k in keys if _EXPERT_KEY.match(k) is None]
+    names = dict(zip(dense_keys, file_keys(dict.fromkeys(dense_keys), model_type)))
+
     def dense() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal count
-        # the names the family's checkpoint files use, which the model's load_weights maps (key order kept)
-        for key, name in zip(state, file_keys(dict.fromkeys(state), model_type)):
+        for key in keys:
             w = state[key]
             count += 1
             m = _EXPERT_KEY.match(key)
             if m is None:
-                yield name, w
+                yield names[key], w
                 continue
             layer, proj = int(m["layer"]), m["proj"]
             if layer not in experts:
                 raise KeyError(f"{key}: the engine has no MoE layer {layer}")
+            if m["kind"] == "bias":
+                put_expert_bias(experts[layer], int(m["e"]), proj, w)
+                continue
             if layer not in staging:
                 inter = w.shape[1] if proj == "down_proj" else w.shape[0]
                 if experts[layer].w13_weight.shape[1] // 2 < inter:

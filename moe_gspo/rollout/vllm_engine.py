@@ -64,6 +64,7 @@ import numpy as np
 import torch
 
 from moe_gspo.config import ConfigError
+from moe_gspo.config.gpt_oss_vllm import gpt_oss_fields
 from moe_gspo.config.run import vllm_family_mismatch
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
@@ -195,7 +196,8 @@ class VLLMEngine(RolloutEngine):
         self.config_dict = dict(config_dict)
         self.model_type = config_dict.get("model_type", "qwen3_moe")
         why = vllm_family_mismatch(self.model_type, config_dict["rms_norm_eps"], config_dict["head_dim"],
-                                   config_dict["hidden_size"], config_dict["num_attention_heads"])
+                                   config_dict["hidden_size"], config_dict["num_attention_heads"],
+                                   gpt_oss_fields(config_dict))
         if why:
             raise ValueError(why)
         self.num_layers = int(config_dict["num_hidden_layers"]) - int(config_dict.get("first_k_dense_replace") or 0)

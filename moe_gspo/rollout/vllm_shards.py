@@ -28,6 +28,10 @@ router is `block_sparse_moe.gate`):
   gate_proj, then of its up_proj; w2 [E, H, I/k] those columns of down_proj. On the CPU vLLM pads I/k to its
   kernel's alignment and prepacks both in place, so the experts of a layer are staged unpacked and prepacked once
   the layer is complete (moe_gspo.rollout.vllm_cpu._ExpertStaging), as at load;
+- GPT-OSS: its experts' w13 interleaves this rank's gate and up rows (gate 0, up 0, gate 1, ...), and so does
+  w13_bias [E, 2*I/k]; w2_bias [E, H] is whole on rank 0 and zero on the others (the ranks' partial outputs are
+  summed); its sinks are those of this rank's q heads, o_proj's bias whole (rank 0 adds it), the router with its
+  bias whole; vLLM names its attention `attn` and its embedding `embedding` (its hf_to_vllm_mapper);
 - norms (OLMoE's query/key norms span all heads on every rank), the router gate and its expert bias: whole.
 With expert parallelism (rollout.engine_ep, a GPU path) vLLM splits the experts by expert instead: rank j keeps
 experts [j*E/k, (j+1)*E/k) whole, so a trainer with parallel.ep = k on the same ranks sends no expert bytes at all.
@@ -47,7 +51,7 @@ from moe_gspo.rollout.vllm_mla import refresh_latent_attention
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 # HF projections vLLM stacks into one parameter where the layer has it: (module path, projection, weight | bias)
 _STACKED_KEY = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_a_proj|kv_a_proj_with_mqa)"
                           r"\.(weight|bias)$")
@@ -98,6 +102,9 @@ def engine_needs(mc: ModelConfig, tp: int, j: int, expert_parallel: bool = False
         if expert_parallel and e is not None:
             if e // e_local == j:
                 out.append((key, WHOLE))
+        elif key.endswith("down_proj.bias"):  # GPT-OSS's experts: added once, by rank 0
+            if j == 0:
+                out.append((key, WHOLE))
         elif key.endswith(("embed_tokens.weight", "lm_head.weight")):
             a, b = vocab_rows(mc.vocab_size, tp, j)
             if a < b:
@@ -113,9 +120,10 @@ def engine_needs(mc: ModelConfig, tp: int, j: int, expert_parallel: bool = False
     return out
 
 
-_ROWS = ("q_proj.weight", "q_proj.bias", "q_b_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight")
-"""Tensors vLLM splits by rows in equal parts (query heads, latent attention's up projections by heads, every
-MLP's gate and up projections: routed and shared experts, dense layers)."""
+_ROWS = ("q_proj.weight", "q_proj.bias", "q_b_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight",
+         "gate_proj.bias", "up_proj.bias", "self_attn.sinks")
+"""Tensors vLLM splits by rows in equal parts (query heads and GPT-OSS's sinks, latent attention's up projections by
+heads, every MLP's gate and up projections: routed and shared experts, dense layers; GPT-OSS's expert biases)."""
 _COLUMNS = ("o_proj.weight", "down_proj.weight")
 """Tensors vLLM splits by columns in equal parts (the output projection by heads, every MLP's down projection)."""
 
@@ -125,6 +133,7 @@ class ShardWriter:
 
     def __init__(self, model, mc: ModelConfig, tp: int, j: int, on_cpu: bool, expert_parallel: bool = False):
         self.model, self.mc, self.on_cpu = model, mc, on_cpu
+        self.zero_w2_bias = j > 0 and not expert_parallel  # GPT-OSS's expert output biases: rank 0 adds them
         self.inter = mc.moe_intermediate_size // (1 if expert_parallel else tp)
         self.e_first = j * (mc.num_experts // tp) if expert_parallel else 0  # local expert index = e - e_first
         self.nq_l, self.kv_l, _ = _heads(mc, tp, j)
@@ -133,8 +142,13 @@ class ShardWriter:
 
         self.experts = experts_modules(model)  # layer index -> its routed experts' module
         self.shapes = hf_shapes(mc)
-        # package name -> the name the family's checkpoint files use, which vLLM's parameters follow
-        self.file_names = dict(zip(self.shapes, file_keys(dict.fromkeys(self.shapes), mc.family)))
+        # package name -> the name the family's checkpoint files use, which vLLM's parameters follow (the routed
+        # experts go their own way: GPT-OSS's file_keys would fuse them); GPT-OSS's then through vLLM's renaming
+        dense = [k for k in self.shapes if expert_of(k) is None]
+        self.file_names = dict(zip(dense, file_keys(dict.fromkeys(dense), mc.family)))
+        if mc.family == "gpt_oss":
+            self.file_names = {k: model.hf_to_vllm_mapper.map_name(v) for k, v in self.file_names.items()}
+        self.embed = getattr(model.model, "embed_tokens", None) or model.model.embedding
         self._staging: dict[int, object] = {}
         self.written = 0
         self.prepack_s = 0.0  # seconds spent prepacking experts (CPU), summed until reset by the caller
@@ -142,7 +156,7 @@ class ShardWriter:
 
     def _check(self, tp: int, j: int) -> None:
         mc, d, H = self.mc, self.mc.head_dim, self.mc.hidden_size
-        attn = self.layers[0].self_attn
+        attn = getattr(self.layers[0], "self_attn", None) or self.layers[0].attn
         want = {"qkv_proj": ((self.nq_l + 2 * self.kv_l) * d, H), "o_proj": (H, self.nq_l * d)} if not mc.mla else {
             "kv_b_proj": (self.nq_l * (mc.qk_nope_head_dim + mc.v_head_dim), mc.kv_lora_rank),
             "o_proj": (H, self.nq_l * mc.v_head_dim)}
@@ -150,7 +164,7 @@ class ShardWriter:
             got = tuple(getattr(attn, name).weight.shape)
             if got != shape:
                 raise RuntimeError(f"vLLM's {name} on engine rank {j} of {tp} is {got}, expected {shape}")
-        emb = self.model.model.embed_tokens.shard_indices
+        emb = self.embed.shard_indices
         a, b = vocab_rows(self.mc.vocab_size, tp, j)
         if (emb.org_vocab_start_index, emb.org_vocab_end_index) != (a, max(a, b)):
             raise RuntimeError(f"vLLM's embed_tokens on engine rank {j} of {tp} holds rows "
@@ -169,7 +183,7 @@ class ShardWriter:
             (region.start if region.dim is not None else 0)
         dim = region.dim
         if key == "model.embed_tokens.weight":
-            return self._put(self.model.model.embed_tokens.weight, dim, off, t)
+            return self._put(self.embed.weight, dim, off, t)
         if key == "lm_head.weight":
             return self._put(self.model.lm_head.weight, dim, off, t)
         if key == "model.norm.weight":
@@ -181,14 +195,19 @@ class ShardWriter:
             if off or (region.dim is not None and region.length != self.inter):
                 raise RuntimeError(f"{key}: an expert slice arrived in parts ({region}); the trainer holds experts "
                                    "whole")
+            if ex[3] == "bias":
+                from moe_gspo.rollout.vllm_cpu import put_expert_bias
+
+                return put_expert_bias(self.experts[int(i)], int(ex[1]) - self.e_first, ex[2], t)
             return self._expert(int(i), int(ex[1]) - self.e_first, ex[2], t)
-        st = _STACKED_KEY.match(rest)
+        name = _LAYER.match(self.file_names[key])[2]  # within vLLM's layer
+        st = _STACKED_KEY.match(name)
         if st is not None and hasattr(layer.get_submodule(st[1]), _STACKED[st[2]][0]):
             module, proj, kind = st.groups()
             stacked, place = _STACKED[proj]
             return self._put(layer.get_parameter(f"{module}.{stacked}.{kind}"), dim,
                              off + self._stack_offset(proj, place, key, need), t)
-        return self._put(layer.get_parameter(_LAYER.match(self.file_names[key])[2]), dim, off, t)
+        return self._put(layer.get_parameter(name), dim, off, t)
 
     def _stack_offset(self, proj: str, place: int, key: str, need: Region) -> int:
         """Where this rank's part of a stacked projection begins in vLLM's stacked parameter: q, k, v after this
@@ -221,19 +240,22 @@ class ShardWriter:
                 self.prepack_s += time.perf_counter() - t0
                 del self._staging[layer]
             return
-        I = self.inter
-        if proj == "gate_proj":
-            mod.w13_weight.data[e, :I].copy_(t)
-        elif proj == "up_proj":
-            mod.w13_weight.data[e, I:2 * I].copy_(t)
-        else:
+        from moe_gspo.rollout.vllm_cpu import w13_rows
+
+        if proj == "down_proj":
             mod.w2_weight.data[e].copy_(t)
+        else:
+            mod.w13_weight.data[e, w13_rows(mod, proj, 0, self.inter, self.inter)].copy_(t)
 
     def finish(self) -> None:
         """After every piece of an update: on the CPU the dense layers' packed GEMM weights are rebuilt; latent
         attention's absorbed matrices everywhere."""
         if self._staging:
             raise RuntimeError(f"expert slices incomplete for layers {sorted(self._staging)[:4]}")
+        if self.zero_w2_bias:
+            for mod in self.experts.values():
+                if isinstance(getattr(mod, "w2_bias", None), torch.Tensor):
+                    mod.w2_bias.data.zero_()
         if self.on_cpu:
             from moe_gspo.rollout.vllm_cpu import _redispatch_dense
 

@@ -63,6 +63,7 @@ def _run(tmp_path, name, *over):
 def test_no_moved_slot_is_bitwise_today_and_noise_reaches_the_update_alone(tmp_path):
     today = _run(tmp_path, "q0")
     none_moved = _run(tmp_path, "tiny_q", "train.routing_noise=1e-12")
+    assert [r.pop("moe/routing_noise_moved") for r in none_moved] == [0.0, 0.0]
     assert none_moved == today
     noisy = _run(tmp_path, "q", "train.routing_noise=0.5")
     # step 1's rollout and old pass come before any update: the engine's tokens and pi_old are untouched
@@ -81,3 +82,11 @@ def test_routing_noise_is_a_probability():
 
     with pytest.raises(ConfigError, match=r"train.routing_noise=1.5 must be in \[0, 1\]"):
         tiny_cfg("train.routing_noise=1.5")
+
+
+def test_the_moved_share_is_logged_per_step(tmp_path):
+    """moe/routing_noise_moved: the share of the response's routed slots the noise moved in the update forwards."""
+    recs = _run(tmp_path, "logged", "train.routing_noise=0.3")
+    shares = [r["moe/routing_noise_moved"] for r in recs]
+    assert all(abs(s - 0.3) < 0.1 for s in shares), shares
+    assert "moe/routing_noise_moved" not in _run(tmp_path, "off")[0]

@@ -108,12 +108,15 @@ def _fused_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+_FUSED_REST = (".mlp.experts.gate_up_proj_bias", ".mlp.experts.down_proj", ".mlp.experts.down_proj_bias")
+
+
 def _per_expert(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """GPT-OSS: each layer's fused expert tensors -> per-expert gate/up/down weights and biases (views)."""
     out = {}
     for k, v in tensors.items():
         if not k.endswith(".mlp.experts.gate_up_proj"):
-            if not k.endswith((".mlp.experts.gate_up_proj_bias", ".mlp.experts.down_proj", ".mlp.experts.down_proj_bias")):
+            if not k.endswith(_FUSED_REST):
                 out[k] = v
             continue
         pre = k[:-len(".gate_up_proj")]

@@ -258,7 +258,8 @@ class TorchLoopExperts(SequentialMLP):
             if clamp is not None:
                 gate, up = gate.clamp(max=clamp), up.clamp(min=-clamp, max=clamp)
             p = p.unsqueeze(-1)
-            act = (c.activation_func(gate) * (up + offset if offset else up)) * p  # megatron's MLP scales by the probability here
+            # megatron's MLP scales by the probability after the GLU
+            act = (c.activation_func(gate) * (up + offset if offset else up)) * p
             y = torch.matmul(act.to(h.dtype), fc2.weight.t())
             out.append(y if fc2.bias is None else y + fc2.bias * p)  # and the output bias by it too
         return torch.cat(out, dim=0), None

@@ -285,7 +285,8 @@ def micro_step(ctx: StepContext, ids_bT, rows: LossRows, lengths: list[int], mb:
     T = ids_bT.shape[1]
     src = ctx.replay.replay_source(sample_ids, seq_len=T, device=ids_bT.device)  # None when off
     old_src = old_router.source(old_rows, T, ids_bT.device) if ctx.router_shift else None
-    cap = RoutingCapture(replay=src, score_at=old_src, bias_split=ctx.tracker is not None, noise=ctx.routing_noise())
+    noise = ctx.routing_noise() if src is None else None  # replayed routing is used as it is
+    cap = RoutingCapture(replay=src, score_at=old_src, bias_split=ctx.tracker is not None, noise=noise)
     temperature = cfg.rollout.temperature
     if ctx.fused:
         packed = {} if mb.lengths is None else {"lengths": mb.lengths, "pack_to": mb.pack_to}
@@ -326,6 +327,7 @@ def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, sample_ids, idx:
     logp = torch.zeros(response.shape, device=response.device)
     ent_sum = torch.zeros((), dtype=torch.float64, device=response.device)
     gamma = torch.ones_like(logp) if ctx.router_shift else None
+    moved = None  # with routing noise: (moved slots, all slots) on the response's routing positions
     ctx.optim.zero_grad()
     for mb in ctx.update_batches.plan(lengths):
         sl = mb.rows
@@ -334,6 +336,9 @@ def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, sample_ids, idx:
         if ctx.tracker is not None:
             ctx.tracker.observe(sids[sl], out.capture.live_stacked(), routing_mask(response[sl]).reshape(-1),
                                 bias_ref=out.capture.bias_ref_stacked())
+        if out.capture.noise is not None:
+            counts = moved_slots(out.capture, routing_mask(response[sl]).reshape(-1))
+            moved = counts if moved is None else moved + counts
         logp[sl] = out.logp
         ent_sum += torch.where(response[sl], out.entropy, 0).sum().double()
         if gamma is not None:
@@ -342,7 +347,17 @@ def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, sample_ids, idx:
     out = minibatch_metrics(ctx, rows, logp, gamma, response, denom, corr_m)
     out["entropy"] = float(ent_sum) / max(int(response.sum()), 1)
     out["grad_norm"] = gnorm
+    if moved is not None:  # this rank's share of the slots routing noise moved
+        out["moe/routing_noise_moved"] = float(moved[0] / moved[1].clamp(min=1))
     return out
+
+
+def moved_slots(capture: RoutingCapture, mask_N: torch.Tensor) -> torch.Tensor:
+    """(moved, total) routed slots of the masked tokens whose expert the router did not choose (routing noise)."""
+    used, live = capture.stacked(), capture.live_stacked()  # (N, L, k), each token's experts sorted
+    kept = (used[..., :, None] == live[..., None, :]).any(-1)
+    mask = mask_N.to(kept.device)[:, None, None].expand_as(kept)
+    return torch.stack([(~kept & mask).sum(), mask.sum()]).double()
 
 
 @torch.no_grad()

@@ -64,6 +64,7 @@ from moe_gspo.report.stats import (fisher_exact, fisher_power, paired_p, paired_
                                    t_interval)
 
 FLIP, MISMATCH, PDIFF = "moe/flip_rate", "moe/rollout_train_mismatch", "rollout_probs_diff_mean"
+MOVED = "moe/routing_noise_moved"  # train.routing_noise's share of moved slots
 POINT = re.compile(r"L(\d+)_lr[^_]+_mb(\d+)(?:_E(\d+)k(\d+))?$")
 
 
@@ -304,10 +305,20 @@ def regime(out: Path, out_json: Path | None, baseline: str | None = None) -> Non
                        "entropy_last": ent, "collapsed": [bool(e) for e in st.collapses],
                        "collapse_start": [e[0].start if e else None for e in st.collapses],
                        "steps_with_gradient": [None if k is None else len(k) for k in keep]}
+        if any(MOVED in rec for r in v.runs for rec in r.records):
+            per[v.name]["noise_moved"] = [run_mean(r, MOVED, True) for r in v.runs]
         print(f"| {v.name} | {cell(per[v.name]['clipfrac'])} | {row[2]} | {cell(per[v.name]['flip_rate'])} | "
               f"{cell(per[v.name]['mismatch'])} | {cell(per[v.name]['probs_diff'], 1.0, '.5f')} | "
               f"{np.median(allr) if len(allr) else float('nan'):.3g} | {allr.max() if len(allr) else float('nan'):.3g} | "
               f"{cell(ent, 1.0, '.3f')} | {nc}/{len(v.runs)} |")
+    noisy = [v.name for v in variants if "noise_moved" in per[v.name]]
+    if noisy:
+        print("\nRouting noise (train.routing_noise): slots moved, and the disagreement of pi_theta's routing with "
+              "pi_old's (flip rate + moved), % (each run's mean over its steps with gradient, 95% t over seeds):")
+        for n in noisy:
+            moved, flips = per[n]["noise_moved"], per[n]["flip_rate"]
+            both = [a + b for a, b in zip(moved, flips) if a is not None and b is not None]
+            print(f"  {n:12s} moved {cell(moved)}  disagreement {cell(both)}")
     print("\nFlip rate per MoE layer, % (each run's mean over its steps with gradient, then the mean over seeds):")
     for v in variants:
         layers, m, _, _ = layer_profile(v)

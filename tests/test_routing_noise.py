@@ -90,3 +90,10 @@ def test_the_moved_share_is_logged_per_step(tmp_path):
     shares = [r["moe/routing_noise_moved"] for r in recs]
     assert all(abs(s - 0.3) < 0.1 for s in shares), shares
     assert "moe/routing_noise_moved" not in _run(tmp_path, "off")[0]
+
+
+def test_variants_differing_in_routing_noise_share_a_cold_start():
+    """The supervised cold start never routes with noise, so a comparison's arms at different q start from one."""
+    from moe_gspo.experiments.compare import cold_start_key
+
+    assert cold_start_key(tiny_cfg("train.routing_noise=0.05")) == cold_start_key(tiny_cfg())

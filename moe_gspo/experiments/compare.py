@@ -58,7 +58,7 @@ DEFAULT_VARIANTS = {
 # train.* fields the supervised cold start never reads: variants that differ only in these share a cold start
 _RL_ONLY_TRAIN = {"steps", "lr", "lr_warmup_steps", "lr_decay", "min_lr", "minibatches", "micro_batch_size",
                   "logprob_micro_batch_size", "seq_len", "batch_size", "checkpoint_every", "keep_checkpoints",
-                  "out_dir", "logprob_impl", "loss_impl", "router_lr_scale", "max_staleness"}
+                  "out_dir", "logprob_impl", "loss_impl", "router_lr_scale", "max_staleness", "routing_noise"}
 
 
 @dataclass(frozen=True)

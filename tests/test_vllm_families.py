@@ -347,12 +347,13 @@ def test_config_serves_deepseek_v3_and_glm4_moe_and_latent_attention_at_its_cpu_
 ENGINE_TP_FAMILY = {
     "deepseek_v3": ["model.family=deepseek_v3", *FAMILIES["deepseek_v3"]],
     "glm4_moe": ["model.family=glm4_moe", *FAMILIES["glm4_moe"]],
+    "gpt_oss": ["model.family=gpt_oss", *FAMILIES["gpt_oss"]],
 }
 """tests/dist/engine_tp_worker.py's overrides for each family (configs/train_tiny_cpu.yaml's shape otherwise)."""
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_engine_tp2_beside_trainer_tp2_and_ep2(family, tmp_path):
     """tests/dist/engine_tp_worker.py on 2 ranks: trainer TP 2 x EP 2 (latent attention's up projections, the dense
     layer's MLP and the shared expert split by TP) and an engine of TP 2 synced shard to shard after 3 updates: its

@@ -65,6 +65,7 @@ from moe_gspo.report.stats import (fisher_exact, fisher_power, paired_p, paired_
 
 FLIP, MISMATCH, PDIFF = "moe/flip_rate", "moe/rollout_train_mismatch", "rollout_probs_diff_mean"
 MOVED = "moe/routing_noise_moved"  # train.routing_noise's share of moved slots
+AFTER_1 = "moe/flip_rate/after_1"  # the flip rate of the forwards one optimizer update after pi_old
 POINT = re.compile(r"L(\d+)_lr[^_]+_mb(\d+)(?:_E(\d+)k(\d+))?$")
 
 
@@ -305,12 +306,18 @@ def regime(out: Path, out_json: Path | None, baseline: str | None = None) -> Non
                        "entropy_last": ent, "collapsed": [bool(e) for e in st.collapses],
                        "collapse_start": [e[0].start if e else None for e in st.collapses],
                        "steps_with_gradient": [None if k is None else len(k) for k in keep]}
+        if any(AFTER_1 in rec for r in v.runs for rec in r.records):
+            per[v.name]["flip_after_1"] = [run_mean(r, AFTER_1, True) for r in v.runs]
         if any(MOVED in rec for r in v.runs for rec in r.records):
             per[v.name]["noise_moved"] = [run_mean(r, MOVED, True) for r in v.runs]
         print(f"| {v.name} | {cell(per[v.name]['clipfrac'])} | {row[2]} | {cell(per[v.name]['flip_rate'])} | "
               f"{cell(per[v.name]['mismatch'])} | {cell(per[v.name]['probs_diff'], 1.0, '.5f')} | "
               f"{np.median(allr) if len(allr) else float('nan'):.3g} | {allr.max() if len(allr) else float('nan'):.3g} | "
               f"{cell(ent, 1.0, '.3f')} | {nc}/{len(v.runs)} |")
+    per_update = [v.name for v in variants if "flip_after_1" in per[v.name]]
+    if per_update:
+        print("\nFlip rate per update (the minibatch one optimizer update after pi_old), %: "
+              + ", ".join(f"{n} {cell(per[n]['flip_after_1'])}" for n in per_update))
     noisy = [v.name for v in variants if "noise_moved" in per[v.name]]
     if noisy:
         print("\nRouting noise (train.routing_noise): slots moved, and the disagreement of pi_theta's routing with "

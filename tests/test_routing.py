@@ -169,6 +169,26 @@ def test_tracker_hand_built_rates_and_churn():
     assert tr.metrics()["moe/flip_rate"] == pytest.approx(1 / 8)
 
 
+def test_tracker_splits_the_drift_by_updates_since_the_reference():
+    """moe/flip_rate/after_j: the forwards observed j optimizer updates after the reference, counted apart; the mean
+    drift moe/flip_rate pools them."""
+    ref = torch.tensor([[[0, 1]], [[2, 3]]])  # 1 sample, T=2, L=1, k=2, E=4
+    tr = ExpertFlipTracker(num_layers=1, num_experts=4)
+    tr.set_reference([5], ref)
+    tr.observe([5], ref.clone())  # depth 0: no flip
+    tr.updated()
+    tr.observe([5], torch.tensor([[[0, 2]], [[2, 3]]]))  # depth 1: 1 of 4 slots
+    tr.updated()
+    tr.observe([5], torch.tensor([[[2, 3]], [[0, 1]]]))  # depth 2: 4 of 4
+    m = tr.metrics()
+    assert (m["moe/flip_rate/after_0"], m["moe/flip_rate/after_1"], m["moe/flip_rate/after_2"]) == (0, 0.25, 1)
+    assert m["moe/flip_rate"] == pytest.approx(5 / 12)
+    tr.clear()
+    tr.set_reference([6], ref)
+    tr.observe([6], ref.clone())  # a new rollout batch starts again at depth 0
+    assert "moe/flip_rate/after_1" not in tr.metrics()
+
+
 def test_tracker_expert_load_from_the_old_routing():
     """Per layer, each expert's share of the old routing's top-k slots on the observed (masked) tokens, the largest
     share times E, and the entropy of the shares over ln E, against counts and scipy.stats.entropy computed here from

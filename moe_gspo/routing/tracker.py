@@ -4,7 +4,8 @@
     tracker.clear()                                               # new rollout batch
     tracker.set_reference(ids, cap_old.stacked(), mask)           # old-log-prob pass: (N, L, k), (N,)
     tracker.observe_rollout(ids, engine_idx, mask)                # optional: engine routing, -1 rows ignored
-    for minibatch: policy(ids_BT, routing=cap); tracker.observe(mb_ids, cap.live_stacked(), mb_mask); step
+    for minibatch: policy(ids_BT, routing=cap); tracker.observe(mb_ids, cap.live_stacked(), mb_mask); step;
+        tracker.updated()                                         # after the optimizer step
     log(tracker.metrics())                                        # flat dict, accumulators reset
 
 Uses only routing that the trainer's forwards already produce (no extra forward). All counting is vectorized on
@@ -21,6 +22,10 @@ Metrics (fractions):
                                   routing in at least one MoE layer / compared tokens (at 30B the R3 paper reports
                                   about 94% of tokens against about 10% of slots)
     moe/flip_tokens               (token, layer) pairs observed, divided by L: tokens observed
+    moe/flip_rate/after_{j}       flipped / observed slots of the forwards made j optimizer updates after the
+                                  reference (updated() counts them since the last clear()): after_1 is the flip
+                                  rate per update itself, where moe/flip_rate is the mean drift over every depth
+                                  the step observed (0 to minibatches - 1)
 
 Routers with a load-balancing expert bias (train.router_bias_update_rate > 0) change their routing two ways per
 update: through the weights (the gradient) and through the bias (moved toward balance at each optimizer step,
@@ -55,6 +60,7 @@ from moe_gspo.routing.flips import slots_not_in
 
 
 _SET_ELEMS = 2**24  # one-hot set elements per token slice (x2 sets, bool): 32 MiB
+_DEPTHS = 64  # update depths counted apart; deeper ones count as the last
 
 
 class ExpertFlipTracker:
@@ -73,6 +79,7 @@ class ExpertFlipTracker:
         self._tables: list[torch.Tensor] = []  # (B, T, L, k) int16, -1 on tokens outside the mask
         self._ref: dict[int, tuple[int, int]] = {}  # sample id -> (table, row)
         self._acc: dict[str, torch.Tensor] | None = None
+        self.updates = 0  # optimizer updates since the references were set (updated(); clear() resets)
 
     # ---------------------------------------------------------------- reference
     def set_reference(self, sample_ids, idx_NLK: torch.Tensor, mask_N: torch.Tensor | None = None) -> None:
@@ -93,6 +100,11 @@ class ExpertFlipTracker:
         """Forget all references (call at each new rollout batch); accumulated metrics are kept."""
         self._ref.clear()
         self._tables.clear()
+        self.updates = 0
+
+    def updated(self) -> None:
+        """One optimizer update happened since the references: later observations count at the next depth."""
+        self.updates += 1
 
     # ---------------------------------------------------------------- observing
     def observe(self, sample_ids, idx_NLK: torch.Tensor, mask_N: torch.Tensor | None = None,
@@ -137,6 +149,7 @@ class ExpertFlipTracker:
             valid &= self._mask(mask_N, new, where).view(N, 1, 1)
         E = self.num_experts
         acc = self._accumulators(new.device, k)
+        before = acc["counts"][[0, 2]].sum((1, 2)) if churn else None  # (gained, load) so far
         step = max(1, _SET_ELEMS // (L * (E + 1)))  # bounds the one-hot workspace on long micro-batches
         for n0 in range(0, N, step):
             sl = slice(n0, min(N, n0 + step))
@@ -146,6 +159,8 @@ class ExpertFlipTracker:
                 acc["bias"] += (slots_not_in(new[sl], bias_ref[sl]) & v).sum((0, 2))
                 acc["gradient"] += (slots_not_in(bias_ref[sl], old[sl]) & v).sum((0, 2))
                 acc["split_slots"] += v[..., 0].sum(0) * k
+        if churn:
+            acc["depth"][:, min(self.updates, _DEPTHS - 1)] += acc["counts"][[0, 2]].sum((1, 2)) - before
 
     def _count(self, new, old, valid, acc, churn: bool) -> None:
         """Add one token slice's set differences to the accumulators: (n, L, k) new / old, (n, L, 1) valid."""
@@ -183,10 +198,11 @@ class ExpertFlipTracker:
         parts = [c.sum(2).view(-1), c.sum(1).view(-1),
                  torch.stack([acc["mismatch_tokens"], acc["mismatch_token_count"], acc["mismatch"],
                               acc["mismatch_slots"]]),
-                 c[2].view(-1), torch.stack([acc["bias"], acc["gradient"], acc["split_slots"]]).view(-1)]
+                 c[2].view(-1), torch.stack([acc["bias"], acc["gradient"], acc["split_slots"]]).view(-1),
+                 acc["depth"].view(-1)]
         flat = torch.cat(parts).tolist()
         ends = list(itertools.accumulate(p.numel() for p in parts))
-        layer3, expert3, mism, load_LE, split = (flat[a:b] for a, b in zip([0, *ends[:-1]], ends))
+        layer3, expert3, mism, load_LE, split, depth = (flat[a:b] for a, b in zip([0, *ends[:-1]], ends))
         flips, load_l = layer3[:L], layer3[2 * L:]
         gained_e, lost_e, load_e = expert3[:E], expert3[E:2 * E], expert3[2 * E:]
         mismatch_tokens, token_count, mismatch, mismatch_slots = mism
@@ -198,6 +214,8 @@ class ExpertFlipTracker:
             out.update({f"moe/churn_in/expert_{e}": g / max(n, 1) for e, (g, n) in enumerate(zip(gained_e, load_e))})
             out.update({f"moe/churn_out/expert_{e}": g / max(n, 1) for e, (g, n) in enumerate(zip(lost_e, load_e))})
             out["moe/flip_tokens"] = sum(load_l) / k / L
+            out.update({f"moe/flip_rate/after_{j}": f / n for j, (f, n) in
+                        enumerate(zip(depth[:_DEPTHS], depth[_DEPTHS:])) if n > 0})
             out.update(load_metrics(torch.tensor(load_LE, dtype=torch.float64).view(L, E)))
         if mismatch_slots > 0:
             out["moe/rollout_train_mismatch"] = mismatch / mismatch_slots
@@ -216,7 +234,8 @@ class ExpertFlipTracker:
             self._acc = {"k": k, "counts": torch.zeros(3, self.num_layers, self.num_experts, **z),
                          "mismatch": torch.zeros((), **z), "mismatch_slots": torch.zeros((), **z),
                          "mismatch_tokens": torch.zeros((), **z), "mismatch_token_count": torch.zeros((), **z),
-                         **{key: torch.zeros(self.num_layers, **z) for key in ("bias", "gradient", "split_slots")}}
+                         **{key: torch.zeros(self.num_layers, **z) for key in ("bias", "gradient", "split_slots")},
+                         "depth": torch.zeros(2, _DEPTHS, **z)}  # (flipped, observed) slots per update depth
         return self._acc
 
     def _check(self, idx: torch.Tensor, batch: int, where: str) -> torch.Tensor:

@@ -344,6 +344,8 @@ def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, sample_ids, idx:
         if gamma is not None:
             gamma[sl] = out.gamma
     gnorm = ctx.optim.step()  # DP reduction, megatron's clipping, Adam on fp32 main params, LR schedule
+    if ctx.tracker is not None:
+        ctx.tracker.updated()  # the next minibatch's forwards are one more update away from pi_old
     out = minibatch_metrics(ctx, rows, logp, gamma, response, denom, corr_m)
     out["entropy"] = float(ent_sum) / max(int(response.sum()), 1)
     out["grad_norm"] = gnorm

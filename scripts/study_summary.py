@@ -340,6 +340,26 @@ def regime(out: Path, out_json: Path | None, baseline: str | None = None) -> Non
         out_json.write_text(json.dumps(per, indent=1))
 
 
+def collapse_rules(out: Path) -> None:
+    """Collapse counts per variant by the rule in force and with peaks from full smoothing windows only."""
+    from moe_gspo.report.compare_data import REWARD, load_variants, read_meta
+    from moe_gspo.report.stats import collapses
+
+    meta, s = read_meta(out)
+    variants = load_variants(out, [n for n in meta.get("variants", []) if (out / n).is_dir()])
+    print(f"{out}: collapses ({s.smooth_window}-step trailing mean below {s.collapse_fraction:g} of its peak for "
+          f"{s.collapse_patience} steps or to the end; peak >= {s.collapse_min_peak:g})")
+    print("| variant | rule in force (peak from step 1 on) | peaks from full windows only |")
+    print("| --- | --- | --- |")
+    for v in variants:
+        counts = []
+        for full in (False, True):
+            hit = [bool(collapses(r.series(REWARD)[1], s.collapse_fraction, s.collapse_patience, s.collapse_min_peak,
+                                  s.smooth_window, full_windows=full)) for r in v.runs]
+            counts.append(f"{sum(hit)}/{len(hit)} (seeds {', '.join(str(x) for x, h in zip(v.seeds, hit) if h)})")
+        print(f"| {v.name} | {counts[0]} | {counts[1]} |")
+
+
 def paired_sds(out: Path) -> tuple[dict[str, float], float | None]:
     """({variant: SD over seeds of its final reward minus the baseline's}, SD of gspo_token - gspo or None)."""
     from moe_gspo.report.compare_data import load_variants, read_meta, variant_stats
@@ -439,6 +459,8 @@ def main() -> None:
     ex = sub.add_parser("export")
     ex.add_argument("compare_dir", type=Path)
     ex.add_argument("dest", type=Path)
+    cr = sub.add_parser("collapse_rules")
+    cr.add_argument("out", type=Path)
     ld = sub.add_parser("load")
     ld.add_argument("compare_dir", type=Path)
     pw = sub.add_parser("power")
@@ -463,6 +485,8 @@ def main() -> None:
         volatility(a.study)
     elif a.what == "regime":
         regime(a.compare_dir, a.json, a.base)
+    elif a.what == "collapse_rules":
+        collapse_rules(a.out)
     elif a.what == "load":
         load(a.compare_dir)
     elif a.what == "power":

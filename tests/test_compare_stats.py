@@ -140,6 +140,17 @@ def test_collapse_detector_on_constructed_curves():
         collapses([0.1], fraction=1.5)
 
 
+def test_a_lucky_first_step_sets_the_peak_unless_only_full_windows_count():
+    """Step 1's reward alone is the first moving average: at 0.9 then 0.3 for good, the rule in force finds a
+    collapse from that one value; with peaks from full windows only (a sensitivity check) there is none."""
+    y = _curve((1, 0.9), (39, 0.3))
+    assert [c.peak for c in collapses(y, window=5)] == [pytest.approx(0.9)]
+    assert collapses(y, window=5, full_windows=True) == []
+    # a real rise and fall is found either way, at the same step
+    rise_fall = np.concatenate([np.linspace(0.2, 0.6, 20), np.full(30, 0.05)])
+    assert [c.start for c in collapses(rise_fall, full_windows=True)] == [c.start for c in collapses(rise_fall)]
+
+
 def test_fisher_exact_matches_published_values():
     """Fisher's tea-tasting table [[3, 1], [1, 3]]: two-sided p = 34/70 = 0.4857 (Fisher 1935; Agresti, Categorical
     Data Analysis, 3rd ed., sec. 3.5.1); [[0, 8], [5, 3]] (0/8 against 5/8): 2 * C(8,5) / C(16,5) = 0.02564."""

@@ -178,14 +178,18 @@ class Collapse:
 
 
 def collapses(values: Sequence[float], fraction: float = 0.5, patience: int = 10, min_peak: float = 0.1,
-              window: int = 5) -> list[Collapse]:
+              window: int = 5, full_windows: bool = False) -> list[Collapse]:
     """Collapses of a reward series (one value per logged step), on its `window`-step trailing moving average.
 
     A collapse starts where the smoothed reward s_t drops below fraction * P_t (P_t = max of s up to t) and s stays
     below that level for `patience` consecutive values or until the series ends: a run that ends collapsed counts,
     however late the drop came. Only drops from a peak P_t >= `min_peak` count, so that noise around a reward that
     never rose above min_peak is not a collapse. A dip shorter than `patience` that recovers before the end is not a
-    collapse. After a collapse that recovers (s back at or above its level), a later drop counts again."""
+    collapse. After a collapse that recovers (s back at or above its level), a later drop counts again.
+
+    The moving average of the first window - 1 values averages fewer steps (step 1's alone at first), so a single
+    lucky first reward can set the peak. full_windows=True lets only full windows set the peak and start a
+    collapse (a sensitivity check of the rule in force, which is full_windows=False)."""
     if not 0 < fraction < 1:
         raise ValueError(f"collapse fraction={fraction} must be in (0, 1)")
     if patience < 1 or window < 1:
@@ -194,6 +198,8 @@ def collapses(values: Sequence[float], fraction: float = 0.5, patience: int = 10
     out: list[Collapse] = []
     peak = -math.inf
     t = 0
+    if full_windows:
+        t = window - 1
     while t < len(s):
         peak = max(peak, s[t])
         level = fraction * peak

@@ -106,3 +106,39 @@ def test_gpt_oss_fields_are_checked_in_one_line(overrides, needle):
 
     with pytest.raises(ConfigError, match=needle):
         tiny_cfg(*overrides)
+
+
+def test_file_items_stream_the_checkpoint_files_tensors_a_layer_of_experts_at_a_time(checkpoint):
+    """What a GPU vLLM engine's loader is fed (hf_io.file_items): the package's per-expert tensors under the file's
+    names, GPT-OSS's experts fused as each layer completes, every value read once in key order."""
+    from collections.abc import Mapping
+
+    from moe_gspo.model.hf_io import file_items, package_keys, read_safetensors_dir
+
+    d, _ = checkpoint
+    files = read_safetensors_dir(d)
+    state = package_keys(files, "gpt_oss")
+
+    class Reads(Mapping):  # a streamed state: counts reads, as StreamedHFState gathers on each
+        def __init__(self):
+            self.reads = []
+
+        def __getitem__(self, k):
+            self.reads.append(k)
+            return state[k]
+
+        def __iter__(self):
+            return iter(state)
+
+        def __len__(self):
+            return len(state)
+
+    src = Reads()
+    got = {}
+    for name, tensor in file_items(src, "gpt_oss"):
+        if name.endswith(".mlp.experts.down_proj_bias"):  # a layer's experts arrive together, once it is complete
+            layer = name.split(".mlp.")[0] + "."
+            assert all(k.startswith(layer) or ".mlp.experts." not in k for k in src.reads[-48:])
+        got[name] = tensor
+    assert src.reads == list(state) and sorted(got) == sorted(files)
+    assert all(torch.equal(got[k], files[k]) for k in files)

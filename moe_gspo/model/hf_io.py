@@ -23,6 +23,7 @@ import json
 import os
 import re
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -79,6 +80,27 @@ def package_keys(tensors: Mapping[str, torch.Tensor], model_type: str) -> dict[s
                 break
         out[k] = v
     return out
+
+
+def file_items(state: Mapping[str, torch.Tensor], model_type: str):
+    """(file name, tensor) of every tensor of `state` in its key order, as `model_type`'s checkpoint files name them,
+    reading each value once (a streamed state gathers on reading). GPT-OSS's experts are fused as each layer's last
+    expert tensor arrives, so one layer's experts are held at a time."""
+    if model_type != "gpt_oss":
+        for key, name in zip(state, file_keys(dict.fromkeys(state), model_type)):
+            yield name, state[key]
+        return
+    expected = Counter(m["pre"] for m in map(_PER_EXPERT.match, state) if m)  # each layer's expert tensors
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for key in state:
+        m = _PER_EXPERT.match(key)
+        if m is None:
+            yield key, state[key]
+            continue
+        layer = pending.setdefault(m["pre"], {})
+        layer[key] = state[key]
+        if len(layer) == expected[m["pre"]]:
+            yield from _fused_experts(pending.pop(m["pre"])).items()
 
 
 _PER_EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<kind>weight|bias)$")

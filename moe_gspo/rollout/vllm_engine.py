@@ -37,7 +37,7 @@ Routed experts (R3), in RolloutBatch's layout (prompt positions 0..P-2, then pos
 
 Weights (update_weights, from a WeightSource): an engine of one rank reads the source's whole tensors once, key by
 key (a TP/EP policy's source gathers one parameter at a time, so a sharded trainer never holds a full copy):
-- on a GPU, into vLLM's `model.load_weights`, under the names the family's checkpoint files use (hf_io.file_keys),
+- on a GPU, into vLLM's `model.load_weights`, under the names the family's checkpoint files use (hf_io.file_items),
   then latent attention's post-load step (moe_gspo.rollout.vllm_mla.refresh_latent_attention);
 - on the CPU, through moe_gspo.rollout.vllm_cpu.load_weights_cpu (vLLM packs its CPU weights at load and its own
   reload leaves them wrong); a CPU engine is built with vllm_mla's rotary patch where the CPU op needs it.
@@ -312,15 +312,15 @@ class VLLMEngine(RolloutEngine):
         t0 = time.perf_counter()
         model = self._runner.get_model()  # unwrapped from any CUDA-graph wrapper
         if self.on_cuda:
-            from moe_gspo.model.hf_io import file_keys
+            from moe_gspo.model.hf_io import file_items
 
             n = 0
 
             def counted():  # under the names the family's checkpoint files use, which vLLM's loader maps
                 nonlocal n
-                for key, name in zip(state, file_keys(dict.fromkeys(state), self.model_type)):
+                for name, tensor in file_items(state, self.model_type):
                     n += 1
-                    yield name, state[key]
+                    yield name, tensor
 
             model.load_weights(counted())
             refresh_latent_attention(model)

@@ -259,7 +259,7 @@ def test_config_serves_the_families_on_vllm_and_refuses_what_vllm_would_compute_
     hidden_size / heads (vLLM's models fix both), refused at config load and at engine build; SGLang serves
     Qwen3-MoE only."""
     from moe_gspo.config import ConfigError, ModelConfig
-    from moe_gspo.config.run import vllm_family_mismatch
+    from moe_gspo.config.engine_families import vllm_family_mismatch
     from moe_gspo.model.hf_io import hf_config_dict
     from moe_gspo.model.weights import WeightSource
     from moe_gspo.rollout.vllm_engine import VLLMEngine

@@ -1,9 +1,9 @@
 """What vLLM's GPT-OSS computes whatever config.json says (vLLM 0.32), checked at config load and at engine build
-(moe_gspo.config.run.vllm_family_mismatch): its experts' SwiGLU is clamped at 7 (the model passes no limit to its
+(moe_gspo.config.engine_families.vllm_family_mismatch): its experts' SwiGLU is clamped at 7 (the model passes no limit to its
 fused-MoE layer, whose CPU kernel clamps at 7: measured, the kernel's output equals the clamp at 7 and differs by
 O(10) from the clamp at 5, at 10 and from none); its sliding window is on the even layers (0, 2, ...) whatever
 layer_types says; its rotary embedding is always YaRN, built from factor, original_max_position_embeddings,
-beta_fast, beta_slow and truncate (no mscale). RMSNorm's eps 1e-5 is run.VLLM_FIXED_RMS_NORM_EPS's rule."""
+beta_fast, beta_slow and truncate (no mscale). RMSNorm's eps 1e-5 is engine_families.VLLM_FIXED_RMS_NORM_EPS's rule."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ key (a TP/EP policy's source gathers one parameter at a time, so a sharded train
 - on the CPU, through moe_gspo.rollout.vllm_cpu.load_weights_cpu (vLLM packs its CPU weights at load and its own
   reload leaves them wrong); a CPU engine is built with vllm_mla's rotary patch where the CPU op needs it.
 The families it serves, and what vLLM's model of a family fixes whatever config.json says, are
-moe_gspo.config.run's ENGINE_FAMILIES and vllm_family_mismatch (refused at build, as at config load).
+moe_gspo.config.engine_families' ENGINE_FAMILIES and vllm_family_mismatch (refused at build, as at config load).
 The prefix cache is reset after every update (cached keys and values belong to the old weights).
 """
 
@@ -65,7 +65,7 @@ import torch
 
 from moe_gspo.config import ConfigError
 from moe_gspo.config.gpt_oss_vllm import gpt_oss_fields
-from moe_gspo.config.run import vllm_family_mismatch
+from moe_gspo.config.engine_families import vllm_family_mismatch
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
 from moe_gspo.rollout.batch import RolloutBatch

@@ -274,6 +274,15 @@ class TrainConfig:
     """The update's LM head and loss: 'fused' (moe_gspo.kernels.fused_logprob_loss: hidden states to the loss of
     moe_gspo.losses and the LM head's gradient in one pass, 6THV, equal to 'eager' up to float rounding) or 'eager'
     (log-probs by train.logprob_impl, then the loss under autograd)."""
+    recompute: str = "none"
+    """Activation recompute, megatron's: 'none'; 'selective' (each layer's core attention is recomputed in the
+    backward instead of keeping its activations: megatron's recompute_granularity='selective' with
+    recompute_modules=['core_attn']); 'full' (whole decoder layers are recomputed, keeping only each chunk's input:
+    recompute_granularity='full', recompute_method='uniform', chunks of train.recompute_layers layers). The
+    recomputed forward routes exactly as the first one did (its routing, replayed or noised, is kept for it), so
+    the gradients equal a run without recompute. docs/training.md gives memory and time."""
+    recompute_layers: int = 1
+    """With train.recompute='full': decoder layers per recomputed chunk (megatron's recompute_num_layers)."""
     cold_start_steps: int = 0
     """Supervised steps on task demonstrations before RL (0: none), so that groups have reward variance."""
     cold_start_lr: float = 3e-3
@@ -298,6 +307,8 @@ class TrainConfig:
                               f"(0: row micro-batches)")
         choice(self, "logprob_impl", ("fused", "eager"))
         choice(self, "loss_impl", ("fused", "eager"))
+        choice(self, "recompute", ("none", "selective", "full"))
+        positive(self, "recompute_layers")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every={self.eval_every} must be >= 0 (0: never)")
         if self.cold_start_steps < 0 or self.checkpoint_every < 0:
@@ -386,6 +397,12 @@ class Config:
             self.checkpoint_overrides = architecture_changes(self.model, resolved)
             self.model = resolved
         check_engine_family(self.model, self.rollout)
+        if self.train.recompute == "full" and self.train.recompute_layers > self.model.num_hidden_layers:
+            raise ConfigError(f"train.recompute_layers={self.train.recompute_layers} exceeds "
+                              f"model.num_hidden_layers={self.model.num_hidden_layers}")
+        if self.train.recompute != "none" and self.model.compile:
+            raise ConfigError(f"train.recompute='{self.train.recompute}' with model.compile=true is untested; "
+                              "set one of them off")
         if self.train.router_bias_update_rate and not self.model.router_sigmoid:
             raise ConfigError(f"train.router_bias_update_rate={self.train.router_bias_update_rate} with "
                               f"model.family='{self.model.family}': its router has no expert bias to update")

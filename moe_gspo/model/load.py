@@ -64,9 +64,13 @@ def load_policy(path_or_config, groups, parallel: ParallelConfig | None = None, 
     if ckpt is not None:  # read and check everything before building anything
         mc = hf_io.model_config_from_hf(ckpt, mc)
         hf_state = hf_io.read_safetensors_dir(ckpt)
+    recompute = {}
+    if isinstance(path_or_config, Config):  # train.recompute shapes the layers megatron builds
+        recompute = dict(recompute=path_or_config.train.recompute,
+                         recompute_layers=path_or_config.train.recompute_layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        policy = MoEPolicy(mc, pc, groups)
+        policy = MoEPolicy(mc, pc, groups, **recompute)
     if hf_state is not None:
         try:
             policy.load_hf_state(hf_state)

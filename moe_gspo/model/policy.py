@@ -31,7 +31,7 @@ from moe_gspo.model import hf_io, hf_shards, te_names
 from moe_gspo.model.experts import per_expert_state
 from moe_gspo.model.layers import RMSNorm
 from moe_gspo.model.rope import yarn_inv_freq
-from moe_gspo.model.router import MoERouter, RoutingContext
+from moe_gspo.model.router import MoERouter, RecomputeBoundary, RoutingContext, active_routing, routing_scope
 from moe_gspo.model.routing_capture import PackedLayout, RoutingCapture
 from moe_gspo.model.spec import layer_specs, transformer_config
 
@@ -50,16 +50,33 @@ def compiled(fn, num_layers: int):
     return torch._dynamo.config.patch(**_DYNAMO_OPTIONS)(torch.compile(fn, recompile_limit=8 * num_layers))
 
 
+def _leave_marker(_decoder, args, kwargs):
+    """Forward pre-hook of the decoder under full recompute: its input's backward ends the recompute."""
+    ctx, recomputing = active_routing()
+    if ctx is not None and ctx.used is not None and not recomputing and "hidden_states" in kwargs:
+        kwargs = {**kwargs, "hidden_states": RecomputeBoundary.leave(kwargs["hidden_states"], ctx)}
+    return args, kwargs
+
+
+def _enter_marker(_decoder, _args, out):
+    """Forward hook of the decoder under full recompute: its output's backward starts the recompute."""
+    ctx, recomputing = active_routing()
+    if ctx is not None and ctx.used is not None and not recomputing and isinstance(out, torch.Tensor):
+        return RecomputeBoundary.enter(out, ctx)
+    return out
+
+
 class MoEPolicy(torch.nn.Module):
     """An MoE causal LM of one of the families (megatron-core) with batch-first inputs and explicit routing exposure."""
 
-    def __init__(self, mc: ModelConfig, pc: ParallelConfig, groups):
+    def __init__(self, mc: ModelConfig, pc: ParallelConfig, groups, recompute: str = "none",
+                 recompute_layers: int = 1):
         super().__init__()
         if mc.compile and (pc.tp > 1 or pc.ep > 1):  # collectives inside the compiled graphs are untested
             raise ConfigError(f"model.compile=true supports parallel.tp=1 and parallel.ep=1 only, "
                               f"got tp={pc.tp} ep={pc.ep}")
         self.model_config, self.parallel_config, self.groups = mc, pc, groups
-        self.config = transformer_config(mc, pc)
+        self.config = transformer_config(mc, pc, recompute, recompute_layers)
         block = TransformerBlockSubmodules(layer_specs=layer_specs(mc), layer_norm=RMSNorm)
         self.gpt = GPTModel(
             config=self.config, transformer_layer_spec=block, vocab_size=mc.vocab_size,
@@ -84,6 +101,9 @@ class MoEPolicy(torch.nn.Module):
         self.ep, self.ep_rank = groups.ep.size(), groups.ep.rank()
         if mc.compile:
             self.gpt.forward = compiled(self.gpt.forward, mc.num_hidden_layers)
+        if recompute == "full":  # the recomputed layers route as the first forward did (RecomputeBoundary)
+            self.gpt.decoder.register_forward_pre_hook(_leave_marker, with_kwargs=True)
+            self.gpt.decoder.register_forward_hook(_enter_marker)
 
     def mark_bias_reference(self) -> None:
         """Remember each router's current expert bias as the reference a bias_split capture compares with (routers
@@ -134,9 +154,7 @@ class MoEPolicy(torch.nn.Module):
     def _run(self, inp: _GPTInputs, return_hidden: bool, gather_logits: bool) -> torch.Tensor:
         """GPTModel on prepared inputs -> (b, s, H) hidden states after the final norm, or (b, s, V) logits
         (V/tp with gather_logits=False), batch-first; routers see the inputs' routing context meanwhile."""
-        for r in self.routers:
-            r.routing_context = inp.routing
-        try:
+        with routing_scope(inp.routing):
             if return_hidden:
                 self.gpt.post_process = False  # GPTModel returns the decoder output (after the final norm)
                 try:
@@ -151,9 +169,6 @@ class MoEPolicy(torch.nn.Module):
                                                                              group=self.groups.tp)
                 return h.transpose(0, 1)
             logits = self.gpt(inp.ids, inp.position_ids, inp.mask, packed_seq_params=inp.packed)  # (b, s, V/tp)
-        finally:
-            for r in self.routers:
-                r.routing_context = None
         if self.tp > 1 and gather_logits:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.groups.tp)
         return logits
@@ -167,7 +182,7 @@ class MoEPolicy(torch.nn.Module):
         dev = input_ids.device
         position_ids = torch.arange(Tp, device=dev).unsqueeze(0).expand(B, Tp)
         mask = torch.triu(torch.ones(Tp, Tp, dtype=torch.bool, device=dev), 1).view(1, 1, Tp, Tp)
-        ctx = self._routing_context(routing, B, T, Tp, dev) if routing is not None else None
+        ctx = self._routing_context(routing, B, T, Tp, dev)
         return _GPTInputs(input_ids, position_ids, mask, None, ctx, B, T)
 
     def _packed_inputs(self, input_ids: torch.Tensor, routing, lengths, pack_to: int) -> _GPTInputs:
@@ -191,12 +206,16 @@ class MoEPolicy(torch.nn.Module):
         psp.bounds = bounds  # read by the attention (seq_bounds) without a device sync per layer
         ids = torch.nn.functional.pad(input_ids.reshape(-1)[pos], (0, pad)).unsqueeze(0)  # (1, Np)
         position_ids = torch.cat([torch.arange(n, device=dev) for n in lengths + ([pad] if pad else [])])
-        ctx = None
-        if routing is not None:
-            ctx = self._routing_context(routing, B, T, N + pad, dev, packed=pos)
+        ctx = self._routing_context(routing, B, T, N + pad, dev, packed=pos)
         return _GPTInputs(ids, position_ids.unsqueeze(0), None, psp, ctx, B, T, pos)
 
-    def _routing_context(self, capture, B, T, Tp, dev, packed: torch.Tensor | None = None) -> RoutingContext:
+    def _routing_context(self, capture, B, T, Tp, dev, packed: torch.Tensor | None = None) -> RoutingContext | None:
+        """The forward's RoutingContext: with a capture, or to keep the experts used for a recomputed backward
+        (train.recompute='full', a training forward with gradient); else None."""
+        keep = self.config.recompute_granularity == "full" and self.gpt.training and torch.is_grad_enabled()
+        RecomputeBoundary.reset()
+        if capture is None:
+            return RoutingContext(None, None, B * T, (Tp, B, T), keep_used=True) if keep else None
         # Megatron's router sees (s, b) sequence-major tokens; under SP this rank holds s in [r*S, (r+1)*S).
         if packed is not None:  # one row of Tp packed tokens; layout: where each goes in the (B, T) frame
             local_pos = self._packed_positions(packed, B * T, Tp) if capture.replay is not None else None
@@ -212,7 +231,7 @@ class MoEPolicy(torch.nn.Module):
                 parts = [torch.empty_like(x) for _ in range(self.tp)]
                 dist.all_gather(parts, x.contiguous(), group=group)
                 return torch.cat(parts)
-        return RoutingContext(capture, local_pos, B * T, layout, gather)
+        return RoutingContext(capture, local_pos, B * T, layout, gather, keep_used=keep)
 
     def _packed_positions(self, pos: torch.Tensor, num_tokens: int, Np: int) -> torch.Tensor:
         """(Np/tp,) batch-major position of each packed token this rank's router sees (its sequence-parallel

@@ -19,10 +19,78 @@ megatron's (`local_tokens_per_expert`), and its update megatron's finalize_model
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
+
+
+_LIVE: ContextVar[RoutingContext | None] = ContextVar("moe_gspo_routing", default=None)
+_RECOMPUTING: list[RoutingContext] = []  # forwards whose layers the backward is recomputing, innermost last
+
+
+@contextmanager
+def routing_scope(ctx: RoutingContext | None):
+    """The routing context the routers of one forward read (a context variable, not a router attribute: nested
+    forwards each see their own, and a forward run again in the backward finds its context on RecomputeBoundary)."""
+    token = _LIVE.set(ctx)
+    try:
+        yield
+    finally:
+        _LIVE.reset(token)
+
+
+def active_routing() -> tuple[RoutingContext | None, bool]:
+    """(the routing context of the forward being computed, whether it is a recompute in the backward)."""
+    if _RECOMPUTING:
+        return _RECOMPUTING[-1], True
+    return _LIVE.get(), False
+
+
+class RecomputeBoundary:
+    """Autograd markers around a decoder whose layers megatron recomputes in the backward (train.recompute='full').
+    `enter` wraps the decoder's output: its backward, which runs before any layer's recompute, makes the forward's
+    context the recomputing one; `leave` wraps the decoder's input: its backward, after every layer's, ends it. In
+    between, each router finds the experts it used in the first forward (RoutingContext.used) and uses them again,
+    replayed, noised or live alike, without recording twice."""
+
+    class _Enter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, routing):
+            ctx.routing = routing
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            _RECOMPUTING.append(ctx.routing)
+            return g, None
+
+    class _Leave(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, routing):
+            ctx.routing = routing
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            if _RECOMPUTING and _RECOMPUTING[-1] is ctx.routing:
+                _RECOMPUTING.pop()
+            return g, None
+
+    @staticmethod
+    def enter(x: torch.Tensor, routing: RoutingContext) -> torch.Tensor:
+        return RecomputeBoundary._Enter.apply(x, routing)
+
+    @staticmethod
+    def leave(x: torch.Tensor, routing: RoutingContext) -> torch.Tensor:
+        return RecomputeBoundary._Leave.apply(x, routing)
+
+    @staticmethod
+    def reset() -> None:
+        """Forget recomputations a failed backward left open (called at every new forward)."""
+        _RECOMPUTING.clear()
 
 
 class RoutingContext:
@@ -38,8 +106,10 @@ class RoutingContext:
     """
 
     def __init__(self, capture, local_pos: torch.Tensor | None, num_tokens: int, layout: tuple[int, int, int],
-                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None, keep_used: bool = False):
         self.capture = capture
+        # layer -> the (N_local, k) experts this forward used, kept for its recompute in the backward (keep_used)
+        self.used: dict[int, torch.Tensor] | None = {} if keep_used else None
         self.local_pos = local_pos
         self.num_tokens = num_tokens
         self.layout = layout
@@ -55,13 +125,15 @@ class RoutingContext:
         return padded[self.local_pos]
 
     def replay(self, layer: int) -> torch.Tensor | None:
+        if self.capture is None:
+            return None
         idx = self.capture.replay_indices(layer)
         return None if idx is None else self._local_rows(idx, "routing replay", layer)
 
     def score_experts(self, layer: int, idx_NK: torch.Tensor) -> torch.Tensor | None:
         """(N_local, k) experts whose router scores the capture records for this layer (the given ones, the routed
         idx_NK where none is given), or None when it records no scores."""
-        if not self.capture.record_scores:
+        if self.capture is None or not self.capture.record_scores:
             return None
         given = self.capture.score_indices(layer)
         if given is None:
@@ -73,7 +145,7 @@ class RoutingContext:
                scores: torch.Tensor | None = None, bias_ref: torch.Tensor | None = None):
         """Hand this layer's (unsorted, sequence-major) routing to the capture; under TP gather the group's rows
         first (a collective, so every rank records in step)."""
-        if not self.capture.record:
+        if self.capture is None or not self.capture.record:
             return
         if self.gather is not None:
             idx, weights = self.gather(idx), self.gather(weights)
@@ -110,7 +182,7 @@ class RoutingNoise:
 class MoERouter(TopKRouter):
     """Top-k routing by the family's rule (module docstring), in float32.
 
-    With a RoutingContext set (`self.routing_context`, managed by the policy per forward), it replays given expert
+    With a RoutingContext active (`routing_scope`, entered by the policy for each forward), it replays given expert
     indices (the live scores still give the weights, so the router keeps its gradient) and records what it used,
     and, when the capture asks, the router scores of the routed or of given experts: log softmax(logits)[e]
     (softmax rule) or log sigmoid(logits[e]) (sigmoid rule), detached. With an expert bias and a capture that asks
@@ -127,7 +199,6 @@ class MoERouter(TopKRouter):
     scaling: float = 1.0
     moe_layer: int = 0
     bias_reference: torch.Tensor | None = None
-    routing_context: RoutingContext | None = None
 
     @property
     def sigmoid(self) -> bool:
@@ -171,19 +242,41 @@ class MoERouter(TopKRouter):
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         logits_NE = logits.reshape(-1, self.config.num_moe_experts).float()
-        ctx = self.routing_context
-        noise = None if ctx is None else getattr(ctx.capture, "noise", None)
+        ctx, recomputing = active_routing()
+        layer = self.moe_layer
+        if recomputing:  # the backward's recompute: the experts of the first forward, recorded there already
+            return self._routed(logits, logits_NE, ctx.used[layer].to(logits_NE.device), padding_mask)[:2]
+        capture = None if ctx is None else ctx.capture
+        noise = getattr(capture, "noise", None)
         with torch.no_grad():
             choice_NE = self.choice_scores(logits_NE)
             live_idx_NK = torch.topk(choice_NE, k=self.topk, dim=1).indices
         idx_NK = live_idx_NK
-        layer = self.moe_layer
         replayed = ctx.replay(layer) if ctx is not None else None
         if replayed is not None:
             idx_NK = torch.where(replayed < 0, live_idx_NK, replayed)
         elif noise is not None:
             with torch.no_grad():
                 idx_NK = noise.apply(choice_NE, self.topk)
+        probs_NE, routing_map_NE, w_NK = self._routed(logits, logits_NE, idx_NK, padding_mask)
+        if ctx is not None and ctx.used is not None:
+            ctx.used[layer] = idx_NK
+        if capture is not None:
+            score_idx_NK = ctx.score_experts(layer, idx_NK)
+            scores_NK = None if score_idx_NK is None else self.log_scores(logits_NE, score_idx_NK)
+            under_ref_bias = None
+            if self.enable_expert_bias and capture.bias_split and self.bias_reference is not None:
+                with torch.no_grad():
+                    under_ref_bias = self.choose(logits_NE, self.bias_reference)
+            differs = replayed is not None or noise is not None
+            ctx.record(layer, idx_NK, w_NK, live_idx_NK if differs else None, scores_NK, under_ref_bias)
+        return probs_NE, routing_map_NE
+
+    def _routed(self, logits, logits_NE, idx_NK, padding_mask):
+        """(probs (N, E), routing map (N, E), weights (N, k)) of experts idx_NK: the weights from the live logits
+        (the router's gradient flows through them), megatron's load-balancing loss and expert-bias token counts in
+        forwards with gradient (so once per step's forward: a checkpointed first forward runs without gradient, its
+        recompute with it)."""
         w_NK = self.weights(logits_NE, idx_NK)
         probs_NE = torch.zeros_like(logits_NE).scatter(1, idx_NK, w_NK)
         routing_map_NE = torch.zeros_like(logits_NE, dtype=torch.bool).scatter(1, idx_NK, True)
@@ -191,16 +284,7 @@ class MoERouter(TopKRouter):
             probs_NE = self.load_balancing_loss(logits, logits_NE, probs_NE, padding_mask)
         if self.enable_expert_bias:  # megatron's token counts for the bias update (forwards with gradient only)
             self._apply_expert_bias(routing_map_NE, padding_mask=padding_mask)
-        if ctx is not None:
-            score_idx_NK = ctx.score_experts(layer, idx_NK)
-            scores_NK = None if score_idx_NK is None else self.log_scores(logits_NE, score_idx_NK)
-            under_ref_bias = None
-            if self.enable_expert_bias and ctx.capture.bias_split and self.bias_reference is not None:
-                with torch.no_grad():
-                    under_ref_bias = self.choose(logits_NE, self.bias_reference)
-            differs = replayed is not None or noise is not None
-            ctx.record(layer, idx_NK, w_NK, live_idx_NK if differs else None, scores_NK, under_ref_bias)
-        return probs_NE, routing_map_NE
+        return probs_NE, routing_map_NE, w_NK
 
     def load_balancing_loss(self, logits, logits_NE, probs_NE, padding_mask):
         """megatron's load-balancing losses (model.moe_router_load_balancing_type) on the live router scores,

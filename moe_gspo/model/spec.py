@@ -39,10 +39,12 @@ def te_missing() -> str | None:
     return None
 
 
-def transformer_config(mc: ModelConfig, pc: ParallelConfig) -> TransformerConfig:
-    """Megatron's config for the model's architecture (see docs/architecture.md for each choice)."""
+def transformer_config(mc: ModelConfig, pc: ParallelConfig, recompute: str = "none",
+                       recompute_layers: int = 1) -> TransformerConfig:
+    """Megatron's config for the model's architecture (see docs/architecture.md for each choice), with activation
+    recompute as train.recompute names it."""
     dtype = torch.bfloat16 if mc.params_dtype == "bfloat16" else torch.float32
-    family = {}
+    family = _recompute(recompute, recompute_layers)
     if mc.router_sigmoid:  # the expert bias is megatron's buffer; the rule itself is MoERouter's
         family.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                       moe_router_bias_update_rate=0.0)
@@ -71,6 +73,17 @@ def _rope(mc: ModelConfig) -> dict:
                 original_max_position_embeddings=int(y["original_max_position_embeddings"]),
                 beta_fast=y.get("beta_fast", 32.0), beta_slow=y.get("beta_slow", 1.0),
                 mscale=y["mscale"] if both else 1.0, mscale_all_dim=y["mscale_all_dim"] if both else 0.0)
+
+
+def _recompute(mode: str, layers: int) -> dict:
+    """train.recompute in megatron's fields."""
+    if mode == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if mode == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=layers)
+    if mode != "none":
+        raise ValueError(f"recompute={mode!r} is not one of none, selective, full")
+    return {}
 
 
 def _gpt_oss(mc: ModelConfig) -> dict:

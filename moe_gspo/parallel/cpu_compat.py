@@ -32,6 +32,11 @@ megatron-core assumes CUDA in a handful of ways, each handled below:
    under tensor parallelism (the rotary key's gradient, partial per TP rank, is never summed; the TE spec's
    duplicated TELinear takes the path that sums it), so moe_gspo's MLA spec uses that Linear (model.spec).
 
+7. Activation recompute (`tensor_parallel.checkpoint`, megatron's full and selective recompute) saves and restores
+   the CUDA generator's state beside the CPU's with `_get_cuda_rng_state` / `_set_cuda_rng_state`, which call into
+   CUDA: without CUDA the first returns None and the second does nothing (the CPU generator, which CPU dropout
+   draws from, is saved and restored by megatron's own code).
+
 `apply()` is idempotent and cheap; it is called before a model, optimizer or checkpoint is built, so megatron modules
 imported lazily are scoped too. `check()` raises if a megatron upgrade moved a patched name
 (tests/test_cpu_compat.py runs it), so a version bump cannot silently un-patch anything.
@@ -216,6 +221,9 @@ def apply() -> None:
         from megatron.core.transformer.moe import token_dispatcher
 
         mrandom.model_parallel_cuda_manual_seed = _model_parallel_cpu_manual_seed
+        mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+        mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+        PATCHED["tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state"] = "None / no-op (no CUDA generator)"
         mrandom.CudaRNGStatesTracker.fork = _cpu_fork
         PATCHED["tensor_parallel.random.model_parallel_cuda_manual_seed"] = "CPU generator states"
         PATCHED["tensor_parallel.random.CudaRNGStatesTracker.fork"] = "CPU rng swap"
@@ -302,6 +310,7 @@ def check() -> None:
 
     missing = []
     for mod, name in ((mrandom, "model_parallel_cuda_manual_seed"), (mrandom, "CudaRNGStatesTracker"),
+                      (mrandom, "_get_cuda_rng_state"), (mrandom, "_set_cuda_rng_state"),
                       (mrandom, "_MODEL_PARALLEL_RNG_TRACKER_NAME"), (mrandom, "_DATA_PARALLEL_RNG_TRACKER_NAME"),
                       (mrandom, "_EXPERT_PARALLEL_RNG_TRACKER_NAME"), (moe_utils, "router_gating_linear"),
                       (token_dispatcher, "MoEAlltoAllTokenDispatcher"),

@@ -41,13 +41,14 @@ def test_sigkill_mid_run_resumes_and_matches_uninterrupted(tmp_path):
 
 @pytest.mark.slow
 def test_tp2_fused_logprobs_match_eager_and_an_rl_step_runs(tmp_path):
+    # a reward that spreads over a random policy's responses: every group has variance, so the step has a gradient
     overrides = TINY + ["model.num_key_value_heads=2", "parallel.tp=2", "train.steps=1", "train.cold_start_steps=1",
-                        "train.eval_every=1", "rollout.eval_prompts=5", "rollout.eval_samples=2"]
+                        "train.eval_every=1", "rollout.eval_prompts=5", "rollout.eval_samples=2",
+                        "rollout.reward=tests/data/spread_reward.py:compute_score"]
     run_torchrun(ROOT / "tests/dist/trainer_tp.py", "--out", tmp_path, *overrides)
-    assert (tmp_path / "ok").exists()
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    # a group with reward variance gives a non-zero advantage, hence a gradient
-    assert rec["grad_norm"] > 0 or rec["groups/with_variance"] == 0
+    assert float((tmp_path / "ok").read_text()) == rec["reward/mean"]  # the worker's train() returned this step
+    assert rec["groups/with_variance"] > 0 and rec["grad_norm"] > 0
     assert rec["rollout_probs_diff_max"] < 1e-4  # engine (full weights) == TP=2 trainer
     # the two TP ranks hold the same held-out responses: counted once
     assert rec["eval/prompts"] == 5 and 0 <= rec["eval/accuracy"] <= rec["eval/pass@2"] <= 1

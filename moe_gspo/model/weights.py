@@ -47,7 +47,7 @@ class WeightSource:
 
     config: dict  # HF config.json dict
     model_config = None  # moe_gspo.config.ModelConfig, where the source has one
-    device = torch.device("cpu")  # where the tensors `whole()` gives live
+    device = torch.device("cpu")  # where the tensors `whole()` gives live (engines compute on their rank's device)
     shards: TrainerLayout | None = None
     sliced = False  # True: the source delivers each engine rank its slices itself (moe_gspo.rollout.bridge)
     module = None  # a transformers model holding these weights, where the source is one

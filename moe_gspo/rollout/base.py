@@ -113,6 +113,12 @@ class RolloutEngine(ABC):
         anything is built; engines that run every config need not override it."""
 
 
+def local_device() -> torch.device:
+    """The device this rank's engine computes on: its current CUDA device, or the CPU. Never where the weights came
+    from: weights pushed to an engine rank arrive on the host."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _validate_prompts(prompts, n_per_prompt: int, vocab_size: int | None = None) -> None:
     if n_per_prompt < 1:
         raise ValueError(f"n_per_prompt={n_per_prompt} must be >= 1")

@@ -30,7 +30,8 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from moe_gspo.model.weights import weights_of
-from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
+from moe_gspo.rollout.base import (RolloutEngine, SamplingParams, _validate_prompts, local_device,
+                                   register_engine)
 from moe_gspo.rollout.batch import RolloutBatch
 from moe_gspo.rollout.weight_sync import copy_in_buckets
 
@@ -207,8 +208,8 @@ class HFEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, weights, rollout_cfg, tokenizer=None) -> HFEngine:
-        """Where the weights are, computing in rollout.engine_dtype."""
-        return cls(weights, tokenizer=tokenizer, device=weights.device,
+        """On this rank's device (rollout.base.local_device), computing in rollout.engine_dtype."""
+        return cls(weights, tokenizer=tokenizer, device=local_device(),
                    dtype=getattr(torch, rollout_cfg.engine_dtype), sync_bucket_bytes=rollout_cfg.sync_bucket_bytes)
 
     def update_weights(self, weights) -> None:

@@ -31,7 +31,7 @@ import copy
 
 import torch
 
-from moe_gspo.rollout.base import SamplingParams, register_engine
+from moe_gspo.rollout.base import SamplingParams, local_device, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
 from moe_gspo.rollout.hf_engine import HFEngine, _sample, greedy, moe_routers, nucleus
 
@@ -101,7 +101,7 @@ class StaticHFEngine(HFEngine):
 
     @classmethod
     def from_config(cls, weights, rollout_cfg, tokenizer=None) -> StaticHFEngine:
-        return cls(weights, tokenizer=tokenizer, device=weights.device,
+        return cls(weights, tokenizer=tokenizer, device=local_device(),
                    dtype=getattr(torch, rollout_cfg.engine_dtype), sync_bucket_bytes=rollout_cfg.sync_bucket_bytes,
                    cuda_graphs=rollout_cfg.cuda_graphs)
 

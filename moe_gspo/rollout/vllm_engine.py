@@ -67,7 +67,7 @@ from moe_gspo.config import ConfigError
 from moe_gspo.config.gpt_oss_vllm import gpt_oss_fields
 from moe_gspo.config.engine_families import vllm_family_mismatch
 from moe_gspo.model.weights import weights_of
-from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
+from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, local_device, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
 from moe_gspo.rollout.vllm_mla import attention_head_size, patch_cpu_rotary, refresh_latent_attention
 
@@ -190,7 +190,7 @@ class VLLMEngine(RolloutEngine):
         self.tp = int(tp)
         w = weights_of(weights)
         config_dict = w.config  # an engine of tp > 1 ranks reads no whole tensor: the sync moves slices
-        self.device = torch.device(device) if device is not None else w.device
+        self.device = torch.device(device) if device is not None else local_device()
         self.on_cuda = self.device.type == "cuda"
         check_options(config_dict, 1.0, self.on_cuda)
         self.config_dict = dict(config_dict)

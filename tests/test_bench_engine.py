@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+
+import pytest
 
 from helpers import ROOT
 
 
 def test_bench_engine_runs_on_the_cpu(tmp_path):
+    from moe_gspo.config import load_config
+    from moe_gspo.model.hf_io import hf_sources
+
     out = tmp_path / "bench_engine.json"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_engine.py"), "--config", "configs/tiny_cpu.yaml",
                         "--prompts", "2", "--group", "2", "--max-new-tokens", "4", "--repeats", "1",
@@ -23,9 +29,14 @@ def test_bench_engine_runs_on_the_cpu(tmp_path):
     res = json.loads(out.read_text())
     gen = res["generate"]
     assert [r["engine"] for r in gen["rows"]] == ["hf", "hf_static", "vllm"]
-    assert all(r["response_tokens_per_s"] > 0 and r["runs"][0]["response_tokens"] > 0 for r in gen["rows"])
+    # 2 prompts x 2 samples of at most 4 tokens each, and the rate is the tokens over the measured time
+    assert all(0 < r["runs"][0]["response_tokens"] <= 2 * 2 * 4 for r in gen["rows"])
+    assert all(r["response_tokens_per_s"] == pytest.approx(r["runs"][0]["response_tokens"] / r["runs"][0]["seconds"])
+               for r in gen["rows"])
     assert [r["greedy_identical_to_hf"] for r in gen["rows"][1:]] == [1.0, 1.0] and gen["compiled"] is False
-    assert res["sync_vllm"]["tensors"] > 0 and res["sync_vllm"]["median_s"] > 0
+    # the update writes every tensor of the policy's export once
+    assert res["sync_vllm"]["tensors"] == len(hf_sources(load_config(ROOT / "configs/tiny_cpu.yaml").model))
+    assert res["sync_vllm"]["median_s"] == pytest.approx(statistics.median(res["sync_vllm"]["seconds"]))
     rows = res["sync"]["rows"]
     assert [r["bucket_bytes"] for r in rows] == [0, 4096] and all(r["bit_equal"] for r in rows)
     assert rows[1]["copies"] < rows[0]["copies"]  # small tensors share buckets

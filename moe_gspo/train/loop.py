@@ -64,7 +64,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
     _check_run_dir(run_dir, resume, overwrite)
     with RunLock.held(run_dir, active=data.world_rank() == 0):  # one run per directory
         try:
-            run = Run.setup(cfg, run_dir, task, engine, init_state, resume, label, overwrite, roles, tok=tok)
+            run = Run.setup(cfg, run_dir=run_dir, task=task, engine=engine, init_state=init_state, resume=resume,
+                            label=label, overwrite=overwrite, roles=roles, tok=tok)
             m: dict[str, float] = {}
             for step in range(run.start, cfg.train.steps):
                 m = rl_step(run, step)
@@ -156,7 +157,7 @@ class Run:
     async_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last received batch's
 
     @classmethod
-    def setup(cls, cfg, run_dir, task, engine, init_state, resume, label, overwrite=False, roles=None, *,
+    def setup(cls, cfg, *, run_dir, task, engine, init_state, resume, label, overwrite=False, roles=None,
               tok) -> Run:
         """Build the run in `run_dir` (train() has checked and locked it) from `tok` and `task` as preflight
         returns them."""

@@ -90,10 +90,10 @@ def file_items(state: Mapping[str, torch.Tensor], model_type: str):
         for key, name in zip(state, file_keys(dict.fromkeys(state), model_type)):
             yield name, state[key]
         return
-    expected = Counter(m["pre"] for m in map(_PER_EXPERT.match, state) if m)  # each layer's expert tensors
+    expected = Counter(m["pre"] for m in map(PER_EXPERT_KEY.match, state) if m)  # each layer's expert tensors
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for key in state:
-        m = _PER_EXPERT.match(key)
+        m = PER_EXPERT_KEY.match(key)
         if m is None:
             yield key, state[key]
             continue
@@ -103,7 +103,23 @@ def file_items(state: Mapping[str, torch.Tensor], model_type: str):
             yield from _fused_experts(pending.pop(m["pre"])).items()
 
 
-_PER_EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<kind>weight|bias)$")
+PER_EXPERT_KEY = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                            r"\.(?P<kind>weight|bias)$")
+"""A routed expert's projection (or its bias) under the package's per-expert names."""
+
+
+def fused_expert_view(fused: torch.Tensor, e: int, proj: str, interleaved: bool) -> torch.Tensor:
+    """Expert e's gate_proj, up_proj or down_proj weight (or bias) as a view of a fused expert tensor, in the
+    per-expert layout: weights (out, in), biases (out,). Fused (transformers 5's in-memory layout): (E, 2I, H) gate
+    rows over up rows and (E, H, I); interleaved (GPT-OSS's files and model): (E, H, 2I) / (E, 2I) with gate and up
+    alternating, and (E, I, H) / (E, H)."""
+    if not interleaved:
+        inter = fused.shape[1] // 2
+        return {"down_proj": fused[e], "gate_proj": fused[e, :inter], "up_proj": fused[e, inter:]}[proj]
+    x = fused[e]
+    if proj != "down_proj":
+        x = x[..., 0::2] if proj == "gate_proj" else x[..., 1::2]
+    return x.t() if x.dim() == 2 else x
 
 
 def _fused_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -111,11 +127,11 @@ def _fused_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     docstring); every expert of a layer must be there."""
     out, layers = {}, {}
     for k, v in tensors.items():
-        m = _PER_EXPERT.match(k)
+        m = PER_EXPERT_KEY.match(k)
         if m is None:
             out[k] = v
         else:
-            layers.setdefault(m["pre"], {})[(int(m["e"]), m["proj"], m["kind"])] = v
+            layers.setdefault(m["pre"], {})[(int(m["e"]), m["proj"][:-len("_proj")], m["kind"])] = v
     for pre, parts in layers.items():
         E = 1 + max(e for e, _, _ in parts)
         if len(parts) != 6 * E:
@@ -142,13 +158,14 @@ def _per_expert(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 out[k] = v
             continue
         pre = k[:-len(".gate_up_proj")]
+        fused = {("gate_proj", "weight"): v, ("up_proj", "weight"): v,
+                 ("gate_proj", "bias"): tensors[pre + ".gate_up_proj_bias"],
+                 ("up_proj", "bias"): tensors[pre + ".gate_up_proj_bias"],
+                 ("down_proj", "weight"): tensors[pre + ".down_proj"],
+                 ("down_proj", "bias"): tensors[pre + ".down_proj_bias"]}
         for e in range(v.shape[0]):
-            x = f"{pre}.{e}."
-            out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = v[e, :, 0::2].t(), v[e, :, 1::2].t()
-            b = tensors[pre + ".gate_up_proj_bias"][e]
-            out[x + "gate_proj.bias"], out[x + "up_proj.bias"] = b[0::2], b[1::2]
-            out[x + "down_proj.weight"] = tensors[pre + ".down_proj"][e].t()
-            out[x + "down_proj.bias"] = tensors[pre + ".down_proj_bias"][e]
+            for (proj, kind), f in fused.items():
+                out[f"{pre}.{e}.{proj}.{kind}"] = fused_expert_view(f, e, proj, interleaved=True)
     return out
 
 

@@ -21,7 +21,6 @@ used as given (weights shared, not copied).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from contextlib import contextmanager
 
@@ -29,14 +28,12 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from moe_gspo.model.hf_io import PER_EXPERT_KEY, fused_expert_view
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import (RolloutEngine, SamplingParams, _validate_prompts, local_device,
                                    register_engine)
 from moe_gspo.rollout.batch import RolloutBatch
 from moe_gspo.rollout.weight_sync import copy_in_buckets
-
-_EXPERT_KEY = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-                         r"\.(?P<kind>weight|bias)$")
 
 
 # ---------------------------------------------------------------------------------------------------------- weights
@@ -58,14 +55,14 @@ def _destinations(model, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[t
         if key in params:
             dests.append((params[key], key))
             continue
-        m = _EXPERT_KEY.match(key)
+        m = PER_EXPERT_KEY.match(key)
         name = None if m is None else (f"{m['pre']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
                                        f"{'_bias' if m['kind'] == 'bias' else ''}")
         fused = params.get(name) if name else None
         if fused is None:
             unused.append(key)
             continue
-        dests.append((_expert_view(fused, int(m["e"]), m["proj"], interleaved), key))
+        dests.append((fused_expert_view(fused, int(m["e"]), m["proj"], interleaved), key))
         pieces.setdefault(name, set()).add((int(m["e"]), m["proj"]))
     covered = {k for k in state_dict if k in params}
     for name, got in pieces.items():  # a fused tensor is covered once every expert's pieces are there
@@ -81,19 +78,6 @@ def _destinations(model, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[t
         raise KeyError(f"exported state dict does not match the HF model: missing {missing[:8]}"
                        f"{'...' if len(missing) > 8 else ''}, unused {unused[:8]}{'...' if len(unused) > 8 else ''}")
     return dests
-
-
-def _expert_view(fused: torch.Tensor, e: int, proj: str, interleaved: bool) -> torch.Tensor:
-    """Expert e's gate, up or down projection (or bias) as a view of a fused expert tensor, in the per-expert
-    layout: weights (out, in), biases (out,)."""
-    if not interleaved:  # (E, 2I, H) gate rows over up rows, (E, H, I)
-        inter = fused.shape[1] // 2
-        return {"down_proj": fused[e], "gate_proj": fused[e, :inter], "up_proj": fused[e, inter:]}[proj]
-    x = fused[e]  # GPT-OSS: (H, 2I) / (2I,) gate, up, gate, ...; (I, H) / (H,)
-    if proj == "down_proj":
-        return x.t() if x.dim() == 2 else x
-    cols = x[..., 0::2] if proj == "gate_proj" else x[..., 1::2]
-    return cols.t() if cols.dim() == 2 else cols
 
 
 @torch.no_grad()

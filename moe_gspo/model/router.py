@@ -56,36 +56,29 @@ class RecomputeBoundary:
     between, each router finds the experts it used in the first forward (RoutingContext.used) and uses them again,
     replayed, noised or live alike, without recording twice."""
 
-    class _Enter(torch.autograd.Function):
+    class _Marker(torch.autograd.Function):
+        """Identity whose backward opens (enter) or closes (leave) the recompute of `routing`'s forward."""
+
         @staticmethod
-        def forward(ctx, x, routing):
-            ctx.routing = routing
+        def forward(ctx, x, routing, opens):
+            ctx.routing, ctx.opens = routing, opens
             return x.view_as(x)
 
         @staticmethod
         def backward(ctx, g):
-            _RECOMPUTING.append(ctx.routing)
-            return g, None
-
-    class _Leave(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, routing):
-            ctx.routing = routing
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            if _RECOMPUTING and _RECOMPUTING[-1] is ctx.routing:
+            if ctx.opens:
+                _RECOMPUTING.append(ctx.routing)
+            elif _RECOMPUTING and _RECOMPUTING[-1] is ctx.routing:
                 _RECOMPUTING.pop()
-            return g, None
+            return g, None, None
 
     @staticmethod
     def enter(x: torch.Tensor, routing: RoutingContext) -> torch.Tensor:
-        return RecomputeBoundary._Enter.apply(x, routing)
+        return RecomputeBoundary._Marker.apply(x, routing, True)
 
     @staticmethod
     def leave(x: torch.Tensor, routing: RoutingContext) -> torch.Tensor:
-        return RecomputeBoundary._Leave.apply(x, routing)
+        return RecomputeBoundary._Marker.apply(x, routing, False)
 
     @staticmethod
     def reset() -> None:

@@ -3,7 +3,20 @@ tests load (tests/test_families.py, tests/test_deepseek.py, tests/test_vllm_fami
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+
+
+def config_with(checkpoint, dest, field: str, value) -> Path:
+    """`dest` holding `checkpoint`'s config.json with `field` set to `value` (no weights: what a config-load refusal
+    reads). Returns dest."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**config, field: value}))
+    return dest
 
 
 def _redrawn_and_saved(model, path, expert_bias: bool = False, biases: bool = False, norms: tuple[str, ...] = ()):

@@ -5,11 +5,10 @@ and the gradient's, and the checkpoint fields it does not implement refused in o
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
-from family_checkpoints import deepseek_v3_checkpoint
+from family_checkpoints import config_with, deepseek_v3_checkpoint
 from helpers import records, tiny_cfg
 
 
@@ -230,11 +229,8 @@ def test_a_run_with_the_bias_update_resumes_exactly(checkpoint, tmp_path):
 def test_what_a_deepseek_checkpoint_asks_and_the_policy_lacks_is_refused(checkpoint, tmp_path, field, value, needle):
     from moe_gspo.config import ConfigError
 
-    d, _ = checkpoint
-    c = json.loads((d / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**c, field: value}))
     with pytest.raises(ConfigError, match=needle):
-        tiny_cfg(f"model.init_from={tmp_path}")
+        tiny_cfg(f"model.init_from={config_with(checkpoint[0], tmp_path, field, value)}")
 
 
 @pytest.mark.parametrize("over,needle", [

@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from family_checkpoints import CHECKPOINTS, mixtral_checkpoint
+from family_checkpoints import CHECKPOINTS, config_with, mixtral_checkpoint
 from helpers import ROOT, records, run_torchrun, tiny_cfg
 
 
@@ -103,13 +103,8 @@ def test_rl_steps_with_r3_on_the_hf_engines_then_export(family, tmp_path, engine
 def test_what_a_mixtral_checkpoint_asks_and_the_policy_lacks_is_refused(mixtral, tmp_path, field, value, needle):
     from moe_gspo.config import ConfigError
 
-    d, _ = mixtral
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    c = json.loads((d / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**c, field: value}))
     with pytest.raises(ConfigError, match=needle):
-        tiny_cfg(f"model.init_from={bad}")
+        tiny_cfg(f"model.init_from={config_with(mixtral[0], tmp_path / 'bad', field, value)}")
 
 
 def test_the_sglang_engine_refuses_the_other_families(family):

@@ -5,12 +5,11 @@ load in one line."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
-from family_checkpoints import gpt_oss_checkpoint
+from family_checkpoints import config_with, gpt_oss_checkpoint
 from helpers import tiny_cfg
 
 
@@ -85,11 +84,8 @@ def test_experts_default_to_the_torch_loop_and_others_are_refused(checkpoint):
 def test_what_a_gpt_oss_checkpoint_asks_and_the_policy_lacks_is_refused(checkpoint, tmp_path, field, value, needle):
     from moe_gspo.config import ConfigError
 
-    d, _ = checkpoint
-    c = json.loads((d / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**c, field: value}))
     with pytest.raises(ConfigError, match=needle):
-        tiny_cfg(f"model.init_from={tmp_path}")
+        tiny_cfg(f"model.init_from={config_with(checkpoint[0], tmp_path, field, value)}")
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -214,6 +214,10 @@ def _preflight(command: list[str]):
     args = build_parser().parse_args(command)
     if args.command in PREFLIGHT and getattr(args, "config", None):
         cfg = load_config(args.config, args.overrides)
+        if args.command != "train-lm":
+            from moe_gspo.train.data import check_names
+
+            check_names(cfg)  # the engine's capabilities; the world size is checked on the ranks
         if args.command == "train":
             run_dir = Path(args.out or cfg.train.out_dir)
             return lambda resume: resume_hint(run_dir, resume)

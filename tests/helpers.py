@@ -107,6 +107,16 @@ def tiny_cfg(*overrides):
     return load_config(ROOT / "configs/train_tiny_cpu.yaml", TINY + list(overrides))
 
 
+def checked_cfg(*overrides):
+    """tiny_cfg, then the checks every entry point runs before building anything (the rollout engine's declared
+    capabilities among them: moe_gspo.train.data.check_names)."""
+    from moe_gspo.train.data import check_names
+
+    cfg = tiny_cfg(*overrides)
+    check_names(cfg)
+    return cfg
+
+
 def records(run_dir):
     import json
 

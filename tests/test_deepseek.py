@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from family_checkpoints import config_with, deepseek_v3_checkpoint
-from helpers import records, tiny_cfg
+from helpers import checked_cfg, records, tiny_cfg
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +243,7 @@ def test_what_the_run_cannot_do_with_deepseek_is_refused(checkpoint, over, needl
     from moe_gspo.config import ConfigError
 
     with pytest.raises(ConfigError, match=needle):
-        tiny_cfg(f"model.init_from={checkpoint[0]}", *over)
+        checked_cfg(f"model.init_from={checkpoint[0]}", *over)
 
 
 def test_a_bias_update_rate_needs_an_expert_bias():

@@ -115,15 +115,20 @@ def test_stale_shared_memory_of_dead_jobs_is_removed(tmp_path):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("rollout.engine_tp=2", "rollout.engine_tp=2 needs rollout.engine=vllm"),
+    ("rollout.engine_tp=2", "rollout.engine_tp=2 with rollout.engine=hf: it runs on one rank; the tensor-parallel "
+                            "engines are vllm"),
     ("rollout.engine_ep=true", "rollout.engine_ep=true needs rollout.engine_tp > 1"),
     ("rollout.engine_tp=0", "rollout.engine_tp=0 must be > 0"),
-    ("rollout.engine_sleep=true", "rollout.engine_sleep=true needs rollout.engine=vllm"),
+    ("rollout.engine_sleep=true", "rollout.engine_sleep=true with rollout.engine=hf: it has no sleep mode; the "
+                                  "engines with one are vllm"),
+    ("rollout.placement=separate rollout.engine_ranks=1 rollout.engine=sglang",
+     "rollout.placement=separate with rollout.engine=sglang: it does not run on ranks of its own; the engines that "
+     "do are hf, hf_static, vllm"),
 ])
 def test_engine_tp_config_errors_are_one_line(capsys, tmp_path, override, needle):
     from moe_gspo.cli import main
 
-    code = main(["train", "--config", str(ROOT / "configs/train_tiny_cpu.yaml"), override,
+    code = main(["train", "--config", str(ROOT / "configs/train_tiny_cpu.yaml"), *override.split(),
                  f"train.out_dir={tmp_path}/run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and needle in err[0], err
@@ -145,7 +150,7 @@ def test_engine_ep_and_world_size_refused_on_cpu(capsys, tmp_path):
     assert len(err) == 1 and "rollout.engine_sleep=true is a GPU path" in err[0], err
     assert main(base + ["rollout.engine_sleep=true", "rollout.placement=separate", "rollout.engine_ranks=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "needs rollout.engine=vllm with rollout.placement=colocated" in err[0], err
+    assert len(err) == 1 and "rollout.engine_sleep=true needs rollout.placement=colocated" in err[0], err
     assert main(base + ["rollout.engine_tp=2"]) == 2  # one process: world size 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "rollout.engine_tp=2 does not divide the world size 1" in err[0], err

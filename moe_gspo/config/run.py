@@ -7,7 +7,6 @@ from typing import Any, ClassVar
 
 from moe_gspo.config.algorithm import AlgorithmConfig
 from moe_gspo.config.checks import ConfigError, choice, positive
-from moe_gspo.config.engine_families import check_engine_family
 from moe_gspo.config.hf_config import model_config_from_hf
 from moe_gspo.config.model import ModelConfig, ParallelConfig, architecture_changes
 
@@ -123,17 +122,10 @@ class RolloutConfig:
         positive(self, "engine_tp")
         if not 0 < self.engine_gpu_memory < 1:
             raise ConfigError(f"rollout.engine_gpu_memory={self.engine_gpu_memory} must be in (0, 1)")
-        if self.engine_tp > 1 and self.engine != "vllm":
-            raise ConfigError(f"rollout.engine_tp={self.engine_tp} needs rollout.engine=vllm (got {self.engine!r}): "
-                              "only the vLLM engine runs tensor-parallel")
         if self.engine_ep and self.engine_tp == 1:
             raise ConfigError("rollout.engine_ep=true needs rollout.engine_tp > 1 (the engine's experts are spread "
                               "over its tensor-parallel ranks)")
         choice(self, "placement", ("colocated", "separate"))
-        if self.engine_sleep and (self.engine != "vllm" or self.placement != "colocated"):
-            raise ConfigError(f"rollout.engine_sleep=true needs rollout.engine=vllm with rollout.placement=colocated "
-                              f"(got engine {self.engine!r}, placement {self.placement!r}): only a vLLM engine that "
-                              "shares its GPU with the trainer has memory to give back")
         if self.placement == "separate":
             if self.engine_ranks < 1:
                 raise ConfigError(f"rollout.engine_ranks={self.engine_ranks} must be >= 1 with "
@@ -141,9 +133,6 @@ class RolloutConfig:
             if self.engine_ranks % self.engine_tp:
                 raise ConfigError(f"rollout.engine_tp={self.engine_tp} does not divide rollout.engine_ranks="
                                   f"{self.engine_ranks}: the engine ranks form engines of rollout.engine_tp ranks")
-            if self.engine not in ("vllm", "hf", "hf_static"):
-                raise ConfigError(f"rollout.placement=separate runs rollout.engine=vllm, hf or hf_static, not "
-                                  f"{self.engine!r}")
         elif self.engine_ranks:
             raise ConfigError(f"rollout.engine_ranks={self.engine_ranks} needs rollout.placement=separate")
         if not self.bridge_timeout_s > 0:
@@ -396,7 +385,6 @@ class Config:
             resolved = model_config_from_hf(self.model.init_from, self.model)
             self.checkpoint_overrides = architecture_changes(self.model, resolved)
             self.model = resolved
-        check_engine_family(self.model, self.rollout)
         if self.train.recompute == "full" and self.train.recompute_layers > self.model.num_hidden_layers:
             raise ConfigError(f"train.recompute_layers={self.train.recompute_layers} exceeds "
                               f"model.num_hidden_layers={self.model.num_hidden_layers}")

@@ -59,10 +59,21 @@ class SamplingParams:
 class RolloutEngine(ABC):
     """Samples groups of responses from the current policy weights."""
 
+    # What an engine can do, declared once per class and checked before anything is built (check_engine): the
+    # trainer asks these, never an engine's name.
     takes_slices: ClassVar[bool] = False
     """Whether the engine loads a sliced WeightSource (`sliced` true: each engine rank holds its own slices of each
     trainer shard). On engine ranks of their own (rollout.placement=separate), such an engine is pushed the slices
     of every trainer rank's parameters; any other gets whole tensors from trainer rank 0."""
+    tensor_parallel: ClassVar[bool] = False
+    """Whether one engine spans several ranks (rollout.engine_tp > 1, any size that divides its ranks); else 1."""
+    can_sleep: ClassVar[bool] = False
+    """Whether sleep() gives device memory back while its ranks train (rollout.engine_sleep)."""
+    runs_separate: ClassVar[bool] = False
+    """Whether it can run on engine ranks of their own, fed weights pushed from the trainer
+    (rollout.placement=separate)."""
+    families: ClassVar[tuple[str, ...] | None] = None
+    """The model families (model.family) it serves; None: every family the trainer loads."""
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,
@@ -109,8 +120,9 @@ class RolloutEngine(ABC):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Raise ConfigError (one line naming the field) for what this engine cannot run in a run's Config, before
-        anything is built; engines that run every config need not override it."""
+        """Raise ConfigError (one line naming the field) for what this engine cannot run in a run's Config beyond
+        its declared capabilities (check_engine checks those first); engines that run every config need not
+        override it."""
 
 
 def local_device() -> torch.device:
@@ -155,6 +167,52 @@ def build_engine(name: str, weights, **kwargs) -> RolloutEngine:
     """The engine registered as `name`, holding the weights of `weights` (a WeightSource, a policy or a transformers
     model); an unknown name lists the valid ones."""
     return engine_class(name)(weights, **kwargs)
+
+
+def check_engine(cfg, world: int | None = None) -> None:
+    """ConfigError (one line naming the field) for a run the engine `cfg.rollout.engine` names cannot serve: its
+    declared capabilities against rollout.engine_tp, engine_sleep, placement and model.family, then the engine's own
+    check_config. `world`: the job's ranks, when known, which colocated engines of rollout.engine_tp ranks must
+    divide. Called once per run, after the config is loaded and before anything is built."""
+    from moe_gspo.config import ConfigError
+
+    rc, name = cfg.rollout, cfg.rollout.engine
+    if name not in ENGINES:
+        raise ConfigError(f"rollout.engine={name!r} is not one of {sorted(ENGINES)}")
+    cls = ENGINES[name]
+
+    def able(attr: str) -> str:
+        return ", ".join(sorted(n for n, c in ENGINES.items() if getattr(c, attr))) or "none"
+
+    if rc.engine_tp > 1 and not cls.tensor_parallel:
+        raise ConfigError(f"rollout.engine_tp={rc.engine_tp} with rollout.engine={name}: it runs on one rank; the "
+                          f"tensor-parallel engines are {able('tensor_parallel')}")
+    if rc.engine_sleep and not cls.can_sleep:
+        raise ConfigError(f"rollout.engine_sleep=true with rollout.engine={name}: it has no sleep mode; the engines "
+                          f"with one are {able('can_sleep')}")
+    if rc.engine_sleep and rc.placement != "colocated":
+        raise ConfigError(f"rollout.engine_sleep=true needs rollout.placement=colocated (got {rc.placement!r}): "
+                          "only an engine that shares its device with the trainer has memory to give back")
+    if rc.placement == "separate" and not cls.runs_separate:
+        raise ConfigError(f"rollout.placement=separate with rollout.engine={name}: it does not run on ranks of its "
+                          f"own; the engines that do are {able('runs_separate')}")
+    if cls.families is not None and cfg.model.family not in cls.families:
+        every = " or ".join(sorted(n for n, c in ENGINES.items() if c.families is None))
+        raise ConfigError(f"rollout.engine={name} serves model.family in {list(cls.families)} only; for "
+                          f"model.family='{cfg.model.family}' use rollout.engine={every}")
+    cls.check_config(cfg)
+    if world is not None and rc.placement == "colocated":
+        replicas(world, rc.engine_tp)
+
+
+def replicas(world: int, engine_tp: int) -> list[list[int]]:
+    """The ranks of each engine when the world's ranks form engines of engine_tp consecutive ranks: [[0..tp-1],
+    [tp..2tp-1], ...]; ConfigError when engine_tp does not divide the world."""
+    if world % engine_tp:
+        from moe_gspo.config import ConfigError
+
+        raise ConfigError(f"rollout.engine_tp={engine_tp} does not divide the world size {world}")
+    return [list(range(r * engine_tp, (r + 1) * engine_tp)) for r in range(world // engine_tp)]
 
 
 def engine_from_config(rollout_cfg, weights, tokenizer=None) -> RolloutEngine:

@@ -177,6 +177,8 @@ def _sample(logits_BV: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -
 class HFEngine(RolloutEngine):
     """transformers generation on the current policy weights (CPU by default, fp32)."""
 
+    runs_separate = True
+
     def __init__(self, weights=None, tokenizer=None, eos_token_id: int | None = None, pad_token_id: int = 0,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  attn_implementation: str = "sdpa", sync_bucket_bytes: int = 0):

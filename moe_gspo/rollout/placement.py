@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from moe_gspo.rollout.base import RolloutEngine, SamplingParams
+from moe_gspo.rollout.base import RolloutEngine, SamplingParams, replicas
 from moe_gspo.rollout.batch import RolloutBatch
 
 
@@ -41,11 +41,9 @@ class EnginePlacement:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return cls(engine_tp, 0, [dp_rank], [0], None, None)
         rank, world = dist.get_rank(), dist.get_world_size()
-        if world % engine_tp:
-            raise ValueError(f"rollout.engine_tp={engine_tp} does not divide the world size {world}")
+        replica_ranks = replicas(world, engine_tp)
         dp_of = [None] * world
         dist.all_gather_object(dp_of, dp_rank)
-        replicas = [list(range(r * engine_tp, (r + 1) * engine_tp)) for r in range(world // engine_tp)]
         first = {}
         for g in range(world):
             first.setdefault(dp_of[g], g)
@@ -53,12 +51,12 @@ class EnginePlacement:
         serves = sorted(d for d, g in first.items() if g // engine_tp == mine)
         replica_group = None
         if engine_tp > 1:
-            groups = [dist.new_group(r) for r in replicas]  # every rank creates every group
+            groups = [dist.new_group(r) for r in replica_ranks]  # every rank creates every group
             replica_group = groups[mine]
         tp_ranks = list(range(world)) if tp_group is None else dist.get_process_group_ranks(tp_group)
         tp_ranks = [g for g in tp_ranks if dp_of[g] == dp_rank]
         spans = len({g // engine_tp for g in tp_ranks}) > 1
-        return cls(engine_tp, rank, serves, replicas[mine], replica_group, tp_group if spans else None,
+        return cls(engine_tp, rank, serves, replica_ranks[mine], replica_group, tp_group if spans else None,
                    min(tp_ranks))
 
     def generate(self, engine: RolloutEngine, parts: dict[int, tuple[list[list[int]], SamplingParams]],

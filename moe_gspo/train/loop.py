@@ -47,6 +47,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
 
     A run directory that holds a previous run (metrics or checkpoints) is continued with resume=True (from its
     newest complete checkpoint), replaced with overwrite=True, and otherwise refused."""
+    # names and the engine's declared capabilities, on every rank before the job splits (colocated engines spread
+    # over the whole world)
+    data.check_names(cfg, data.world_size() if cfg.rollout.placement == "colocated" else None)
     roles = None
     if cfg.rollout.placement == "separate":  # the job's last rollout.engine_ranks ranks only sample
         from moe_gspo.rollout.bridge import split_job
@@ -79,19 +82,15 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
 
 
 def preflight(cfg: Config, task, roles) -> tuple:
-    """(tokenizer, task) after every check that needs nothing built: names, sizes, the batch layout, the prompts'
-    chat template, W&B; raises the first UserError."""
+    """(tokenizer, task) after every check that needs nothing built beyond the names train() checked: sizes, the
+    batch layout, the prompts' chat template, W&B; raises the first UserError."""
     from moe_gspo.parallel.state import validate_sizes
 
     tok = data.build_tokenizer(cfg)
-    data.check_names(cfg)
     WandbRun.check(cfg.logging.wandb_project)
     validate_sizes(cfg.parallel, data.world_size(), cfg.model.num_experts, cfg.model.num_key_value_heads,
                    None if cfg.model.init_from else cfg.model.vocab_size)
     data.check_layout(cfg, data.world_size() // cfg.parallel.tp)
-    if roles is None and data.world_size() % cfg.rollout.engine_tp:
-        raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} does not divide the world size "
-                          f"{data.world_size()}")
     task = task or task_from_config(cfg.rollout)
     data.check_prompts(cfg, task, tok)
     return tok, task

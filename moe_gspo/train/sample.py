@@ -25,6 +25,7 @@ def rollout_command(config: str | None, run_dir: str | None, overrides: list[str
     from moe_gspo.model.load import init_parallel, load_policy
     from moe_gspo.config import ConfigError, load_config
     from moe_gspo.train.checkpoint import Checkpoints
+    from moe_gspo.train.data import check_names
 
     if num_prompts < 1:
         raise UserError(f"--num-prompts={num_prompts} must be >= 1")
@@ -35,6 +36,7 @@ def rollout_command(config: str | None, run_dir: str | None, overrides: list[str
         cfg = load_config(run / "config.yaml", overrides)
     else:
         cfg = load_config(config, overrides)
+    check_names(cfg)
     policy = load_policy(cfg, init_parallel(cfg))
     if run_dir is not None:
         ckpts = Checkpoints(Path(run_dir) / "checkpoints")

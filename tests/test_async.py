@@ -21,12 +21,20 @@ import torch.distributed as dist
 from helpers import ROOT, descendants, free_port, kill_tree, records
 from moe_gspo.config import ModelConfig
 from moe_gspo.model.weights import WeightSource
-from moe_gspo.rollout.bridge import (BridgeError, PushedShards, PushedWeights, ReceivedState, Roles, ShardPush,
+from moe_gspo.rollout.bridge import (BridgeError, Hello, PushedShards, PushedWeights, ReceivedState, Roles, ShardPush,
                                      TrainerCoords, WeightPush, bucket_plan, shard_plan)
 
 MC = ModelConfig(vocab_size=130, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                  max_position_embeddings=64)
+
+
+def test_the_handshake_travels_as_one_int64_tensor_and_comes_back_whole():
+    hello = Hello(dp_rank=3, start=17, dp=4, tp_rank=1, ep_rank=0)
+    t = hello.to_tensor()
+    assert t.dtype == torch.int64 and t.tolist() == [3, 17, 4, 1, 0]
+    assert Hello.from_tensor(t) == hello
+    assert Hello.from_tensor(Hello().to_tensor()) == Hello(-1, -1, -1, -1, -1)  # an engine rank's
 
 
 def test_bucket_plan_keeps_the_order_and_the_bound():

@@ -298,7 +298,8 @@ def rollout_batch(cfg, B=5, T=9, seed=0):
     lengths = torch.tensor([9, 6, 8, 9, 4][:B])
     att = torch.arange(T)[None] < lengths[:, None]
     resp = att & (torch.arange(T)[None] >= 3)
-    return SimpleNamespace(input_ids=ids, attention_mask=att, response_mask=resp, routing=None)
+    return SimpleNamespace(input_ids=ids, attention_mask=att, response_mask=resp, routing=None,
+                           sample_ids=torch.arange(B))
 
 
 def test_recorded_scores_are_router_log_probs_of_the_routed_experts(tiny):
@@ -358,15 +359,15 @@ def test_step_weight_is_one_without_an_update_and_below_one_after_the_router_mov
     pb = rollout_batch(cfg)
     B = pb.input_ids.shape[0]
     ctx = make_ctx(cfg, policy)
-    sids, adv = torch.arange(B), torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0])
-    old = old_logprob_pass(ctx, pb, sids)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0])
+    old = old_logprob_pass(ctx, pb)
     mc = cfg.model
     assert old.router.bytes_per_token() == mc.num_hidden_layers * mc.num_experts_per_tok * 3  # uint8 + fp16
-    m = update_minibatch(ctx, pb, old, adv, sids, torch.arange(B))  # same weights, same batch layout
+    m = update_minibatch(ctx, pb, old, adv, torch.arange(B))  # same weights, same batch layout
     assert m["moe/router_shift_mean"] == 1 and m["moe/router_shift_min"] == 1
     assert m["ratio_min"] == m["ratio_max"] == 1
     perturb_routers(policy)
-    m = update_minibatch(ctx, pb, old, adv, sids, torch.tensor([3, 0, 4, 1, 2]))  # shuffled rows
+    m = update_minibatch(ctx, pb, old, adv, torch.tensor([3, 0, 4, 1, 2]))  # shuffled rows
     assert 0.3 < m["moe/router_shift_p10"] <= m["moe/router_shift_mean"] <= m["moe/router_shift_p90"] < 1
     assert m["moe/router_shift_min"] < m["moe/router_shift_p10"]
 
@@ -389,7 +390,7 @@ def test_token_weight_uses_the_routing_that_produced_the_token(tiny):
             pb.input_ids[:, p] = (pb.input_ids[:, p] + 1) % cfg.model.vocab_size
         B, T = pb.input_ids.shape
         ctx = make_ctx(cfg, policy)
-        old = old_logprob_pass(ctx, pb, torch.arange(B))
+        old = old_logprob_pass(ctx, pb)
         perturb_routers(policy)
         src = old.router.source(torch.arange(B), T, policy.device)
         cap = RoutingCapture(score_at=src)

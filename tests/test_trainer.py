@@ -352,12 +352,12 @@ def test_kl_to_the_reference_policy_equals_k3_against_the_frozen_weights_and_cos
     seen = []
     real = trainer.update_minibatch
 
-    def recording(ctx, pb, old, adv, sids, idx):
+    def recording(ctx, pb, old, adv, idx):
         with torch.no_grad():  # the minibatch's metrics are those of its forwards, before its optimizer step
             ids, t = pb.input_ids[idx], ctx.cfg.rollout.temperature
             new = batch_logprobs(ctx.policy, ids, None, "eager", t, want_entropy=False)[0]
             ref = batch_logprobs(ctx.reference, ids, None, "eager", t, want_entropy=False)[0]
-        m = real(ctx, pb, old, adv, sids, idx)
+        m = real(ctx, pb, old, adv, idx)
         seen.append((m["kl_loss"], _k3_reference(pb.response_mask[idx], ref, new)))
         return m
 

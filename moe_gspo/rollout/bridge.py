@@ -30,6 +30,7 @@ within the timeout) and after how many seconds (BridgeError).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import io
 import math
@@ -140,12 +141,32 @@ def _what_happened(text: str, roles: Roles) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- handshake
-def exchange(roles: Roles, values: list[int]) -> list[list[int]]:
-    """Every rank's `values` (same length everywhere), gathered on every rank of the job."""
-    mine = torch.tensor(values, dtype=torch.int64)
-    out = [[torch.empty_like(mine) for _ in range(roles.world)]]
-    wait(roles.data.allgather(out, [mine]), "the start-up handshake", "every rank", roles)
-    return [t.tolist() for t in out[0]]
+@dataclass(frozen=True)
+class Hello:
+    """What each rank tells every other at start-up: a trainer rank its data-parallel rank, the step the run
+    starts (or resumes) at, the data-parallel size, and its tensor- and expert-parallel ranks (the engine ranks'
+    weight plans read them); an engine rank knows none of these and sends the defaults (-1)."""
+
+    dp_rank: int = -1
+    start: int = -1
+    dp: int = -1
+    tp_rank: int = -1
+    ep_rank: int = -1
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor(dataclasses.astuple(self), dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> Hello:
+        return cls(*(int(v) for v in t.tolist()))
+
+
+def exchange(roles: Roles, mine: Hello) -> list[Hello]:
+    """Every rank's Hello, by global rank, on every rank of the job (a collective over the job's `data` group)."""
+    t = mine.to_tensor()
+    out = [[torch.empty_like(t) for _ in range(roles.world)]]
+    wait(roles.data.allgather(out, [t]), "the start-up handshake", "every rank", roles)
+    return [Hello.from_tensor(x) for x in out[0]]
 
 
 # ------------------------------------------------------------------------------------------------- batches

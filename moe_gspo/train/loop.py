@@ -106,15 +106,15 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
             batch, examples, texts = run.rollout(step)  # prompts x G responses, engine log-probs + routing
             run.engine.sleep()  # rollout.engine_sleep: the engine's GPU memory goes to the trainer until the sync
             adv, valid, reward_m = run.score(batch, examples, texts, step)  # rewards -> group advantages
-            pb, sids = run.pad(batch, valid)  # (B, T) training tensors on the policy's device
-            record_engine_routing(run.ctx, pb, sids)  # R3: the engine's routing into the replay cache
+            pb = run.pad(batch, valid)  # (B, T) training tensors on the policy's device
+            record_engine_routing(run.ctx, pb)  # R3: the engine's routing into the replay cache
             adv = adv.to(pb.input_ids.device)
         with t("logprob"):
-            old, diff = run.old_logprobs(pb, sids)  # pi_old (and pi_ref); R2 records; flip reference
+            old, diff = run.old_logprobs(pb)  # pi_old (and pi_ref); R2 records; flip reference
         with t("train"):
             train_m = MetricMean()
             for idx in run.minibatches(step):  # one optimizer step per minibatch
-                train_m.add(update_minibatch(run.ctx, pb, old, adv, sids, idx))
+                train_m.add(update_minibatch(run.ctx, pb, old, adv, idx))
         with t("sync"):  # separate placement: the push of the next version, when a later batch needs it
             run.engine.wake()
             run.engine.update_weights(run.policy.weights())
@@ -277,17 +277,17 @@ class Run:
         return adv, valid, m
 
     def pad(self, batch, valid):
-        """(PaddedRollout on the policy's device with skipped samples masked out, sample ids)."""
+        """The batch as training tensors (PaddedRollout) on the policy's device, skipped samples masked out."""
         longest = max(p.numel() + r.numel() for p, r in zip(batch.prompt_ids, batch.response_ids))
         pb = batch.to_padded(pad_id=self.tok.pad_id,  # one T on every trainer rank
                              max_len=max_over_ranks(longest, self.ctx.trainer_group))
         pb.response_mask &= valid[:, None]  # skipped samples carry no loss
-        return pb.to(self.policy.device), batch.sample_ids
+        return pb.to(self.policy.device)
 
-    def old_logprobs(self, pb, sids) -> tuple[OldPass, dict[str, float]]:
+    def old_logprobs(self, pb) -> tuple[OldPass, dict[str, float]]:
         """(OldPass with pi_old as the rollout correction names it, engine-vs-training log-prob metrics):
         moe_gspo.train.step.pi_old_pass."""
-        return pi_old_pass(self.ctx, pb, sids)
+        return pi_old_pass(self.ctx, pb)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The eval/ metrics after this step's update when train.eval_every says so (and after the last step)."""

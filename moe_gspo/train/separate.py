@@ -28,7 +28,7 @@ from moe_gspo.config import Config, ConfigError
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout import engine_class
 from moe_gspo.rollout.batch import RolloutBatch
-from moe_gspo.rollout.bridge import (BatchLink, PushedShards, PushedWeights, Roles, ShardPush, TrainerCoords,
+from moe_gspo.rollout.bridge import (BatchLink, Hello, PushedShards, PushedWeights, Roles, ShardPush, TrainerCoords,
                                      WeightPush, exchange, shard_plan)
 
 
@@ -55,9 +55,10 @@ def version_of(step: int, start: int, k: int) -> int:
     return max(start, step - k)
 
 
-def _trainer_coords(cfg: Config, roles: Roles, rows: list[list[int]]) -> TrainerCoords:
-    """The trainer's layout from the handshake's rows (dp_rank, start, dp, tp_rank, ep_rank per trainer rank)."""
-    return TrainerCoords(cfg.parallel.tp, cfg.parallel.ep, [(rows[r][3], rows[r][4]) for r in roles.trainers])
+def _trainer_coords(cfg: Config, roles: Roles, hellos: list[Hello]) -> TrainerCoords:
+    """The trainer's layout from the trainer ranks' handshakes."""
+    return TrainerCoords(cfg.parallel.tp, cfg.parallel.ep, [(hellos[r].tp_rank, hellos[r].ep_rank)
+                                                            for r in roles.trainers])
 
 
 def _serving(cfg: Config, dp: int) -> int:
@@ -80,13 +81,13 @@ class EngineClient:
         """weights: the policy's WeightSource (its `shards` say where this rank is in the trainer's layout)."""
         self.roles, self.cfg = roles, cfg
         here = weights.shards
-        rows = exchange(roles, [dp_rank, start, dp, here.tp_rank, here.ep_rank])
+        hellos = exchange(roles, Hello(dp_rank, start, dp, here.tp_rank, here.ep_rank))
         n = _serving(cfg, dp)
         self.src = roles.engines[(dp_rank % n) * cfg.rollout.engine_tp]  # the first rank of the serving engine
         self.start, self.version, self.k, self.steps = start, start, cfg.train.max_staleness, cfg.train.steps
         self.link = BatchLink(roles)
         if takes_slices(cfg):
-            coords = _trainer_coords(cfg, roles, rows)
+            coords = _trainer_coords(cfg, roles, hellos)
             self.weights = ShardPush(roles, shard_plan(roles, cfg.model, coords, cfg.rollout.engine_tp,
                                                        cfg.rollout.engine_ep, bucket_bytes(cfg), push_dtype(cfg)))
         else:
@@ -147,14 +148,13 @@ def serve(cfg: Config, roles: Roles) -> None:
     from moe_gspo.tasks import task_from_config
     from moe_gspo.train import data
 
-    rows = exchange(roles, [-1] * 5)
-    trainer_rows = [rows[r] for r in roles.trainers]
-    start, dp = trainer_rows[0][1], trainer_rows[0][2]
+    hellos = exchange(roles, Hello())
+    start, dp = hellos[roles.trainers[0]].start, hellos[roles.trainers[0]].dp
     n, tp = _serving(cfg, dp), cfg.rollout.engine_tp
     serves = [d for d in range(dp) if d % n == roles.engine_index // tp]
     # every rank of a tensor-parallel engine generates (vLLM runs them together); its first rank sends
     sends = roles.engine_index % tp == 0
-    dests = {d: [r for r in roles.trainers if trainer_rows[r][0] == d] if sends else [] for d in serves}
+    dests = {d: [r for r in roles.trainers if hellos[r].dp_rank == d] if sends else [] for d in serves}
     k, G = cfg.train.max_staleness, cfg.rollout.group_size
     if start >= cfg.train.steps:
         roles.close()
@@ -163,7 +163,7 @@ def serve(cfg: Config, roles: Roles) -> None:
     tok = data.build_tokenizer(cfg)
     layout = data.check_layout(cfg, dp)
     if takes_slices(cfg):
-        remote = PushedShards(roles, cfg.model, _trainer_coords(cfg, roles, rows), version=start)
+        remote = PushedShards(roles, cfg.model, _trainer_coords(cfg, roles, hellos), version=start)
     else:
         remote = PushedWeights(roles, cfg.model, push_dtype(cfg), bucket_bytes(cfg), version=start)
     engine = engine_from_config(cfg.rollout, remote, tokenizer=tok)

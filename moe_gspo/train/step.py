@@ -1,8 +1,8 @@
 """The compute of one RL step, after the rollout: old log-probs, then one optimizer step per minibatch.
 
     ctx = StepContext(policy, optim, cfg, replay, tracker, groups)  # loss, correction, micro-batching, built once
-    old, diff = pi_old_pass(ctx, pb, sample_ids)             # no grad: OldPass (pi_old, pi_ref, old router scores)
-    for idx in minibatches: metrics += update_minibatch(ctx, pb, old, adv, sample_ids, idx)
+    old, diff = pi_old_pass(ctx, pb)                         # no grad: OldPass (pi_old, pi_ref, old router scores)
+    for idx in minibatches: metrics += update_minibatch(ctx, pb, old, adv, idx)
 
 An update is a plain sequence: the minibatch's loss inputs (LossRows: pi_old, pi_ref, the engine's log-probs, the
 response mask, the rollout-correction weight) are gathered once; each micro-batch runs its forward, adds the
@@ -133,17 +133,17 @@ def _lengths(attention_mask_BT: torch.Tensor) -> list[int]:
 
 
 @torch.no_grad()
-def record_engine_routing(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tensor) -> None:
+def record_engine_routing(ctx: StepContext, pb: PaddedRollout) -> None:
     """R3: the engine's routing of every position whose routing shapes a response log-prob (rows 0 .. P+R-2) goes
     into the replay cache, the one source both passes replay from; a no-op in the other replay modes."""
     if ctx.replay.mode != "r3":
         return
     lengths = _lengths(pb.attention_mask)
-    ctx.replay.record_rollouts(sample_ids, [pb.routing[b, :n - 1] for b, n in enumerate(lengths)])
+    ctx.replay.record_rollouts(pb.sample_ids, [pb.routing[b, :n - 1] for b, n in enumerate(lengths)])
 
 
 @torch.no_grad()  # pi_old and pi_ref are constants of the loss: no graph, no saved activations
-def old_logprob_pass(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tensor) -> OldPass:
+def old_logprob_pass(ctx: StepContext, pb: PaddedRollout) -> OldPass:
     """pi_old log-probs (B, T) of the local rollout batch (with pi_ref's under a KL term, and the old router
     scores under the router shift), in the micro-batches of ctx.logprob_batches.
 
@@ -151,7 +151,7 @@ def old_logprob_pass(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tens
     carries it) with the old policy's. Under R3 the engine's routing is replayed in this pass too (as in
     arXiv:2510.11370), from the replay cache. The reference policy routes live (its own router): it is a different
     model, not a replay target."""
-    cfg, policy = ctx.cfg, ctx.policy
+    cfg, policy, sample_ids = ctx.cfg, ctx.policy, pb.sample_ids
     B, T = pb.input_ids.shape
     lengths = _lengths(pb.attention_mask)
     old_logp = torch.zeros(B, T, device=pb.input_ids.device)
@@ -193,13 +193,13 @@ def needs_old_pass(ctx: StepContext) -> bool:
             or ctx.reference is not None or ctx.router_shift)
 
 
-def pi_old_pass(ctx: StepContext, pb: PaddedRollout, sample_ids: torch.Tensor) -> tuple[OldPass, dict[str, float]]:
+def pi_old_pass(ctx: StepContext, pb: PaddedRollout) -> tuple[OldPass, dict[str, float]]:
     """(OldPass with the pi_old the correction names, engine-vs-training log-prob metrics): the old-log-prob pass,
     whose pi_old the engine's log-probs replace in bypass mode, where the pass is skipped when nothing else needs
     it (no metrics then)."""
     if not needs_old_pass(ctx):
         return OldPass(pb.engine_logprobs), {}
-    old = old_logprob_pass(ctx, pb, sample_ids)
+    old = old_logprob_pass(ctx, pb)
     diff = rollout_probs_diff(pb.engine_logprobs, old.old_logp, pb.response_mask)
     return dataclasses.replace(old, old_logp=ctx.correction.pi_old(old.old_logp, pb.engine_logprobs)), diff
 
@@ -277,14 +277,35 @@ class MicroOut:
     capture: RoutingCapture
 
 
-def micro_step(ctx: StepContext, ids_bT, rows: LossRows, lengths: list[int], mb: MicroBatch, sample_ids,
-               old_router: OldRouterScores | None, old_rows, denom) -> MicroOut:
+@dataclass
+class MicroInputs:
+    """What a forward and its loss read, for a minibatch (plan None) or one micro-batch cut from it: the rows of
+    every per-row input, with the minibatch-wide pieces (pi_old's router scores, the loss denominator) beside."""
+
+    ids: torch.Tensor  # (b, T) token ids, trimmed to the minibatch's length
+    rows: LossRows  # the loss inputs of these rows
+    lengths: list[int]  # each row's tokens
+    sample_ids: torch.Tensor  # (b,) the rows' sample ids (the replay cache's and the flip tracker's keys)
+    old_rows: torch.Tensor  # (b,) the rows' positions in the local batch (OldRouterScores' index)
+    old_router: OldRouterScores | None  # pi_old's router scores (router shift only)
+    denom: torch.Tensor  # the minibatch's loss denominator
+    plan: MicroBatch | None = None  # for a micro-batch: its rows of the minibatch, and how they are packed
+
+    def cut(self, mb: MicroBatch) -> MicroInputs:
+        """The micro-batch `mb` of this minibatch."""
+        sl = mb.rows
+        return MicroInputs(self.ids[sl], self.rows.rows(sl), self.lengths[sl], self.sample_ids[sl],
+                           self.old_rows[sl], self.old_router, self.denom, mb)
+
+
+def micro_step(ctx: StepContext, m: MicroInputs) -> MicroOut:
     """Forward one micro-batch (replaying its routing when asked), weight its tokens by the router shift, and
     compute its loss share: the fused kernel from hidden states, or log-probs then the loss under autograd."""
     cfg, policy = ctx.cfg, ctx.policy
+    ids_bT, rows, lengths, mb, old_router, denom = m.ids, m.rows, m.lengths, m.plan, m.old_router, m.denom
     T = ids_bT.shape[1]
-    src = ctx.replay.replay_source(sample_ids, seq_len=T, device=ids_bT.device)  # None when off
-    old_src = old_router.source(old_rows, T, ids_bT.device) if ctx.router_shift else None
+    src = ctx.replay.replay_source(m.sample_ids, seq_len=T, device=ids_bT.device)  # None when off
+    old_src = old_router.source(m.old_rows, T, ids_bT.device) if ctx.router_shift else None
     noise = ctx.routing_noise() if src is None else None  # replayed routing is used as it is
     cap = RoutingCapture(replay=src, score_at=old_src, bias_split=ctx.tracker is not None, noise=noise)
     temperature = cfg.rollout.temperature
@@ -308,7 +329,7 @@ def micro_step(ctx: StepContext, ids_bT, rows: LossRows, lengths: list[int], mb:
     return MicroOut(loss, logp.detach(), ent.detach(), gamma, cap)
 
 
-def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, sample_ids, idx: torch.Tensor) -> dict[str, float]:
+def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, idx: torch.Tensor) -> dict[str, float]:
     """One optimizer step on the responses `idx` of the local batch; returns this minibatch's metrics.
 
     With algorithm.kl_beta > 0, `old.ref_logp` (the reference policy's log-probs) adds kl_beta * KL to the loss.
@@ -320,7 +341,7 @@ def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, sample_ids, idx:
     lengths = _lengths(pb.attention_mask[idx])
     # trim the padding the whole minibatch shares, to the same length on every rank (see max_over_ranks)
     T = max_over_ranks(max(lengths), ctx.trainer_group)
-    ids, sids = ids[:, :T], sample_ids[idx]
+    ids, sids = ids[:, :T], pb.sample_ids[idx]
     rows, corr_m = minibatch_rows(ctx, pb, old, adv_B, idx, T)
     response = pb.response_mask[idx][:, :T]
     denom = global_count(rows.mask, ctx.loss.loss_agg_mode, ctx)
@@ -328,10 +349,11 @@ def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, sample_ids, idx:
     ent_sum = torch.zeros((), dtype=torch.float64, device=response.device)
     gamma = torch.ones_like(logp) if ctx.router_shift else None
     moved = None  # with routing noise: (moved slots, all slots) on the response's routing positions
+    whole = MicroInputs(ids, rows, lengths, sids, idx, old.router, denom)
     ctx.optim.zero_grad()
     for mb in ctx.update_batches.plan(lengths):
         sl = mb.rows
-        out = micro_step(ctx, ids[sl], rows.rows(sl), lengths[sl], mb, sids[sl], old.router, idx[sl], denom)
+        out = micro_step(ctx, whole.cut(mb))
         out.loss.backward()
         if ctx.tracker is not None:
             ctx.tracker.observe(sids[sl], out.capture.live_stacked(), routing_mask(response[sl]).reshape(-1),

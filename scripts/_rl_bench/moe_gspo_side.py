@@ -37,9 +37,9 @@ def run_moe_gspo(spec: dict) -> dict:
         return batch, examples, texts
 
     def counted_pad(self, batch, valid):
-        pb, sids = pad(self, batch, valid)
+        pb = pad(self, batch, valid)
         steps_out.append({"tokens": int(pb.attention_mask.sum()), "response_tokens": int(batch.response_lengths.sum())})
-        return pb, sids
+        return pb
 
     def kept_log(self, step, m, tokens, **kw):
         out = log(self, step, m, tokens, **kw)

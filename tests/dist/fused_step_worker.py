@@ -72,7 +72,7 @@ def run_update(policy, cfg, impl, noise, seed=0):
                       ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts), policy.groups)
     pb, g = batch(cfg, seed=seed)
     sids = pb.sample_ids
-    first = old_logprob_pass(ctx, pb, sids)
+    first = old_logprob_pass(ctx, pb)
     old = first.old_logp
     old = torch.where(pb.response_mask, old + noise * torch.randn(old.shape, generator=g), 0.0)
     ref = torch.where(pb.response_mask, old + 0.3 * torch.randn(old.shape, generator=g), 0.0)
@@ -90,7 +90,7 @@ def run_update(policy, cfg, impl, noise, seed=0):
     inner = step_mod.micro_step  # the loss each micro-batch hands to backward
     step_mod.micro_step = recording(inner)
     try:
-        metrics = update_minibatch(ctx, pb, OldPass(old, ref, first.router), adv, sids, idx)
+        metrics = update_minibatch(ctx, pb, OldPass(old, ref, first.router), adv, idx)
     finally:
         step_mod.micro_step = inner
     return losses, metrics, ctx.optim.grads

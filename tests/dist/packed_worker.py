@@ -75,11 +75,11 @@ def run(policy, cfg, pb, adv):
     if replay.mode == "r3":
         lengths = pb.attention_mask.sum(-1).tolist()
         replay.record_rollouts(sids, [pb.routing[b, :n - 1] for b, n in enumerate(lengths)])
-    old = old_logprob_pass(ctx, pb, sids)
+    old = old_logprob_pass(ctx, pb)
     stored = {int(s): replay.get(s).clone() for s in sids} if replay.mode != "off" else {}
     moved = dataclasses.replace(old, old_logp=torch.where(pb.response_mask, old.old_logp - 0.02, 0.0))  # ratios != 1
     idx = torch.arange(len(sids)).flip(0)  # rows in another order than the rollout's
-    update_minibatch(ctx, pb, moved, adv, sids, idx)
+    update_minibatch(ctx, pb, moved, adv, idx)
     return old.old_logp, stored, ctx.optim.grads, tracker.metrics()
 
 

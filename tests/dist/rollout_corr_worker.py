@@ -56,13 +56,14 @@ def main():
     rows = slice(dp_rank * per, (dp_rank + 1) * per)
     sids = torch.arange(B)[rows]
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[rows]
-    pb = SimpleNamespace(input_ids=ids[rows], attention_mask=att[rows], response_mask=resp[rows], routing=None)
+    pb = SimpleNamespace(input_ids=ids[rows], attention_mask=att[rows], response_mask=resp[rows], routing=None,
+                         sample_ids=sids)
 
     cfg = load_config(None, base + CORRECTION + ["train.loss_impl=eager"])
     replay = RoutingReplayCache("off", mc.num_hidden_layers, mc.num_experts_per_tok, mc.num_experts)
     ctx = StepContext(policy, None, cfg, replay, None, policy.groups)
     ctx.optim = Optimizer(wrap_ddp(policy, distributed=False), policy, lr=0.0)
-    old = old_logprob_pass(ctx, pb, sids).old_logp
+    old = old_logprob_pass(ctx, pb).old_logp
     pb.engine_logprobs = torch.where(pb.response_mask, old + noise[rows], 0.0)  # the "engine"
 
     out = {}
@@ -71,7 +72,7 @@ def main():
                       ("bypass", BYPASS + ["train.loss_impl=fused"])):
         ctx = StepContext(policy, ctx.optim, load_config(None, base + ovs), replay, None, policy.groups)
         pi_old = ctx.correction.pi_old(old, pb.engine_logprobs)
-        m = update_minibatch(ctx, pb, OldPass(pi_old), adv, sids, torch.arange(per))
+        m = update_minibatch(ctx, pb, OldPass(pi_old), adv, torch.arange(per))
         keys = sorted(k for k in m if k == "pg_loss" or k.startswith("rollout_corr/"))
         vals = torch.tensor([m[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(vals)  # means over data-parallel rows (and identical values over TP ranks)

@@ -53,15 +53,15 @@ def main():
     att = torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]
     per = B // dp
     rows = slice(dp_rank * per, (dp_rank + 1) * per)
-    pb = SimpleNamespace(input_ids=ids[rows], attention_mask=att[rows],
-                         response_mask=att[rows] & (torch.arange(T)[None] >= PROMPT), routing=None)
     sids = torch.arange(B)[rows]
+    pb = SimpleNamespace(input_ids=ids[rows], attention_mask=att[rows],
+                         response_mask=att[rows] & (torch.arange(T)[None] >= PROMPT), routing=None, sample_ids=sids)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[rows]
 
     replay = RoutingReplayCache("off", mc.num_hidden_layers, mc.num_experts_per_tok, mc.num_experts)
     ctx = StepContext(policy, None, cfg, replay, None, policy.groups)
     ctx.optim = Optimizer(wrap_ddp(policy, distributed=False), policy, lr=0.0)
-    old = old_logprob_pass(ctx, pb, sids)
+    old = old_logprob_pass(ctx, pb)
 
     def current_scores():
         src = old.router.source(torch.arange(per), T, policy.device)
@@ -77,7 +77,7 @@ def main():
             r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(7 + i)) * 0.03)
     cap, src = current_scores()
     gamma = _router_shift_ratio(old.router, cap, src, (per, T))
-    m = update_minibatch(ctx, pb, old, adv, sids, torch.arange(per))
+    m = update_minibatch(ctx, pb, old, adv, torch.arange(per))
     loss = torch.tensor([m["pg_loss"]], dtype=torch.float64)
     dist.all_reduce(loss)
 

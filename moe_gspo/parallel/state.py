@@ -67,6 +67,12 @@ def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+WORLD = None
+"""torch.distributed's default group, named where a collective means every rank of this side of the job: the whole
+job, or, after rollout.placement=separate has split it (moe_gspo.rollout.bridge.split_job), the trainer's ranks or
+the engines' ranks. Every other collective names the group it runs over."""
+
+
 def trainer_group(groups) -> dist.ProcessGroup | None:
     """The group of every rank that trains, from megatron's ProcessGroupCollection: tensor x data x context
     parallel (pipeline parallelism is 1 here), so every trainer rank and no other; None for groups=None (one

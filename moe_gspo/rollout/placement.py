@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from moe_gspo.parallel.state import WORLD
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, replicas
 from moe_gspo.rollout.batch import RolloutBatch
 
@@ -37,13 +38,14 @@ class EnginePlacement:
 
     @classmethod
     def build(cls, engine_tp: int, dp_rank: int, tp_group=None) -> EnginePlacement:
-        """Collective over the world (every rank calls it once, in the same order)."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        """Collective over the world, WORLD: colocated engines span every rank of the job (each rank calls it once,
+        in the same order)."""
+        if not dist.is_initialized() or dist.get_world_size(WORLD) == 1:
             return cls(engine_tp, 0, [dp_rank], [0], None, None)
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world = dist.get_rank(WORLD), dist.get_world_size(WORLD)
         replica_ranks = replicas(world, engine_tp)
         dp_of = [None] * world
-        dist.all_gather_object(dp_of, dp_rank)
+        dist.all_gather_object(dp_of, dp_rank, group=WORLD)
         first = {}
         for g in range(world):
             first.setdefault(dp_of[g], g)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_gspo.parallel.state import WORLD
 from moe_gspo.rollout.base import replicas
 
 SHM_DIR = Path("/dev/shm")
@@ -70,10 +71,11 @@ def remove_stale_shm(root: Path = SHM_DIR) -> list[str]:
 
 
 def job_shm_ident() -> str:
-    """One name prefix for this torchrun job's engine segments, the same on every rank (a broadcast from rank 0)."""
+    """One name prefix for this torchrun job's engine segments, the same on every rank (a broadcast from rank 0
+    over WORLD: the ranks whose engines start together)."""
     ident = [f"{SHM_PREFIX}{os.getpid()}-{time.time_ns() % 10**12}"]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(ident, src=0)
+    if dist.is_initialized() and dist.get_world_size(WORLD) > 1:
+        dist.broadcast_object_list(ident, src=0, group=WORLD)
     return ident[0]
 
 
@@ -114,7 +116,7 @@ class ShardedSync:
         from moe_gspo.rollout.vllm_shards import ShardWriter, engine_needs
 
         mc = weights.model_config
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world = dist.get_rank(WORLD), dist.get_world_size(WORLD)  # the engines' ranks: vLLM's world
         groups = replicas(world, tp)
         bucket = bucket_bytes or DEFAULT_BUCKET_BYTES
         if weights.sliced:
@@ -122,7 +124,7 @@ class ShardedSync:
         elif weights.shards is not None:
             here = weights.shards
             coords = [None] * world
-            dist.all_gather_object(coords, (here.tp_rank, here.ep_rank))
+            dist.all_gather_object(coords, (here.tp_rank, here.ep_rank), group=WORLD)
             self.plan = SyncPlan.build(here.layout, coords, groups, lambda j: engine_needs(mc, tp, j, expert_parallel),
                                        bucket, dtype, rank)
         else:

@@ -60,23 +60,24 @@ FORMAT = "moe-gspo-checkpoint-v3"
 REQUIRED = (f"{SHARDS}/.metadata", f"{SHARDS}/metadata.json", "rng.safetensors", "state.json")
 
 
-def _rank_world() -> tuple[int, int]:
+# Our own collectives below run over the group a Checkpoints is given: the ranks that save and load together.
+def _rank_world(group) -> tuple[int, int]:
     if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def _barrier(group) -> None:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
 
 
-def _gather_objects(obj) -> list:
-    """Every rank's `obj` (small, JSON-like), on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _gather_objects(obj, group) -> list:
+    """Every rank's `obj` (small, JSON-like), on every rank of `group`."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -137,10 +138,17 @@ def _set_rng_json(rng: dict) -> None:
 
 
 class Checkpoints:
-    def __init__(self, root: str | Path, keep: int = 2, log=None):
+    """The checkpoints of one run directory. `group`: the process group of the ranks that save and load them
+    together, every trainer rank (moe_gspo.parallel.state.trainer_group). None means the default group, and is
+    meant for one process or a job whose every rank trains. The shard files themselves are written and read by
+    megatron's dist_checkpointing over torch's default group: under rollout.placement=separate the job split makes
+    that group the trainer's side of the job (moe_gspo.rollout.bridge.split_job), the same ranks as `group`."""
+
+    def __init__(self, root: str | Path, keep: int = 2, log=None, group=None):
         self.root = Path(root)
         self.keep = keep
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.group = group
 
     @staticmethod
     def name(step: int) -> str:
@@ -165,7 +173,7 @@ class Checkpoints:
             warnings.simplefilter("ignore")  # torch DCP's deprecation notices about megatron's calls
             sharded = sharded_state.sharded_state_dict(ctx, loading=False)
         sharded_state.check_steps(ctx.optim.optimizer, ctx.optim.adam_step)
-        needed = sum(_gather_objects(sharded_io.bytes_to_write(sharded)))
+        needed = sum(_gather_objects(sharded_io.bytes_to_write(sharded), self.group))
         try:
             return self._write(step, ctx, extra, sharded)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch DCP's failures are BaseExceptions
@@ -175,8 +183,8 @@ class Checkpoints:
             # rank 0 removes what got written once every rank that failed has measured the free space (the shard
             # writes are collective, so all ranks fail there together; a failure in rank 0's own files meets the
             # others at the barrier that ends a save)
-            _barrier()
-            if _rank_world()[0] == 0:
+            _barrier(self.group)
+            if _rank_world(self.group)[0] == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise OutOfSpace(f"writing checkpoint {tmp}: out of space (the checkpoint's tensors alone take about "
                              f"{disk_space.size(needed)}); "
@@ -187,25 +195,25 @@ class Checkpoints:
         """Every file of checkpoint `step` into DIR/.tmp-step_*/, then the manifest, then the rename. Collective."""
         from moe_gspo.parallel.state import parallel_info
 
-        rank, world = _rank_world()
+        rank, world = _rank_world(self.group)
         final, tmp = self.root / self.name(step), self.root / f"{TMP}{self.name(step)}"
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
             (tmp / SHARDS).mkdir(parents=True)
-        _barrier()
+        _barrier(self.group)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch DCP's deprecation notices about megatron's calls
             sharded_io.save_sharded(sharded, tmp / SHARDS)
         # every rank hashes a share of the shard files
         written = sorted((tmp / SHARDS).iterdir())
-        files = [e for part in _gather_objects([_entry(tmp, p) for p in written[rank::world]]) for e in part]
+        files = [e for part in _gather_objects([_entry(tmp, p) for p in written[rank::world]], self.group) for e in part]
         rng = [torch.get_rng_state()]
         if world > 1:
             dev = comm_device()
             rng = [torch.empty_like(rng[0], device=dev) for _ in range(world)]
-            dist.all_gather(rng, torch.get_rng_state().to(dev))
+            dist.all_gather(rng, torch.get_rng_state().to(dev), group=self.group)
             rng = [r.cpu() for r in rng]
         if rank == 0:
             info = parallel_info(ctx.policy.groups)
@@ -225,7 +233,7 @@ class Checkpoints:
             os.rename(tmp, final)
             fsync_dir(self.root)
             self._rotate()
-        _barrier()
+        _barrier(self.group)
         return final
 
     def _rotate(self) -> None:
@@ -289,7 +297,7 @@ class Checkpoints:
     def latest(self, below: int | None = None) -> int:
         """Newest verified checkpoint step (reporting and skipping bad ones), 0 when none; with `below`, the newest
         before that step. Collective: every rank checks a share of each candidate's files; rank 0 reports."""
-        rank, world = _rank_world()
+        rank, world = _rank_world(self.group)
         for s in self.steps():
             if below is not None and s >= below:
                 continue
@@ -298,7 +306,7 @@ class Checkpoints:
                 err = None
             except CheckpointError as e:
                 err = str(e)
-            errors = [e for e in _gather_objects(err) if e is not None]
+            errors = [e for e in _gather_objects(err, self.group) if e is not None]
             if not errors:
                 return s
             if rank == 0:
@@ -350,14 +358,14 @@ class Checkpoints:
                 older = self.latest(below=step)
                 if not older:
                     raise
-                if _rank_world()[0] == 0:
+                if _rank_world(self.group)[0] == 0:
                     self.log(f"warning: skipping checkpoint {self.root / self.name(step)}: {e}")
                 step = older
 
     def load(self, step: int, ctx) -> dict:
         """Load checkpoint `step` into ctx (policy, optimizer, schedule, reference, RNG) at this run's layout;
         returns state.json. Collective."""
-        rank, world = _rank_world()
+        rank, world = _rank_world(self.group)
         d = self.root / self.name(step)
         manifest = self.manifest(step)
         if ctx.reference is not None and not manifest.get("reference"):

@@ -25,7 +25,7 @@ import yaml
 from moe_gspo.config import Config, ConfigError, to_dict
 from moe_gspo.losses import get_advantage_estimator
 from moe_gspo.model.policy import MoEPolicy
-from moe_gspo.parallel.state import ParallelInfo, max_over_ranks
+from moe_gspo.parallel.state import ParallelInfo, max_over_ranks, trainer_group
 from moe_gspo.rollout import RolloutEngine, engine_from_config
 from moe_gspo.rollout.placement import EnginePlacement
 from moe_gspo.rewards import score_responses
@@ -184,7 +184,7 @@ class Run:
                     shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+        ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints, group=trainer_group(policy.groups))
         start = ckpts.latest() if resume else 0
         if start and info.rank == 0:
             disk_space.check_room_to_resume(ckpts, TMP)

@@ -25,6 +25,7 @@ def rollout_command(config: str | None, run_dir: str | None, overrides: list[str
     from moe_gspo.model.load import init_parallel, load_policy
     from moe_gspo.config import ConfigError, load_config
     from moe_gspo.train.checkpoint import Checkpoints
+    from moe_gspo.parallel.state import trainer_group
     from moe_gspo.train.data import check_names
 
     if num_prompts < 1:
@@ -39,7 +40,7 @@ def rollout_command(config: str | None, run_dir: str | None, overrides: list[str
     check_names(cfg)
     policy = load_policy(cfg, init_parallel(cfg))
     if run_dir is not None:
-        ckpts = Checkpoints(Path(run_dir) / "checkpoints")
+        ckpts = Checkpoints(Path(run_dir) / "checkpoints", group=trainer_group(policy.groups))
         step = ckpts.latest()
         if not step:
             raise ConfigError(f"--from {run_dir}: no complete checkpoint in {ckpts.root}")

@@ -166,7 +166,7 @@ def test_a_shard_push_delivers_the_engine_its_slices_bitwise():
             return str(e)
         return None
 
-    _, msg = _pair(wrong_version, expects_3, timeout_s=5.0)
+    _, msg = _pair(wrong_version, expects_3)
     assert msg is not None and "received policy version 0, expected 3" in msg, msg
 
     def header_then_leave(roles):
@@ -182,7 +182,7 @@ def test_a_shard_push_delivers_the_engine_its_slices_bitwise():
             return str(e)
         return None
 
-    _, msg = _pair(header_then_leave, engine_waits, timeout_s=5.0)
+    _, msg = _pair(header_then_leave, engine_waits)
     assert msg is not None and "policy version 0" in msg and "trainer rank 0" in msg and "\n" not in msg, msg
 
 

@@ -73,6 +73,13 @@ job, or, after rollout.placement=separate has split it (moe_gspo.rollout.bridge.
 the engines' ranks. Every other collective names the group it runs over."""
 
 
+def local_cuda_index() -> int:
+    """The GPU this process computes on: its local rank, modulo the node's GPUs, so that ranks beyond the GPU count
+    share them round-robin (a separate-placement job of a trainer and an engine rank on one GPU: their groups are
+    of one rank each, so NCCL sees no GPU twice)."""
+    return int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
+
+
 def trainer_group(groups) -> dist.ProcessGroup | None:
     """The group of every rank that trains, from megatron's ProcessGroupCollection: tensor x data x context
     parallel (pipeline parallelism is 1 here), so every trainer rank and no other; None for groups=None (one
@@ -118,7 +125,7 @@ def init_distributed(backend: str = "auto", timeout_min: int = 10) -> None:
     timeout = datetime.timedelta(minutes=timeout_min)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(local_cuda_index())
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts it
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,

@@ -36,6 +36,7 @@ import io
 import math
 import os
 import time
+from contextlib import contextmanager
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -44,6 +45,8 @@ import torch.distributed as dist
 
 from moe_gspo.config import ConfigError, UserError
 from moe_gspo.model.weights import WeightSource
+from moe_gspo.parallel.state import local_cuda_index
+from moe_gspo.rollout.weight_sync import buckets
 
 
 class BridgeError(UserError):
@@ -74,7 +77,7 @@ class Roles:
     def close(self) -> None:
         """Meet every rank of the job once more (nothing of either side is still in flight), then drop the
         bridge groups."""
-        wait(self.data.barrier(), "the end of the job", "every rank", self)
+        wait(self.data.barrier, "the end of the job", "every rank", self)
         self.data = self.weights = None
 
 
@@ -103,7 +106,7 @@ def split_job(rc) -> Roles:
     side, side_rank, side_size = (("engine", rank - len(trainers), n) if rank in engines
                                   else ("trainer", rank, len(trainers)))
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_cuda_index())
     dist.init_process_group(backend, store=dist.PrefixStore(side, store), rank=side_rank, world_size=side_size,
                             timeout=datetime.timedelta(minutes=10))
     data = dist.ProcessGroupGloo(dist.PrefixStore("bridge_data", store), rank, world, timeout)
@@ -115,12 +118,20 @@ def split_job(rc) -> Roles:
     return Roles(rank, world, trainers, engines, data, weights, rc.bridge_timeout_s)
 
 
-def wait(work, what: str, peer: str, roles: Roles) -> None:
-    """Wait for one bridge operation; a dead or stalled peer becomes a BridgeError naming both sides, what happened
-    (the peer's connection closed, or no answer within the timeout) and how long this rank waited."""
+def wait(post, what: str, peer: str, roles: Roles) -> None:
+    """Post one bridge operation (`post()` returns its Work) and wait for it; a dead or stalled peer becomes a
+    BridgeError naming both sides, what happened (the peer's connection closed, or no answer within the timeout) and
+    how long this rank waited. Posting is inside the guard: gloo refuses to post on a connection the peer closed."""
+    with bridge_errors(what, peer, roles):
+        post().wait()
+
+
+@contextmanager
+def bridge_errors(what: str, peer: str, roles: Roles):
+    """gloo's RuntimeErrors inside the block become one BridgeError line (see wait)."""
     t0 = time.monotonic()
     try:
-        work.wait()
+        yield
     except RuntimeError as e:
         took = time.monotonic() - t0
         text = str(e).strip()
@@ -165,7 +176,7 @@ def exchange(roles: Roles, mine: Hello) -> list[Hello]:
     """Every rank's Hello, by global rank, on every rank of the job (a collective over the job's `data` group)."""
     t = mine.to_tensor()
     out = [[torch.empty_like(t) for _ in range(roles.world)]]
-    wait(roles.data.allgather(out, [t]), "the start-up handshake", "every rank", roles)
+    wait(lambda: roles.data.allgather(out, [t]), "the start-up handshake", "every rank", roles)
     return [Hello.from_tensor(x) for x in out[0]]
 
 
@@ -185,13 +196,14 @@ class BatchLink:
         payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         for t, tag in ((size, 2 * step), (payload, 2 * step + 1)):
-            self.pending.append((self.roles.data.send([t], dst, tag), (size, payload), dst, step))
+            with bridge_errors("a batch sent", f"trainer rank {dst}", self.roles):
+                self.pending.append((self.roles.data.send([t], dst, tag), (size, payload), dst, step))
 
     def release(self, before: int) -> None:
         """Free the buffers of the batches of steps < before, which their trainer ranks have received (a trainer
         pushes version v only after it received batch v - 1)."""
         for work, _, dst, _ in (p for p in self.pending if p[3] < before):
-            wait(work, "a batch sent", f"trainer rank {dst}", self.roles)
+            wait(lambda: work, "a batch sent", f"trainer rank {dst}", self.roles)
         self.pending = [p for p in self.pending if p[3] >= before]
 
     def flush(self) -> None:
@@ -200,10 +212,10 @@ class BatchLink:
 
     def recv(self, src: int, step: int) -> dict:
         size = torch.zeros(1, dtype=torch.int64)
-        wait(self.roles.data.recv([size], src, 2 * step), f"the batch of step {step}", f"engine rank {src}",
+        wait(lambda: self.roles.data.recv([size], src, 2 * step), f"the batch of step {step}", f"engine rank {src}",
              self.roles)
         payload = torch.empty(int(size), dtype=torch.uint8)
-        wait(self.roles.data.recv([payload], src, 2 * step + 1), f"the batch of step {step}",
+        wait(lambda: self.roles.data.recv([payload], src, 2 * step + 1), f"the batch of step {step}",
              f"engine rank {src}", self.roles)
         return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
 
@@ -211,16 +223,7 @@ class BatchLink:
 # ------------------------------------------------------------------------------------------------- weights
 def bucket_plan(shapes: dict[str, tuple[int, ...]], bucket_bytes: int, itemsize: int) -> list[list[str]]:
     """Consecutive HF keys in buckets of at most bucket_bytes (a larger tensor alone in its own)."""
-    plan: list[list[str]] = []
-    size = 0
-    for key, shape in shapes.items():
-        nbytes = itemsize * math.prod(shape)
-        if not plan or size + nbytes > bucket_bytes:
-            plan.append([])
-            size = 0
-        plan[-1].append(key)
-        size += nbytes
-    return plan
+    return list(buckets(shapes, lambda key: {None: itemsize * math.prod(shapes[key])}, bucket_bytes))
 
 
 def push_plan(mc, dtype: torch.dtype, bucket_bytes: int) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
@@ -258,7 +261,7 @@ class WeightPush:
                 parts.append(t.detach().reshape(-1).to("cpu", self.dtype))
             if root:
                 flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-                wait(self.roles.weights.broadcast(flat, 0), f"the push of policy version {version}",
+                wait(lambda: self.roles.weights.broadcast(flat, 0), f"the push of policy version {version}",
                      "the engine ranks", self.roles)
                 sent += flat.numel() * flat.element_size()
         self.seconds, self.bytes = time.perf_counter() - t0, sent
@@ -287,7 +290,7 @@ class ReceivedState(Mapping):
             self._next += 1
             sizes = [math.prod(self.shapes[k]) for k in keys]
             flat = torch.empty(sum(sizes), dtype=self.dtype)
-            wait(self.roles.weights.broadcast(flat, 0), "a policy version", "trainer rank 0", self.roles)
+            wait(lambda: self.roles.weights.broadcast(flat, 0), "a policy version", "trainer rank 0", self.roles)
             self._views = dict(zip(keys, (p.view(self.shapes[k]) for p, k in
                                           zip(flat.split(sizes), keys))))
         return self._views.pop(key)
@@ -317,7 +320,8 @@ def _take_version(source) -> None:
     group) and check it against the version `source` expects next."""
     t0 = time.perf_counter()
     got = torch.zeros(1, dtype=torch.int64)
-    wait(source.roles.weights.broadcast(got, 0), f"policy version {source.version}", "trainer rank 0", source.roles)
+    wait(lambda: source.roles.weights.broadcast(got, 0), f"policy version {source.version}", "trainer rank 0",
+         source.roles)
     source.last_wait_s = time.perf_counter() - t0
     if int(got) != source.version:
         raise RuntimeError(f"engine rank {source.roles.rank}: received policy version {int(got)}, expected "
@@ -330,7 +334,7 @@ def _send_version(roles: Roles, version: int) -> float:
     spent waiting for the engine ranks to take it (they were generating)."""
     t0 = time.perf_counter()
     if roles.weights is not None:
-        wait(roles.weights.broadcast(torch.tensor([version], dtype=torch.int64), 0),
+        wait(lambda: roles.weights.broadcast(torch.tensor([version], dtype=torch.int64), 0),
              f"the push of policy version {version}", "the engine ranks", roles)
     return time.perf_counter() - t0
 
@@ -366,11 +370,14 @@ def shard_plan(roles: Roles, mc, trainer: TrainerCoords, engine_tp: int, engine_
 class _Posted:
     """A piece's send or receive on the bridge; waiting on it ends in a BridgeError naming the peer."""
 
-    def __init__(self, work, what: str, peer: str, roles: Roles):
-        self.work, self.what, self.peer, self.roles = work, what, peer, roles
+    def __init__(self, post, what: str, peer: str, roles: Roles):
+        self.what, self.peer, self.roles = what, peer, roles
+        with bridge_errors(what, peer, roles):
+            self.work = post()
 
     def wait(self) -> None:
-        wait(self.work, self.what, self.peer, self.roles)
+        with bridge_errors(self.what, self.peer, self.roles):
+            self.work.wait()
 
 
 def _post_on_bridge(roles: Roles, what: str):
@@ -379,9 +386,11 @@ def _post_on_bridge(roles: Roles, what: str):
         out = []
         for send, buf, peer in ops:
             if send:
-                out.append(_Posted(roles.data.send([buf], peer, PIECE_TAG + i), what, f"engine rank {peer}", roles))
+                out.append(_Posted(lambda: roles.data.send([buf], peer, PIECE_TAG + i), what, f"engine rank {peer}",
+                                   roles))
             else:
-                out.append(_Posted(roles.data.recv([buf], peer, PIECE_TAG + i), what, f"trainer rank {peer}", roles))
+                out.append(_Posted(lambda: roles.data.recv([buf], peer, PIECE_TAG + i), what,
+                                   f"trainer rank {peer}", roles))
         return out
     return post
 

@@ -208,7 +208,8 @@ class Checkpoints:
             sharded_io.save_sharded(sharded, tmp / SHARDS)
         # every rank hashes a share of the shard files
         written = sorted((tmp / SHARDS).iterdir())
-        files = [e for part in _gather_objects([_entry(tmp, p) for p in written[rank::world]], self.group) for e in part]
+        mine = [_entry(tmp, p) for p in written[rank::world]]
+        files = [e for part in _gather_objects(mine, self.group) for e in part]
         rng = [torch.get_rng_state()]
         if world > 1:
             dev = comm_device()

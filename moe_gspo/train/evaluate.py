@@ -2,7 +2,7 @@
 run's reward.
 
     held_out = task.eval_examples(cfg.rollout.eval_prompts)     # the same prompts at every evaluation
-    m = evaluate(cfg, task, tok, engine, placement, held_out, dp_rank, dp, group, step)
+    m = evaluate(cfg, task, tok, rollouts, held_out, dp_rank, dp, group, step)
     # {"eval/reward_mean", "eval/accuracy", "eval/pass@N" (rollout.eval_samples = N > 1), "eval/reward_errors"}
 
 The held-out prompts are dealt over data-parallel ranks (rank d takes prompts d, d + dp, ...), each answered
@@ -32,16 +32,15 @@ def check_eval_set(examples: list, dp: int, where: str) -> None:
                           "needs at least one per rank")
 
 
-def evaluate(cfg: Config, task, tok, engine, placement, held_out: list, dp_rank: int, dp: int, group,
+def evaluate(cfg: Config, task, tok, rollouts, held_out: list, dp_rank: int, dp: int, group,
              step: int) -> dict[str, float]:
     """The eval/ metrics of the held-out prompts (collective over the trainer's ranks and the engine placement)."""
     rc = cfg.rollout
     n = rc.eval_samples
     sp = dataclasses.replace(sampling_params(cfg, tok, hash_seed(cfg.train.seed, step, 3) % 2**31),
                              return_routing=False, **({"temperature": 0.0} if n == 1 else {}))
-    parts = {d: (encode_prompts(held_out[d::dp], tok, rc, cfg.model.max_position_embeddings), sp)
-             for d in placement.serves}
-    batch = placement.generate(engine, parts, n, dp_rank)
+    batch = rollouts.generate(lambda d: (encode_prompts(held_out[d::dp], tok, rc, cfg.model.max_position_embeddings),
+                                         sp), n)
     mine = held_out[dp_rank::dp]
     per_response = [mine[i // n] for i in range(len(batch))]
     texts = [tok.decode(r.tolist()) for r in batch.response_ids]

@@ -26,8 +26,9 @@ from moe_gspo.config import Config, ConfigError, to_dict
 from moe_gspo.losses import get_advantage_estimator
 from moe_gspo.model.policy import MoEPolicy
 from moe_gspo.parallel.state import ParallelInfo, max_over_ranks, trainer_group
-from moe_gspo.rollout import RolloutEngine, engine_from_config
+from moe_gspo.rollout import engine_from_config
 from moe_gspo.rollout.placement import EnginePlacement
+from moe_gspo.train.rollouts import ColocatedRollouts, Rollouts
 from moe_gspo.rewards import score_responses
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.tasks import CharTokenizer, Task, task_from_config
@@ -42,26 +43,25 @@ from moe_gspo.train.step import (OldPass, StepContext, cold_start, pi_old_pass, 
 
 
 def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir: str | Path | None = None,
-          task=None, engine=None, init_state: dict | None = None, label: str | None = None) -> dict[str, float]:
+          task=None, engine=None, init_state: dict | None = None, label: str | None = None,
+          roles=None) -> dict[str, float]:
     """Run the RL loop for cfg.train.steps steps; last metrics.
 
     A run directory that holds a previous run (metrics or checkpoints) is continued with resume=True (from its
-    newest complete checkpoint), replaced with overwrite=True, and otherwise refused."""
-    # names and the engine's declared capabilities, on every rank before the job splits (colocated engines spread
-    # over the whole world)
+    newest complete checkpoint), replaced with overwrite=True, and otherwise refused. With
+    rollout.placement=separate this runs on the trainer's side of a job already split (`roles`, from
+    moe_gspo.rollout.bridge.split_job; the CLI splits it and sends the engine ranks to
+    moe_gspo.train.separate.serve)."""
+    # names and the engine's declared capabilities, before anything is built (colocated engines spread over the
+    # whole world)
     data.check_names(cfg, data.world_size() if cfg.rollout.placement == "colocated" else None)
-    roles = None
-    if cfg.rollout.placement == "separate":  # the job's last rollout.engine_ranks ranks only sample
-        from moe_gspo.rollout.bridge import split_job
-        from moe_gspo.train.separate import serve
-
+    if cfg.rollout.placement == "separate":
+        if roles is None or roles.is_engine:
+            raise ConfigError("rollout.placement=separate trains on the trainer's ranks of a job split into trainer "
+                              "and engine ranks: launch `moe-gspo train` with torchrun or scripts/launch.sh")
         if engine is not None:
             raise ConfigError("rollout.placement=separate builds its engines on their own ranks from the trainer's "
                               "weights: it takes no engine from the caller")
-        roles = split_job(cfg.rollout)
-        if roles.is_engine:
-            serve(cfg, roles)
-            return {}
     run_dir = Path(run_dir or cfg.train.out_dir)
     tok, task = preflight(cfg, task, roles)  # what needs nothing built, before the lock writes anything
     _check_run_dir(run_dir, resume, overwrite)
@@ -104,7 +104,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     with step_profile(run.dir, step + 1, profiled), t("step"):
         with t("rollout"):  # separate placement: waiting for the batch the engine ranks sampled
             batch, examples, texts = run.rollout(step)  # prompts x G responses, engine log-probs + routing
-            run.engine.sleep()  # rollout.engine_sleep: the engine's GPU memory goes to the trainer until the sync
+            run.rollouts.sleep()  # rollout.engine_sleep: the engine's GPU memory goes to the trainer until the sync
             adv, valid, reward_m = run.score(batch, examples, texts, step)  # rewards -> group advantages
             pb = run.pad(batch, valid)  # (B, T) training tensors on the policy's device
             record_engine_routing(run.ctx, pb)  # R3: the engine's routing into the replay cache
@@ -116,8 +116,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
             for idx in run.minibatches(step):  # one optimizer step per minibatch
                 train_m.add(update_minibatch(run.ctx, pb, old, adv, idx))
         with t("sync"):  # separate placement: the push of the next version, when a later batch needs it
-            run.engine.wake()
-            run.engine.update_weights(run.policy.weights())
+            run.rollouts.publish(run.policy.weights())
             run.replay.clear()
     evals = run.evaluate(step)  # train.eval_every: the updated policy on held-out prompts
     m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics(), **run.engine_metrics()},
@@ -139,7 +138,7 @@ class Run:
     dir: Path
     policy: MoEPolicy
     ctx: StepContext
-    engine: RolloutEngine
+    rollouts: Rollouts  # the engines, wherever they run
     task: Task
     tok: CharTokenizer | data.HFTokenizer  # the checkpoint's own tokenizer when it has one
     replay: RoutingReplayCache
@@ -150,10 +149,9 @@ class Run:
     progress: Progress
     ckpts: Checkpoints
     timer: StepTimer
-    placement: EnginePlacement | None  # None with rollout.placement=separate (engine is an EngineClient)
     start: int = 0
     held_out: list = dataclasses.field(default_factory=list)  # train.eval_every's prompts
-    async_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last received batch's
+    rollout_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # how the last batch was made
 
     @classmethod
     def setup(cls, cfg, *, run_dir, task, engine, init_state, resume, label, overwrite=False, roles=None,
@@ -210,18 +208,18 @@ class Run:
         if start:
             start, _ = ckpts.load_newest(start, ctx)  # one refused for unsafe content falls back to the one before
             _say(info, f"resumed from {ckpts.root / ckpts.name(start)}")
-        placement = None
         if roles is not None:  # the engines live on their own ranks: build them from this version
-            from moe_gspo.train.separate import EngineClient
+            from moe_gspo.train.separate import RemoteRollouts
 
-            engine = EngineClient(roles, cfg, info.dp_rank, info.dp, start, policy.weights())
-            engine.begin(policy.weights())
+            rollouts = RemoteRollouts(roles, cfg, info.dp_rank, info.dp, start, policy.weights())
+            rollouts.begin(policy.weights())
         else:
             if engine is None:
                 engine = engine_from_config(cfg.rollout, policy.weights(), tokenizer=tok)  # holds these weights
             else:
                 engine.update_weights(policy.weights())
-            placement = EnginePlacement.build(cfg.rollout.engine_tp, info.dp_rank, groups.tp)
+            rollouts = ColocatedRollouts(engine, EnginePlacement.build(cfg.rollout.engine_tp, info.dp_rank, groups.tp),
+                                         cfg.rollout.engine_tp, info.dp_rank)
         logc = cfg.logging
         writer = MetricsWriter.for_run(run_dir, logc, to_dict(cfg), active=info.rank == 0, resume=start > 0)
         writer.truncate_after(start)  # a fresh run (start 0) replaces old metrics; a resumed one rewrites after start
@@ -230,8 +228,8 @@ class Run:
         if cfg.train.eval_every:  # the same held-out prompts at every evaluation
             held_out = task.eval_examples(cfg.rollout.eval_prompts)
             check_eval_set(held_out, layout.dp, "rollout.eval_prompts")
-        return cls(cfg, run_dir, policy, ctx, engine, task, tok, replay, tracker, layout, info, writer, progress,
-                   ckpts, StepTimer(), placement, start, held_out)
+        return cls(cfg, run_dir, policy, ctx, rollouts, task, tok, replay, tracker, layout, info, writer, progress,
+                   ckpts, StepTimer(), start, held_out)
 
     # ---------------------------------------------------------------- the steps of the loop
     def prompts(self, step: int, dp_rank: int):
@@ -241,12 +239,8 @@ class Run:
     def rollout(self, step: int):
         cfg = self.cfg
         examples = self.prompts(step, self.info.dp_rank)[0]
-        if self.placement is None:  # sampled on an engine rank (moe_gspo.train.separate)
-            batch, self.async_metrics = self.engine.receive(step)
-        else:
-            parts = {d: self.prompts(step, d)[1:] for d in self.placement.serves}
-            # sampled once per engine replica and delivered to the ranks that train on it (rollout.placement)
-            batch = self.placement.generate(self.engine, parts, cfg.rollout.group_size, self.info.dp_rank)
+        batch, self.rollout_metrics = self.rollouts.batch(step, lambda d: self.prompts(step, d)[1:],
+                                                          cfg.rollout.group_size)
         # sample ids from the step, not the engine's counter, so that a resumed run names samples identically
         n = len(batch)
         batch = dataclasses.replace(batch, sample_ids=torch.arange(step * n, (step + 1) * n))
@@ -294,8 +288,8 @@ class Run:
         every = self.cfg.train.eval_every
         if not every or ((step + 1) % every and step + 1 != self.cfg.train.steps):
             return {}
-        return evaluate(self.cfg, self.task, self.tok, self.engine, self.placement, self.held_out,
-                        self.info.dp_rank, self.layout.dp, self.ctx.trainer_group, step)
+        return evaluate(self.cfg, self.task, self.tok, self.rollouts, self.held_out, self.info.dp_rank,
+                        self.layout.dp, self.ctx.trainer_group, step)
 
     def minibatches(self, step: int) -> list[torch.Tensor]:
         """The local responses shuffled (seeded by step) and cut into train.minibatches equal parts."""
@@ -304,11 +298,8 @@ class Run:
         return list(perm.split(self.layout.minibatch_local))
 
     def engine_metrics(self) -> dict[str, float]:
-        """The engine's tensor-parallel size, the share of the model's parameters this rank's engine keeps, and the
-        last weight sync's seconds by phase where the engine measures them (a vLLM engine over several ranks)."""
-        phases = getattr(self.engine, "last_sync_phases", None) or {}
-        return {"engine/tp": float(self.cfg.rollout.engine_tp), "engine/param_fraction": self.engine.param_fraction(),
-                **{f"engine/sync_{k}_s": float(v) for k, v in phases.items()}, **self.async_metrics}
+        """The engines' figures (Rollouts.metrics) and how the step's batch was made (Rollouts.batch)."""
+        return {**self.rollouts.metrics(), **self.rollout_metrics}
 
     def flip_metrics(self) -> dict[str, float]:
         if self.tracker is None:
@@ -344,8 +335,7 @@ class Run:
         self.progress.close()
         self.writer.close()
         release_ddp(self.ctx.optim.ddp)
-        if self.placement is None:
-            self.engine.close()  # meets the engine ranks a last time
+        self.rollouts.close()
 
 
 def _check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:

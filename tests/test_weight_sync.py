@@ -12,7 +12,7 @@ import torch
 from helpers import ROOT, make_hf_checkpoint, run_torchrun
 
 from moe_gspo.rollout.hf_engine import HFEngine, model_from_export
-from moe_gspo.rollout.weight_sync import copy_in_buckets
+from moe_gspo.rollout.weight_sync import buckets, copy_in_buckets
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +153,52 @@ def test_cast_into_equals_copy_bitwise():
             padded = torch.zeros(src.shape[0], src.shape[1] + 8, dtype=dtype)  # a row-strided destination
             cast_into(padded[:, :src.shape[1]], src)
             assert torch.equal(padded[:, :src.shape[1]], want) and not padded[:, src.shape[1]:].any()
+
+
+def _reference_buckets(sizes, bound):
+    """Greedy bucketing written out plainly: a bucket closes before an item would take it past the bound, and an
+    item larger than the bound stands alone."""
+    out, cur, used = [], [], 0
+    for i, n in enumerate(sizes):
+        if cur and used + n > bound:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+        if n > bound:
+            out.append(cur)
+            cur, used = [], 0
+    return out + ([cur] if cur else [])
+
+
+def test_one_bucketing_rule_for_every_sync():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        sizes = torch.randint(0, 40, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        bound = int(torch.randint(1, 60, (1,), generator=g))
+        got = list(buckets(range(len(sizes)), lambda i: {None: sizes[i]}, bound))
+        assert got == _reference_buckets(sizes, bound)
+        assert [i for b in got for i in b] == list(range(len(sizes)))  # every item once, in order
+        assert all(sum(sizes[i] for i in b) <= bound or len(b) == 1 for b in got)
+    # a refusing `joins` splits where the bound would not
+    assert list(buckets("aabba", lambda c: {None: 1}, 10, lambda first, c: first == c)) == [["a", "a"], ["b", "b"],
+                                                                                           ["a"]]
+    # several resources: a round closes when any one of them would pass the bound (rank 0's sends here)
+    sends = [(0, 1, 4), (0, 2, 4), (1, 2, 4), (0, 1, 4)]
+    got = list(buckets(sends, lambda t: {("out", t[0]): t[2], ("in", t[1]): t[2]}, 8))
+    assert got == [[(0, 1, 4), (0, 2, 4), (1, 2, 4)], [(0, 1, 4)]]
+    with pytest.raises(ValueError, match="bound 0 must be > 0"):
+        list(buckets([1], lambda i: {None: 1}, 0))
+
+
+def test_buckets_read_their_items_as_they_fill():
+    read = []
+
+    def items():
+        for i in range(6):
+            read.append(i)
+            yield i
+
+    it = buckets(items(), lambda i: {None: 1}, 2)
+    assert next(it) == [0, 1] and read == [0, 1, 2]  # the item that closed the bucket, and no further
+    assert next(it) == [2, 3] and read == [0, 1, 2, 3, 4]

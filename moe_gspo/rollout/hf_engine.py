@@ -110,7 +110,7 @@ def model_from_export(config_dict: dict, state_dict: Mapping[str, torch.Tensor],
 
 
 # ---------------------------------------------------------------------------------------------------------- routing
-def moe_routers(model) -> list[torch.nn.Module]:
+def hf_moe_routers(model) -> list[torch.nn.Module]:
     """The router module of every MoE decoder layer, in layer order (dense layers skipped)."""
     layers = model.model.layers
     routers = [getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None) for layer in layers
@@ -121,7 +121,7 @@ def moe_routers(model) -> list[torch.nn.Module]:
 @contextmanager
 def capture_routing(model):
     """Inside the block, each forward appends one (tokens, L, k) int64 tensor (ids sorted) to the yielded list."""
-    routers = moe_routers(model)
+    routers = hf_moe_routers(model)
     k = model.config.num_experts_per_tok
     current: dict[int, torch.Tensor] = {}
     steps: list[torch.Tensor] = []

@@ -33,7 +33,7 @@ import torch
 
 from moe_gspo.rollout.base import SamplingParams, local_device, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
-from moe_gspo.rollout.hf_engine import HFEngine, _sample, greedy, moe_routers, nucleus
+from moe_gspo.rollout.hf_engine import HFEngine, _sample, greedy, hf_moe_routers, nucleus
 
 SLOT_ROUND = 64
 
@@ -51,13 +51,13 @@ def sample_on_device(logits_BV: torch.Tensor, sp: SamplingParams,
     return tok, logp_BV.gather(-1, tok[:, None]).squeeze(-1)
 
 
-class RouterTaps:
+class StaticRouterTaps:
     """Persistent hooks on a model's routers: while `target` is an (L, tokens, k) int64 tensor, each router's forward
     copies its top-k ids into its layer's row (unsorted, as the router returns them)."""
 
     def __init__(self, model):
         self.target: torch.Tensor | None = None
-        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(moe_routers(model))]
+        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(hf_moe_routers(model))]
         self.layers = len(self.handles)
 
     def _hook(self, layer: int):
@@ -117,7 +117,7 @@ class StaticHFEngine(HFEngine):
         super().update_weights(weights)
         if self.model is not before:  # a new module: new hooks, cache and compiled step
             self.close()
-            self._taps = RouterTaps(self.model)
+            self._taps = StaticRouterTaps(self.model)
             self._step = self._graphed_step if self.compiled else self._decode
             self._compiled_decode = torch.compile(self._decode, mode="reduce-overhead") if self.compiled else None
 

@@ -29,6 +29,7 @@ import torch
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
+from moe_gspo.rollout.weight_sync import buckets
 
 
 def _import_sglang():
@@ -95,15 +96,8 @@ class SGLangEngine(RolloutEngine):
 
     def update_weights(self, weights) -> None:
         state = weights_of(weights).whole()
-        bucket, size = [], 0
-        for key in state:
-            t = state[key]
-            bucket.append((key, t))
-            size += t.numel() * t.element_size()
-            if size >= self.bucket_bytes:
-                self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
-                bucket, size = [], 0
-        if bucket:
+        named = ((key, state[key]) for key in state)  # read in order, one bucket at a time
+        for bucket in buckets(named, lambda kt: {None: kt[1].numel() * kt[1].element_size()}, self.bucket_bytes):
             self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
         self.engine.flush_cache()
 

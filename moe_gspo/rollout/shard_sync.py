@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moe_gspo.model.hf_shards import Region, TrainerShards
-from moe_gspo.rollout.weight_sync import cast_into
+from moe_gspo.rollout.weight_sync import buckets, cast_into
 
 
 @dataclass(frozen=True)
@@ -210,20 +210,9 @@ def _holdings(trainer: TrainerShards, coords, key: str) -> list[tuple[Region, li
 
 def _rounds(pieces: list[Piece], bucket_bytes: int, elem: int, world: int) -> list[list[Piece]]:
     """Consecutive pieces grouped so that no rank sends or receives more than bucket_bytes in one round (a piece
-    larger than that is a round by itself)."""
-    rounds, cur = [], []
-    into, outof = [0] * world, [0] * world
-    for p in pieces:
+    larger than that is a round by itself; a piece a rank keeps for itself moves nothing)."""
+    def load(p: Piece) -> dict:
         b = p.numel * elem if p.src != p.dst else 0
-        if cur and b and (into[p.dst] + b > bucket_bytes or outof[p.src] + b > bucket_bytes):
-            rounds.append(cur)
-            cur, into, outof = [], [0] * world, [0] * world
-        cur.append(p)
-        into[p.dst] += b
-        outof[p.src] += b
-        if b > bucket_bytes:  # a piece larger than a bucket travels alone
-            rounds.append(cur)
-            cur, into, outof = [], [0] * world, [0] * world
-    if cur:
-        rounds.append(cur)
-    return rounds
+        return {("into", p.dst): b, ("out of", p.src): b}
+
+    return list(buckets(pieces, load, bucket_bytes))

@@ -3,7 +3,7 @@
     with keep_dense_weights():                 # while the engine is built
         llm = LLM(...)
     load_weights_cpu(model, state_dict, model_type)   # any number of times: what a fresh engine loads
-    with RouterTaps(model_runner) as taps:
+    with VLLMRouterTaps(model_runner) as taps:
         outputs = llm.generate(...)
     routing = taps.by_request()               # request id -> (positions, L, k)
 
@@ -31,7 +31,7 @@ dispatch while the engine loads), and an update:
 Routing. vLLM's routed-experts capture needs its GPU model runner. On the CPU each MoE layer's router
 (`CPURouter`) calls a capture function with the top-k expert ids of every forward; the rows are the step's scheduled
 tokens, request after request in the model runner's batch order, `query_start_loc` giving each request's rows and
-the model's `positions` input each row's position. `RouterTaps` records both and regroups the rows per request.
+the model's `positions` input each row's position. `VLLMRouterTaps` records both and regroups the rows per request.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def load_weights_cpu(model, state: Mapping[str, torch.Tensor], model_type: str) 
 
 
 # ---------------------------------------------------------------------------------------------------------- routing
-def moe_routers(model) -> list[torch.nn.Module]:
+def vllm_moe_routers(model) -> list[torch.nn.Module]:
     """The router of every MoE decoder layer of a vLLM model, in layer order (the layer's MoE runner holds it,
     whatever the layer calls its MoE block; dense layers have none)."""
     out = []
@@ -249,18 +249,18 @@ def moe_routers(model) -> list[torch.nn.Module]:
     return out
 
 
-class RouterTaps:
+class VLLMRouterTaps:
     """Inside the block, records the experts every MoE router picks in every forward of the engine, with the
     request and position of each row; `by_request()` regroups them. Expert ids are sorted within a token's k."""
 
     def __init__(self, model_runner):
         self._runner = model_runner
         self._model = model_runner.model
-        self._routers = moe_routers(self._model)
+        self._routers = vllm_moe_routers(self._model)
         self._steps: list[tuple[list[str], torch.Tensor, torch.Tensor, list]] = []
         self._hook = None
 
-    def __enter__(self) -> RouterTaps:
+    def __enter__(self) -> VLLMRouterTaps:
         self._steps.clear()
         self._hook = self._model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         for i, router in enumerate(self._routers):
@@ -314,7 +314,7 @@ class RouterTaps:
 
 
 def by_completion(routes: dict, n: int) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
-    """RouterTaps.by_request keyed by (the prompt's request id as LLM.generate reports it, sample index): the model
+    """VLLMRouterTaps.by_request keyed by (the prompt's request id as LLM.generate reports it, sample index): the model
     runner sees vLLM's internal ids, the prompt's id with a suffix ('{id}-{random}'), and with n > 1 sample j as
     '{j}_{that}'."""
     out = {}

@@ -31,7 +31,7 @@ seeds + 0 .. n-1: every response has its own generator, so the same seed, prompt
 Routed experts (R3), in RolloutBatch's layout (prompt positions 0..P-2, then position P-1+t for response token t):
 - on a GPU, vLLM's own capture (`enable_return_routed_experts`; per completion `routed_experts`, P+R-1 rows);
 - on the CPU, where vLLM refuses that capture (it needs its GPU model runner), the routers' capture hooks
-  (moe_gspo.rollout.vllm_cpu.RouterTaps) mapped to requests. With prefix caching a sample whose prompt blocks came
+  (moe_gspo.rollout.vllm_cpu.VLLMRouterTaps) mapped to requests. With prefix caching a sample whose prompt blocks came
   from the cache would have no prompt rows, so an engine asked for routing runs without prefix caching: each of a
   prompt's n samples prefills its own copy of the prompt (as vLLM does for samples scheduled in the same step anyway).
 
@@ -377,9 +377,9 @@ class VLLMEngine(RolloutEngine):
         want_routing = any(sp.return_routing for _, sp in parts)
         routes = None  # CPU: what the routers' capture hooks saw, per (prompt request, sample)
         if want_routing and not self.on_cuda:
-            from moe_gspo.rollout.vllm_cpu import RouterTaps
+            from moe_gspo.rollout.vllm_cpu import VLLMRouterTaps
 
-            with RouterTaps(self._runner) as taps:
+            with VLLMRouterTaps(self._runner) as taps:
                 outs = self.llm.generate(inputs, params, use_tqdm=False)
             routes = taps.by_request()
         else:

@@ -13,9 +13,40 @@ once beyond the engine's own weights is one bucket and the tensors read for it, 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
+
+
+def buckets(items: Iterable[T], load: Callable[[T], dict[Hashable, int]], bound: int,
+            joins: Callable[[T, T], bool] | None = None) -> Iterator[list[T]]:
+    """Consecutive items in buckets, lazily (an item is read when its bucket is being filled): every weight sync
+    here (the hf engines' in-place copy, the pushes to engine ranks, the shard-to-shard rounds, SGLang's updates)
+    cuts its stream with this. `load(item)` is the bytes the item adds to each resource it uses ({None: n} for one
+    buffer; a rank's sends and receives for a round of point-to-point transfers); a bucket closes before an item
+    would take any resource past `bound`, or that `joins(first item of the bucket, item)` refuses. An item of more
+    than `bound` on any resource is a bucket by itself."""
+    if bound <= 0:
+        raise ValueError(f"bucket bound {bound} must be > 0")
+    cur: list[T] = []
+    used: dict[Hashable, int] = {}
+    for item in items:
+        add = load(item)
+        if cur and (any(used.get(r, 0) + b > bound for r, b in add.items() if b)
+                    or (joins is not None and not joins(cur[0], item))):
+            yield cur
+            cur, used = [], {}
+        cur.append(item)
+        for r, b in add.items():
+            used[r] = used.get(r, 0) + b
+        if any(b > bound for b in add.values()):
+            yield cur
+            cur, used = [], {}
+    if cur:
+        yield cur
 
 
 @torch.no_grad()
@@ -26,26 +57,25 @@ def copy_in_buckets(dests: Sequence[tuple[torch.Tensor, str]], state: Mapping[st
     `dest.copy_(state[key])` gives, tensor by tensor: the same rounding to the engine's dtype."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-    buckets, pending, size = 0, [], 0
-    for dest, key in dests:
+
+    def read(dest_key):
+        dest, key = dest_key
         src = state[key]
         if tuple(src.shape) != tuple(dest.shape):
             raise ValueError(f"{key}: exported shape {tuple(src.shape)} != the engine's {tuple(dest.shape)}")
-        nbytes = dest.numel() * dest.element_size()
-        if pending and (size + nbytes > bucket_bytes or not _same_bucket(pending[0], dest, src)):
-            _flush(pending)
-            buckets, pending, size = buckets + 1, [], 0
-        pending.append((dest, src))
-        size += nbytes
-    if pending:
-        _flush(pending)
-        buckets += 1
-    return buckets
+        return dest, src
+
+    n = 0
+    for bucket in buckets(map(read, dests), lambda ds: {None: ds[0].numel() * ds[0].element_size()}, bucket_bytes,
+                          _same_bucket):
+        _flush(bucket)
+        n += 1
+    return n
 
 
-def _same_bucket(first: tuple[torch.Tensor, torch.Tensor], dest: torch.Tensor, src: torch.Tensor) -> bool:
+def _same_bucket(first: tuple[torch.Tensor, torch.Tensor], item: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """One bucket holds one destination dtype and device, read from one source device."""
-    d0, s0 = first
+    (d0, s0), (dest, src) = first, item
     return d0.dtype == dest.dtype and d0.device == dest.device and s0.device == src.device
 
 

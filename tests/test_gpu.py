@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, tiny_hf_model
+from helpers import ROOT, free_port, tiny_hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -414,3 +414,30 @@ def test_grouped_mm_with_unaligned_groups_on_cuda():
             (("y", y, ref_y), ("dx", x.grad, ref_dx), ("dw", w.grad, ref_dw))}
     record("grouped_mm_unaligned_groups", runs=True, **errs, device=torch.cuda.get_device_name())
     assert max(errs.values()) < 2e-2, errs
+
+
+def test_separate_placement_on_one_gpu_equals_colocated(tmp_path):
+    """rollout.placement=separate on one GPU: a trainer rank and an hf engine rank (torchrun, 2 processes; each
+    side's group has one rank, so NCCL sees the GPU once, and the bridge between them is gloo). The engine generates
+    on CUDA (its device is the rank's, never where the pushed weights arrive), and with train.max_staleness=0 the
+    run logs what the colocated run on the same GPU logs."""
+    args = [*RL[1:], "train.cold_start_steps=0", "train.steps=2", "train.checkpoint_every=0",
+            "rollout.engine=hf", "algorithm.loss=grpo", "algorithm.routing_replay=r3"]
+    col = _train(["train", *args], tmp_path / "colocated", cuda=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    out = tmp_path / "separate"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "moe_gspo.cli", "train",
+                        *args, "rollout.placement=separate", "rollout.engine_ranks=1", f"train.out_dir={out}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    sep = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = ["reward/mean", "pg_loss", "entropy", "grad_norm", "rollout_logprobs_diff_max"]
+    record("separate_one_gpu", **{f"separate_{k}": [m.get(k) for m in sep] for k in keys},
+           **{f"colocated_{k}": [m.get(k) for m in col] for k in keys},
+           separate_step_s=[m["time/step"] for m in sep], colocated_step_s=[m["time/step"] for m in col])
+    assert [m["engine/on_cuda"] for m in sep] == [1.0, 1.0]
+    assert len(sep) == len(col) == 2 and sep[0]["reward/mean"] == col[0]["reward/mean"]
+    for s, c in zip(sep, col):
+        for k in ("pg_loss", "entropy", "grad_norm"):
+            assert abs(s[k] - c[k]) <= 1e-3 * max(1.0, abs(c[k])), (k, s[k], c[k])

@@ -114,6 +114,20 @@ def test_stale_shared_memory_of_dead_jobs_is_removed(tmp_path):
                                                           f"moe_gspo-{os.getpid()}-1-tp:0-[0-1]-cpushm_0"]
 
 
+def test_one_rule_assigns_data_parallel_ranks_to_engines():
+    from moe_gspo.rollout.placement import assign_engines
+
+    # engines on ranks of their own: d mod n
+    assert assign_engines(5, 2) == [[0, 2, 4], [1, 3]]
+    assert assign_engines(3, 3) == [[0], [1], [2]]
+    # colocated: each rank's home replica; world 4, trainer TP 2 (dp 2: ranks 0-1 hold d=0, 2-3 hold d=1)
+    assert assign_engines(2, 4, [0, 2]) == [[0], [], [1], []]  # engine_tp 1: the replica of each d's first rank
+    assert assign_engines(2, 2, [0, 1]) == [[0], [1]]  # engine_tp 2
+    assert assign_engines(4, 1, [0, 0, 0, 0]) == [[0, 1, 2, 3]]  # one engine over the world
+    every = assign_engines(7, 3)
+    assert sorted(d for ds in every for d in ds) == list(range(7))  # every rank served exactly once
+
+
 @pytest.mark.parametrize("override,needle", [
     ("rollout.engine_tp=2", "rollout.engine_tp=2 with rollout.engine=hf: it runs on one rank; the tensor-parallel "
                             "engines are vllm"),

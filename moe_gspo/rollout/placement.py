@@ -26,6 +26,17 @@ from moe_gspo.rollout.base import RolloutEngine, SamplingParams, replicas
 from moe_gspo.rollout.batch import RolloutBatch
 
 
+def assign_engines(dp: int, engines: int, home: list[int | None] | None = None) -> list[list[int]]:
+    """The data-parallel ranks each of `engines` engines samples for, by engine: a rank's prompts go to its home
+    engine where it has one (colocated: the replica that holds the rank's first member, `home[d]`), else to engine
+    d mod engines (engines on ranks of their own, which hold no trainer rank). The one rule both placements use."""
+    out: list[list[int]] = [[] for _ in range(engines)]
+    for d in range(dp):
+        e = home[d] if home is not None and home[d] is not None else d % engines
+        out[e].append(d)
+    return out
+
+
 @dataclass
 class EnginePlacement:
     engine_tp: int
@@ -50,7 +61,8 @@ class EnginePlacement:
         for g in range(world):
             first.setdefault(dp_of[g], g)
         mine = rank // engine_tp
-        serves = sorted(d for d, g in first.items() if g // engine_tp == mine)
+        dp = max(dp_of) + 1
+        serves = assign_engines(dp, len(replica_ranks), [first[d] // engine_tp for d in range(dp)])[mine]
         replica_group = None
         if engine_tp > 1:
             groups = [dist.new_group(r) for r in replica_ranks]  # every rank creates every group

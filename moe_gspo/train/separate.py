@@ -28,9 +28,10 @@ from moe_gspo.config import Config, ConfigError
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout import engine_class
 from moe_gspo.rollout.batch import RolloutBatch
-from moe_gspo.train.rollouts import Rollouts
 from moe_gspo.rollout.bridge import (BatchLink, Hello, PushedShards, PushedWeights, Roles, ShardPush, TrainerCoords,
                                      WeightPush, exchange, shard_plan)
+from moe_gspo.rollout.placement import assign_engines
+from moe_gspo.train.rollouts import Rollouts
 
 
 def push_dtype(cfg: Config) -> torch.dtype:
@@ -84,8 +85,9 @@ class RemoteRollouts(Rollouts):
         self.roles, self.cfg = roles, cfg
         here = weights.shards
         hellos = exchange(roles, Hello(dp_rank, start, dp, here.tp_rank, here.ep_rank))
-        n = _serving(cfg, dp)
-        self.src = roles.engines[(dp_rank % n) * cfg.rollout.engine_tp]  # the first rank of the serving engine
+        serving = assign_engines(dp, _serving(cfg, dp))
+        mine = next(e for e, ds in enumerate(serving) if dp_rank in ds)
+        self.src = roles.engines[mine * cfg.rollout.engine_tp]  # the first rank of the serving engine
         self.start, self.version, self.k, self.steps = start, start, cfg.train.max_staleness, cfg.train.steps
         self.link = BatchLink(roles)
         if takes_slices(cfg):
@@ -149,7 +151,7 @@ def serve(cfg: Config, roles: Roles) -> None:
     hellos = exchange(roles, Hello())
     start, dp = hellos[roles.trainers[0]].start, hellos[roles.trainers[0]].dp
     n, tp = _serving(cfg, dp), cfg.rollout.engine_tp
-    serves = [d for d in range(dp) if d % n == roles.engine_index // tp]
+    serves = assign_engines(dp, n)[roles.engine_index // tp]
     # every rank of a tensor-parallel engine generates (vLLM runs them together); its first rank sends
     sends = roles.engine_index % tp == 0
     dests = {d: [r for r in roles.trainers if hellos[r].dp_rank == d] if sends else [] for d in serves}

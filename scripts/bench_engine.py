@@ -208,7 +208,7 @@ def main():
         print(f"bench_engine.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     if "vllm" in engines:
-        from moe_gspo.rollout.vllm_engine import vllm_info
+        from moe_gspo.rollout.vllm_families import vllm_info
 
         result["versions"]["vllm"] = vllm_info()["version"]
         result["vllm_start_s"] = engines["vllm"].start_seconds

@@ -133,15 +133,19 @@ def test_a_shard_push_delivers_the_engine_its_slices_bitwise():
     g = torch.Generator().manual_seed(1)
     state = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
     coords = TrainerCoords(1, 1, [(0, 0)])
+
+    def keeps(j):  # what the one engine rank keeps
+        return engine_needs(MC, 1, j)
+
     for dtype in (torch.float32, torch.bfloat16):
         def trainer(roles, dtype=dtype):
-            push = ShardPush(roles, shard_plan(roles, MC, coords, 1, False, 2048, dtype))
+            push = ShardPush(roles, shard_plan(roles, MC, coords, 1, keeps, 2048, dtype))
             push.push(_FixedShards(state), 0)
             return len(push.plan.rounds), push.bytes
 
         def engine(roles, dtype=dtype):
             src = PushedShards(roles, MC, coords, version=0)
-            plan = src.plan(1, False, 2048, dtype)
+            plan = src.plan(1, keeps, 2048, dtype)
             return [(p.key, p.region, t.clone()) for p, t in src.pieces(plan)], src.version
 
         (rounds, sent), (got, version) = _pair(trainer, engine)
@@ -156,12 +160,12 @@ def test_a_shard_push_delivers_the_engine_its_slices_bitwise():
             assert t.dtype == dtype and torch.equal(t, want.to(dtype)), key
 
     def wrong_version(roles):
-        ShardPush(roles, shard_plan(roles, MC, coords, 1, False, 2048, torch.float32)).push(_FixedShards(state), 0)
+        ShardPush(roles, shard_plan(roles, MC, coords, 1, keeps, 2048, torch.float32)).push(_FixedShards(state), 0)
 
     def expects_3(roles):
         src = PushedShards(roles, MC, coords, version=3)
         try:
-            src.pieces(src.plan(1, False, 2048, torch.float32))
+            src.pieces(src.plan(1, keeps, 2048, torch.float32))
         except RuntimeError as e:
             return str(e)
         return None
@@ -177,7 +181,7 @@ def test_a_shard_push_delivers_the_engine_its_slices_bitwise():
     def engine_waits(roles):
         src = PushedShards(roles, MC, coords, version=0)
         try:
-            list(src.pieces(src.plan(1, False, 2048, torch.float32)))
+            list(src.pieces(src.plan(1, keeps, 2048, torch.float32)))
         except BridgeError as e:
             return str(e)
         return None

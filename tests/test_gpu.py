@@ -334,8 +334,11 @@ def test_vllm_engine_sleeps_and_wakes_with_its_weights():
     eng.wake()
     eng.update_weights(policy.weights())
     after = eng.generate([[1, 20, 21, 22]], 4, sp)
-    record("vllm_sleep", freed_mb=freed / 2**20)
-    assert freed > 0
+    total = torch.cuda.mem_get_info()[1]
+    record("vllm_sleep", freed_mb=freed / 2**20, total_mb=total / 2**20)
+    # the engine holds 0.3 of the GPU (gpu_memory_utilization), nearly all of it KV cache for a model this small;
+    # sleep level 1 discards the cache and moves the weights to the host, so most of that 0.3 comes back
+    assert freed >= 0.2 * total, (freed / 2**20, total / 2**20)
     assert all(a.tolist() == b.tolist() for a, b in zip(before.response_ids, after.response_ids))
     eng.close()
 

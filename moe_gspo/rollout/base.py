@@ -75,6 +75,12 @@ class RolloutEngine(ABC):
     families: ClassVar[tuple[str, ...] | None] = None
     """The model families (model.family) it serves; None: every family the trainer loads."""
 
+    @classmethod
+    def slices(cls, mc, engine_tp: int, rank: int, expert_parallel: bool = False) -> list:
+        """For an engine that takes_slices: (HF key, Region) of every tensor engine rank `rank` of an engine over
+        `engine_tp` ranks keeps, in HF key order; what a shard-to-shard sync plans its pieces from."""
+        raise NotImplementedError(f"{cls.__name__} loads whole tensors (takes_slices is false)")
+
     @abstractmethod
     def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,
                  sampling: SamplingParams | None = None) -> RolloutBatch:

@@ -353,18 +353,18 @@ class TrainerCoords:
     ranks: list[tuple[int, int]]
 
 
-def shard_plan(roles: Roles, mc, trainer: TrainerCoords, engine_tp: int, engine_ep: bool, bucket_bytes: int,
+def shard_plan(roles: Roles, mc, trainer: TrainerCoords, engine_tp: int, needs, bucket_bytes: int,
                dtype: torch.dtype):
     """The SyncPlan of a shard-to-shard push: the same on every rank of the job (both sides derive it from the
-    config and the handshake). Engine replicas are consecutive engine ranks, engine_tp each."""
+    config and the handshake). Engine replicas are consecutive engine ranks, engine_tp each; `needs(j)` is what
+    engine rank j of a replica keeps (the engine class's `slices`)."""
     from moe_gspo.model.hf_shards import TrainerShards
     from moe_gspo.rollout.shard_sync import SyncPlan
-    from moe_gspo.rollout.vllm_shards import engine_needs
 
     coords = [*trainer.ranks, *([None] * len(roles.engines))]  # engine ranks hold nothing
     groups = [roles.engines[i:i + engine_tp] for i in range(0, len(roles.engines), engine_tp)]
-    return SyncPlan.build(TrainerShards(mc, trainer.tp, trainer.ep), coords, groups,
-                          lambda j: engine_needs(mc, engine_tp, j, engine_ep), bucket_bytes, dtype, roles.rank)
+    return SyncPlan.build(TrainerShards(mc, trainer.tp, trainer.ep), coords, groups, needs, bucket_bytes, dtype,
+                          roles.rank)
 
 
 class _Posted:
@@ -433,8 +433,9 @@ class PushedShards(WeightSource):
         self.version = version  # the version the next pieces() receives
         self.last_wait_s = 0.0  # how long the last pieces() waited for trainer rank 0 to begin the push
 
-    def plan(self, engine_tp: int, engine_ep: bool, bucket_bytes: int, dtype: torch.dtype):
-        return shard_plan(self.roles, self.model_config, self.trainer, engine_tp, engine_ep, bucket_bytes, dtype)
+    def plan(self, engine_tp: int, needs, bucket_bytes: int, dtype: torch.dtype):
+        """The push's SyncPlan for an engine whose rank j keeps needs(j)."""
+        return shard_plan(self.roles, self.model_config, self.trainer, engine_tp, needs, bucket_bytes, dtype)
 
     def pieces(self, plan) -> Iterator:
         _take_version(self)

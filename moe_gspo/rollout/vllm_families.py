@@ -1,6 +1,7 @@
-"""What vLLM's model of each family computes whatever config.json says (vLLM 0.32), and the families its weight sync
-loads (moe_gspo.rollout.vllm_cpu, vllm_shards, vllm_mla): refused in one line before anything is built
-(VLLMEngine.check_config, from rollout.check_engine) and again when an engine is built from a checkpoint's config.
+"""What the vLLM engine can run here: whether vLLM is installed (and which), what vLLM's model of each family
+computes whatever config.json says (vLLM 0.32), and the families its weight sync loads (moe_gspo.rollout.vllm_cpu,
+vllm_shards, vllm_mla). What it cannot run is refused in one line before anything is built (VLLMEngine.check_config,
+from rollout.check_engine) and again when an engine is built from a checkpoint's config.
 
 GPT-OSS: its experts' SwiGLU is clamped at 7 (the model passes no limit to its fused-MoE layer, whose CPU kernel
 clamps at 7: measured, the kernel's output equals the clamp at 7 and differs by O(10) from the clamp at 5, at 10 and
@@ -8,6 +9,10 @@ from none); its sliding window is on the even layers (0, 2, ...) whatever layer_
 always YaRN, built from factor, original_max_position_embeddings, beta_fast, beta_slow and truncate (no mscale)."""
 
 from __future__ import annotations
+
+import importlib.util
+
+import torch
 
 VLLM_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
 """The model families vLLM's engine serves here: vLLM has a model of each, and the weight sync knows its layout."""
@@ -78,3 +83,27 @@ def gpt_oss_fields(config: dict) -> tuple:
     rope = config.get("rope_parameters") or {}
     return (config.get("swiglu_limit"), config.get("sliding_window") or 0, config.get("layer_types") or [],
             rope if rope.get("rope_type") == "yarn" else None)
+
+
+def vllm_installed() -> bool:
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a module entry set to None (import blocked) raises ValueError
+        return False
+
+
+def vllm_info() -> dict[str, str]:
+    """{'version': ..., 'routing': 'native' (vLLM's capture, CUDA) | 'hooked' (router capture hooks, CPU)}, or
+    {'version': 'not installed'}; imports vLLM's package metadata only."""
+    if not vllm_installed():
+        return {"version": "not installed"}
+    from importlib.metadata import PackageNotFoundError, version
+
+    v = "unknown"
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            v = f"{version(dist)} ({dist})"
+            break
+        except PackageNotFoundError:
+            continue
+    return {"version": v, "routing": "native" if torch.cuda.is_available() else "hooked"}

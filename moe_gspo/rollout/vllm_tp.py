@@ -120,7 +120,7 @@ class ShardedSync:
         groups = replicas(world, tp)
         bucket = bucket_bytes or DEFAULT_BUCKET_BYTES
         if weights.sliced:
-            self.plan = weights.plan(tp, expert_parallel, bucket, dtype)
+            self.plan = weights.plan(tp, lambda j: engine_needs(mc, tp, j, expert_parallel), bucket, dtype)
         elif weights.shards is not None:
             here = weights.shards
             coords = [None] * world

@@ -19,6 +19,7 @@ against. Every order is fixed by the step counter, so a run is as reproducible a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 
@@ -50,6 +51,11 @@ def takes_slices(cfg: Config) -> bool:
     the engine ranks their slices of its own parameters (ShardPush); otherwise trainer rank 0 pushes whole tensors
     (WeightPush)."""
     return engine_class(cfg.rollout.engine).takes_slices
+
+
+def _needs(engine, mc, engine_tp: int, engine_ep: bool, j: int) -> list:
+    """What rank j of an engine of engine_tp ranks keeps (the engine class declares it: RolloutEngine.slices)."""
+    return engine.slices(mc, engine_tp, j, engine_ep)
 
 
 def version_of(step: int, start: int, k: int) -> int:
@@ -92,8 +98,10 @@ class RemoteRollouts(Rollouts):
         self.link = BatchLink(roles)
         if takes_slices(cfg):
             coords = _trainer_coords(cfg, roles, hellos)
-            self.weights = ShardPush(roles, shard_plan(roles, cfg.model, coords, cfg.rollout.engine_tp,
-                                                       cfg.rollout.engine_ep, bucket_bytes(cfg), push_dtype(cfg)))
+            rc, engine = cfg.rollout, engine_class(cfg.rollout.engine)
+            needs = functools.partial(_needs, engine, cfg.model, rc.engine_tp, rc.engine_ep)
+            self.weights = ShardPush(roles, shard_plan(roles, cfg.model, coords, rc.engine_tp, needs,
+                                                       bucket_bytes(cfg), push_dtype(cfg)))
         else:
             self.weights = WeightPush(roles, cfg.model, push_dtype(cfg), bucket_bytes(cfg))
 

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from moe_gspo.model.hf_shards import Region, TrainerShards
+from moe_gspo.parallel.state import WORLD
+from moe_gspo.rollout.base import replicas
 from moe_gspo.rollout.weight_sync import buckets, cast_into
 
 
@@ -216,3 +218,33 @@ def _rounds(pieces: list[Piece], bucket_bytes: int, elem: int, world: int) -> li
         return {("into", p.dst): b, ("out of", p.src): b}
 
     return list(buckets(pieces, load, bucket_bytes))
+
+
+class LocalShards:
+    """The slices an engine rank keeps, from a policy whose shards live on this job's own ranks (colocated: every
+    rank holds its trainer shards and runs an engine rank). The same two calls as a push from trainer ranks of
+    their own (moe_gspo.rollout.bridge.PushedShards): `plan` once, `pieces` at every sync."""
+
+    def __init__(self, weights, device: torch.device | None):
+        self.weights, self.device = weights, device
+
+    def plan(self, engine_tp: int, needs: Callable[[int], list], bucket_bytes: int, dtype: torch.dtype) -> SyncPlan:
+        """Collective over WORLD (every rank is an engine rank here): the ranks' trainer coordinates are gathered
+        and the engines are consecutive groups of engine_tp ranks."""
+        here = self.weights.shards
+        rank, world = dist.get_rank(WORLD), dist.get_world_size(WORLD)
+        coords = [None] * world
+        dist.all_gather_object(coords, (here.tp_rank, here.ep_rank), group=WORLD)
+        return SyncPlan.build(here.layout, coords, replicas(world, engine_tp), needs, bucket_bytes, dtype, rank)
+
+    def pieces(self, plan: SyncPlan) -> Iterator:
+        return plan.run(self.weights.shards.local(), self.device)
+
+
+def slice_source(weights, device: torch.device | None = None):
+    """What gives an engine rank its slices of `weights` (a WeightSource), with `plan` and `pieces`: a push to
+    engine ranks of their own is one already (`sliced`); a policy on these ranks is read through LocalShards;
+    a source of whole tensors only gives None."""
+    if weights.sliced:
+        return weights
+    return LocalShards(weights, device) if weights.shards is not None else None

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from moe_gspo.parallel.state import WORLD
-from moe_gspo.rollout.base import replicas
+from moe_gspo.rollout.shard_sync import slice_source
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "moe_gspo-"
@@ -104,35 +104,25 @@ def run_scoped_shm(tp: int):
 
 
 class ShardedSync:
-    """The weight sync of one engine rank (see the module docstring), from either source that gives slices:
-    - a policy on the same ranks (`weights.shards`, colocated): the plan runs over the default group, every rank
-      both trainer and engine;
-    - a shard-to-shard push to engine ranks of their own (moe_gspo.rollout.bridge.PushedShards, `sliced`): the
-      plan runs over the bridge, the trainer ranks sending and this rank receiving."""
+    """The weight sync of one engine rank (see the module docstring), from any source that gives slices
+    (moe_gspo.rollout.shard_sync.slice_source): a policy on the same ranks (colocated, the plan over the job's
+    ranks) or a shard-to-shard push to engine ranks of their own (the plan over the bridge)."""
 
     def __init__(self, weights, model, tp: int, dtype: torch.dtype, on_cpu: bool, bucket_bytes: int = 0,
                  expert_parallel: bool = False):
-        from moe_gspo.rollout.shard_sync import SyncPlan
         from moe_gspo.rollout.vllm_shards import ShardWriter, engine_needs
 
         mc = weights.model_config
-        rank, world = dist.get_rank(WORLD), dist.get_world_size(WORLD)  # the engines' ranks: vLLM's world
-        groups = replicas(world, tp)
-        bucket = bucket_bytes or DEFAULT_BUCKET_BYTES
-        if weights.sliced:
-            self.plan = weights.plan(tp, lambda j: engine_needs(mc, tp, j, expert_parallel), bucket, dtype)
-        elif weights.shards is not None:
-            here = weights.shards
-            coords = [None] * world
-            dist.all_gather_object(coords, (here.tp_rank, here.ep_rank), group=WORLD)
-            self.plan = SyncPlan.build(here.layout, coords, groups, lambda j: engine_needs(mc, tp, j, expert_parallel),
-                                       bucket, dtype, rank)
-        else:
+        rank = dist.get_rank(WORLD)  # among the engines' ranks: vLLM's world
+        self.device = None if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        source = slice_source(weights, self.device)
+        if source is None:
             raise ValueError(f"a vLLM engine over {tp} ranks loads slices: {type(weights).__name__} gives whole "
                              "tensors only")
+        self.plan = source.plan(tp, lambda j: engine_needs(mc, tp, j, expert_parallel),
+                                     bucket_bytes or DEFAULT_BUCKET_BYTES, dtype)
         self.trainer = self.plan.trainer
         self.writer = ShardWriter(model, mc, tp, rank % tp, on_cpu, expert_parallel)
-        self.device = None if on_cpu else torch.device("cuda", torch.cuda.current_device())
         mine = engine_needs(mc, tp, rank % tp, expert_parallel)
         total = sum(math.prod(s) for s in self.trainer.shapes.values())
         kept = sum(math.prod(s) if r.dim is None else math.prod(s) // s[r.dim] * r.length
@@ -148,12 +138,10 @@ class ShardedSync:
         vLLM's kernel) and `repack_dense` (CPU: the dense layers' packed GEMM weights rebuilt)."""
         n, t_write = 0, 0.0
         self.writer.prepack_s = 0.0
-        if weights.sliced:
-            pieces = weights.pieces(self.plan)  # waits for the next version's header first
-            t0 = time.perf_counter()
-        else:
-            t0 = time.perf_counter()
-            pieces = self.plan.run(weights.shards.local(), self.device)
+        # the source of this update (the same kind as at build), read through the plan built then; a push waits
+        # for the next version's header first
+        pieces = slice_source(weights, self.device).pieces(self.plan)
+        t0 = time.perf_counter()
         for piece, t in pieces:
             t1 = time.perf_counter()
             self.writer.write(piece.key, piece.region, piece.need, t)

@@ -125,6 +125,7 @@ def _spec_line() -> str:
 def _train(args) -> int:
     from moe_gspo.config import load_config
     from moe_gspo.train.loop import train
+    from moe_gspo.train.separate import split_and_serve
 
     if args.resume and args.overwrite:
         raise UserError("--resume and --overwrite exclude each other")
@@ -134,18 +135,9 @@ def _train(args) -> int:
 
         run_dir = Path(args.out or cfg.train.out_dir)
         launcher.stop_line_on_sigterm("train", _rank(), lambda: resume_hint(run_dir))
-    roles = None
-    if cfg.rollout.placement == "separate":  # the job's last rollout.engine_ranks ranks only sample
-        from moe_gspo.rollout.bridge import split_job
-        from moe_gspo.train.data import check_names
-        from moe_gspo.train.separate import serve
-
-        check_names(cfg)  # before the split: the engine ranks build nothing the config cannot run
-        roles = split_job(cfg.rollout)
-        if roles.is_engine:
-            serve(cfg, roles)
-            return 0
-    train(cfg, resume=args.resume, overwrite=args.overwrite, run_dir=args.out, roles=roles)
+    roles, served = split_and_serve(cfg)  # rollout.placement=separate: the job's last engine_ranks ranks only sample
+    if not served:
+        train(cfg, resume=args.resume, overwrite=args.overwrite, run_dir=args.out, roles=roles)
     return 0
 
 

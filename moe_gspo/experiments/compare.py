@@ -341,9 +341,8 @@ def train_one(cfg, run_dir: Path, init_state: dict, label: str, overrides=()) ->
     import torch
     import torch.distributed as dist
 
-    from moe_gspo.rollout.bridge import split_job
     from moe_gspo.train.loop import train
-    from moe_gspo.train.separate import serve
+    from moe_gspo.train.separate import split_and_serve
 
     wall = Path(run_dir) / "wall_time.json"  # written last: a run without it is unfinished (see reusable_work)
     # the job's rank 0 (an engine rank of a run with separate engines has a rank 0 of its own engine world)
@@ -351,10 +350,8 @@ def train_one(cfg, run_dir: Path, init_state: dict, label: str, overrides=()) ->
     if first:
         wall.unlink(missing_ok=True)
     t = time.perf_counter()
-    roles = split_job(cfg.rollout) if cfg.rollout.placement == "separate" else None
-    if roles is not None and roles.is_engine:  # this rank only samples, for the job's trainer rank
-        serve(cfg, roles)
-    else:
+    roles, served = split_and_serve(cfg)  # an engine rank of a separate-placement run only samples
+    if not served:
         train(cfg, run_dir=run_dir, init_state=init_state, label=label, overwrite=True, roles=roles)
     seconds = time.perf_counter() - t
     if first:

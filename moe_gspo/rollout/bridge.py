@@ -36,8 +36,8 @@ import io
 import math
 import os
 import time
-from contextlib import contextmanager
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch

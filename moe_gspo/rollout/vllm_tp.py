@@ -120,7 +120,7 @@ class ShardedSync:
             raise ValueError(f"a vLLM engine over {tp} ranks loads slices: {type(weights).__name__} gives whole "
                              "tensors only")
         self.plan = source.plan(tp, lambda j: engine_needs(mc, tp, j, expert_parallel),
-                                     bucket_bytes or DEFAULT_BUCKET_BYTES, dtype)
+                                bucket_bytes or DEFAULT_BUCKET_BYTES, dtype)
         self.trainer = self.plan.trainer
         self.writer = ShardWriter(model, mc, tp, rank % tp, on_cpu, expert_parallel)
         mine = engine_needs(mc, tp, rank % tp, expert_parallel)

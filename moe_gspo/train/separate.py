@@ -19,7 +19,6 @@ against. Every order is fixed by the step counter, so a run is as reproducible a
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 import time
 
@@ -51,11 +50,6 @@ def takes_slices(cfg: Config) -> bool:
     the engine ranks their slices of its own parameters (ShardPush); otherwise trainer rank 0 pushes whole tensors
     (WeightPush)."""
     return engine_class(cfg.rollout.engine).takes_slices
-
-
-def _needs(engine, mc, engine_tp: int, engine_ep: bool, j: int) -> list:
-    """What rank j of an engine of engine_tp ranks keeps (the engine class declares it: RolloutEngine.slices)."""
-    return engine.slices(mc, engine_tp, j, engine_ep)
 
 
 def version_of(step: int, start: int, k: int) -> int:
@@ -99,7 +93,7 @@ class RemoteRollouts(Rollouts):
         if takes_slices(cfg):
             coords = _trainer_coords(cfg, roles, hellos)
             rc, engine = cfg.rollout, engine_class(cfg.rollout.engine)
-            needs = functools.partial(_needs, engine, cfg.model, rc.engine_tp, rc.engine_ep)
+            needs = lambda j: engine.slices(cfg.model, rc.engine_tp, j, rc.engine_ep)  # noqa: E731 - what rank j keeps
             self.weights = ShardPush(roles, shard_plan(roles, cfg.model, coords, rc.engine_tp, needs,
                                                        bucket_bytes(cfg), push_dtype(cfg)))
         else:
@@ -147,6 +141,24 @@ class RemoteRollouts(Rollouts):
 
     def close(self) -> None:
         self.roles.close()
+
+
+def split_and_serve(cfg: Config) -> tuple[Roles | None, bool]:
+    """Where this rank stands in a run: with rollout.placement=separate the job is split into trainer and engine
+    ranks (moe_gspo.rollout.bridge.split_job), after the checks that need nothing built (so every rank refuses a
+    config the engines cannot run before any waits on another), and an engine rank serves the whole run here.
+    (the roles train() takes, whether this rank served); (None, False) for colocated engines."""
+    if cfg.rollout.placement != "separate":
+        return None, False
+    from moe_gspo.rollout.bridge import split_job
+    from moe_gspo.train.data import check_names
+
+    check_names(cfg)
+    roles = split_job(cfg.rollout)
+    if roles.is_engine:
+        serve(cfg, roles)
+        return roles, True
+    return roles, False
 
 
 def serve(cfg: Config, roles: Roles) -> None:

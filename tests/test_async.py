@@ -21,8 +21,9 @@ import torch.distributed as dist
 from helpers import ROOT, descendants, free_port, kill_tree, records
 from moe_gspo.config import ModelConfig
 from moe_gspo.model.weights import WeightSource
-from moe_gspo.rollout.bridge import (BridgeError, Hello, PushedShards, PushedWeights, ReceivedState, Roles, ShardPush,
-                                     TrainerCoords, WeightPush, bucket_plan, shard_plan)
+from moe_gspo.rollout.bridge import BridgeError, Hello, Roles
+from moe_gspo.rollout.sync.push import (PushedShards, PushedWeights, ReceivedState, ShardPush, TrainerCoords,
+                                        WeightPush, bucket_plan, shard_plan)
 
 MC = ModelConfig(vocab_size=130, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -127,7 +128,7 @@ def test_a_shard_push_delivers_the_engine_its_slices_bitwise():
     engine's dtype; a push of another version than the engine expects is refused; and a trainer that leaves after
     the header ends the engine's wait for the pieces in one line naming it."""
     from moe_gspo.model.hf_shards import hf_shapes
-    from moe_gspo.rollout.vllm_shards import engine_needs
+    from moe_gspo.rollout.sync.vllm_writer import engine_needs
 
     shapes = hf_shapes(MC)
     g = torch.Generator().manual_seed(1)

@@ -165,3 +165,15 @@ def test_test_modules_do_not_import_each_other():
                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             offenders += [f"{f.name} imports {m}" for m in mods if m and m.split(".")[-1] in names]
     assert offenders == []
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists the packages explicitly (kernels/ installs as moe_gspo.kernels), so a new subpackage left
+    out of the list would be missing from a built wheel while an editable install still finds it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(f.parent.relative_to(ROOT).parts) for f in (ROOT / "moe_gspo").rglob("__init__.py")}
+    found |= {"moe_gspo.kernels"} if (ROOT / "kernels" / "__init__.py").is_file() else set()
+    assert found == listed, f"package folders not installed: {sorted(found - listed)}; listed without a folder: " \
+                            f"{sorted(listed - found)}"

@@ -182,8 +182,8 @@ def _write_slices(engine, policy) -> None:
     """The policy's weights into the engine through ShardWriter at engine TP 1, region by region as engine_needs
     lists them (what ShardedSync.load does with the pieces it receives)."""
     from moe_gspo.model.hf_shards import WHOLE
-    from moe_gspo.rollout.shard_sync import take
-    from moe_gspo.rollout.vllm_shards import ShardWriter, engine_needs
+    from moe_gspo.rollout.sync.plan import take
+    from moe_gspo.rollout.sync.vllm_writer import ShardWriter, engine_needs
 
     full = policy.export_hf()[1]
     writer = ShardWriter(engine._runner.get_model(), policy.model_config, 1, 0, on_cpu=True)
@@ -323,7 +323,7 @@ def test_config_serves_deepseek_v3_and_glm4_moe_and_latent_attention_at_its_cpu_
     before the engine is built (VLLMEngine.check_config), a real DeepSeek-V3's passes."""
     from moe_gspo.config import ConfigError, ModelConfig
     from moe_gspo.rollout.vllm_engine import check_options
-    from moe_gspo.rollout.vllm_shards import check_engine_tp
+    from moe_gspo.rollout.sync.vllm_writer import check_engine_tp
 
     mla = ["model.family=deepseek_v3", "model.num_key_value_heads=2", "model.kv_lora_rank=512",
            "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=64", "model.v_head_dim=16"]
@@ -378,7 +378,7 @@ def test_engine_regions_of_qwen2_moe_biases_and_shared_expert():
     the shared expert's gate and up projections (columns of its down projection), S its own width."""
     from moe_gspo.config import ModelConfig
     from moe_gspo.model.hf_shards import hf_shapes
-    from moe_gspo.rollout.vllm_shards import check_engine_tp, engine_needs
+    from moe_gspo.rollout.sync.vllm_writer import check_engine_tp, engine_needs
 
     mc = ModelConfig(family="qwen2_moe", num_hidden_layers=1, moe_intermediate_size=64,
                      shared_expert_intermediate_size=48, attention_bias=True)

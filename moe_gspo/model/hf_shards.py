@@ -21,7 +21,7 @@ The trainer's layout (megatron-core, expert tensor parallelism 1):
 
 A rollout engine with its own tensor-parallel layout asks for regions of the same HF tensors, so the sync can move
 each piece from a rank that holds it to the engine rank that keeps it without either side building a full tensor
-(moe_gspo.rollout.shard_sync).
+(moe_gspo.rollout.sync.plan).
 """
 
 from __future__ import annotations

@@ -9,13 +9,14 @@
 An engine of one rank reads `whole()`: every HF tensor once, in the checkpoint's order. An engine sharded over the
 trainer's own ranks reads `shards` instead: the trainer's TP x EP layout in HF coordinates, this rank's place in
 it, and views of the rank's parameters, from which each engine rank receives exactly the slices it keeps
-(moe_gspo.rollout.shard_sync). The sources:
+(moe_gspo.rollout.sync.plan). A source says what it holds, never where an engine computes: an engine takes its
+rank's device (moe_gspo.rollout.base.local_device). The sources:
 - PolicyWeights (MoEPolicy.weights()): `whole()` holds views of the policy's parameters where the layouts agree;
   under TP or EP it gathers one tensor at a time as its keys are read, a collective of the trainer's TP and EP
   groups, so every rank of them reads every key once, in order, and no rank holds a copy of the model.
-- moe_gspo.rollout.bridge.PushedWeights: a version pushed by the trainer to engine ranks of their own, received
+- moe_gspo.rollout.sync.push.PushedWeights: a version pushed by the trainer to engine ranks of their own, received
   bucket by bucket as its keys are read; whole tensors only (`shards` is None).
-- moe_gspo.rollout.bridge.PushedShards (`sliced`): a version pushed shard to shard to engine ranks of their own:
+- moe_gspo.rollout.sync.push.PushedShards (`sliced`): a version pushed shard to shard to engine ranks of their own:
   each engine rank receives the slices its engine keeps from the trainer ranks that hold them.
 - ModuleWeights: a transformers Qwen3-MoE model; an engine that runs transformers' module uses `module` itself.
 """
@@ -47,9 +48,8 @@ class WeightSource:
 
     config: dict  # HF config.json dict
     model_config = None  # moe_gspo.config.ModelConfig, where the source has one
-    device = torch.device("cpu")  # where the tensors `whole()` gives live (engines compute on their rank's device)
     shards: TrainerLayout | None = None
-    sliced = False  # True: the source delivers each engine rank its slices itself (moe_gspo.rollout.bridge)
+    sliced = False  # True: the source delivers each engine rank its slices itself (moe_gspo.rollout.sync.push)
     module = None  # a transformers model holding these weights, where the source is one
 
     def whole(self) -> Mapping[str, torch.Tensor]:
@@ -66,7 +66,6 @@ class PolicyWeights(WeightSource):
         self.policy = policy
         self.model_config = policy.model_config
         self.config = hf_io.hf_config_dict(policy.model_config)
-        self.device = policy.device
         self._shards = None
 
     def whole(self) -> Mapping[str, torch.Tensor]:
@@ -90,7 +89,6 @@ class ModuleWeights(WeightSource):
     def __init__(self, model):
         self.module = model
         self.config = model.config.to_diff_dict()  # what save_pretrained writes as config.json
-        self.device = next(model.parameters()).device
 
     def whole(self) -> Mapping[str, torch.Tensor]:
         from safetensors.torch import load_file

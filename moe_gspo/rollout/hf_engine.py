@@ -15,8 +15,8 @@ position just fed.
 Weights: `update_weights(weights)` takes a WeightSource (moe_gspo.model.weights): its config.json dict and its
 checkpoint-format tensors, read once in order (what `save_pretrained` would write: one tensor per expert), loaded
 into the in-memory model, fusing per-expert tensors into transformers' [E, 2I, H] / [E, H, I] layout, one tensor at
-a time or, with sync_bucket_bytes > 0, in flat buckets (weight_sync.py). A transformers model (ModuleWeights) is
-used as given (weights shared, not copied).
+a time or, with sync_bucket_bytes > 0, in flat buckets (moe_gspo.rollout.sync.buckets). A transformers model
+(ModuleWeights) is used as given (weights shared, not copied).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import (RolloutEngine, SamplingParams, _validate_prompts, local_device,
                                    register_engine)
 from moe_gspo.rollout.batch import RolloutBatch
-from moe_gspo.rollout.weight_sync import copy_in_buckets
+from moe_gspo.rollout.sync.buckets import copy_in_buckets
 
 
 # ---------------------------------------------------------------------------------------------------------- weights
@@ -85,7 +85,7 @@ def copy_into_model(model, state_dict: Mapping[str, torch.Tensor], bucket_bytes:
     """Copy a checkpoint-format state dict (per-expert gate/up/down) into `model`'s parameters in place, reading the
     values in the state's key order: no stacked copy of the experts and no second model (with a StreamedHFState,
     not even a full gathered copy). bucket_bytes 0 copies one tensor at a time; N > 0 packs the tensors into flat
-    buckets of at most N bytes (moe_gspo.rollout.weight_sync), with bit-identical results. Checks every key first
+    buckets of at most N bytes (moe_gspo.rollout.sync.buckets), with bit-identical results. Checks every key first
     (KeyError), so a mismatched export leaves the model untouched. Returns the number of copies or buckets."""
     dests = _destinations(model, state_dict)
     if bucket_bytes > 0:

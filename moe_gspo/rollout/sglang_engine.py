@@ -29,7 +29,7 @@ import torch
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
-from moe_gspo.rollout.weight_sync import buckets
+from moe_gspo.rollout.sync.buckets import buckets
 
 
 def _import_sglang():

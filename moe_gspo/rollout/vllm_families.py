@@ -1,7 +1,8 @@
 """What the vLLM engine can run here: whether vLLM is installed (and which), what vLLM's model of each family
-computes whatever config.json says (vLLM 0.32), and the families its weight sync loads (moe_gspo.rollout.vllm_cpu,
-vllm_shards, vllm_mla). What it cannot run is refused in one line before anything is built (VLLMEngine.check_config,
-from rollout.check_engine) and again when an engine is built from a checkpoint's config.
+computes whatever config.json says (vLLM 0.32), and the families its weight sync loads
+(moe_gspo.rollout.sync.vllm_cpu, sync.vllm_writer, vllm_mla). What it cannot run is refused in one line before
+anything is built (VLLMEngine.check_config, from rollout.check_engine) and again when an engine is built from a
+checkpoint's config.
 
 GPT-OSS: its experts' SwiGLU is clamped at 7 (the model passes no limit to its fused-MoE layer, whose CPU kernel
 clamps at 7: measured, the kernel's output equals the clamp at 7 and differs by O(10) from the clamp at 5, at 10 and

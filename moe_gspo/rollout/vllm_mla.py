@@ -1,5 +1,5 @@
 """What the vLLM engine needs for multi-head latent attention (DeepSeek-V3, Kimi K2, Moonlight) beyond the one weight
-path every family takes (moe_gspo.rollout.vllm_cpu, vllm_shards).
+path every family takes (moe_gspo.rollout.sync.vllm_cpu, sync.vllm_writer).
 
     patch_cpu_rotary()                 # before a CPU engine is built: only where vLLM's CPU rotary op misrotates
     load_weights_cpu(model, state, t)  # the one weight path; it then calls

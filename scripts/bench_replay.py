@@ -9,7 +9,11 @@ A step is one micro-batch (train.micro_batch_size x train.seq_len) forward + bac
   capture  policy(ids, routing=RoutingCapture()) alone: the model-side recording that `flip` includes
 The variants are interleaved step by step (so machine noise hits them alike) and the median is reported.
 The R2 record (once per rollout batch, in the old-log-prob pass) is timed separately as record_s.
-Goals: overhead_r2 <= 0.02, overhead_flip <= 0.01.
+The tracker's own work is timed apart: per micro-batch (live_stacked + observe) and per RL step (metrics(), which
+the trainer calls once per step, after all its micro-batches; the benchmark calls it after each, as a bound).
+tracker_rl_step_share is what the tracker adds to the training micro-batches of one RL step of --rl-config
+(prompts_per_step x group_size / micro_batch_size of them).
+Goals: overhead_r2 <= 0.02, overhead_flip <= 0.01 (tracker_rl_step_share, the tracker's own share of a step).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--rl-config", default="configs/train_tiny_cpu.yaml",
+                    help="the RL run whose micro-batches per step weigh the tracker's once-per-step metrics()")
     args = ap.parse_args()
 
     cfg = load_config(args.config)
@@ -62,7 +68,8 @@ def main() -> None:
     sync()
     record_s = time.perf_counter() - t0
 
-    tracker_times: list[float] = []
+    observe_times: list[float] = []
+    metrics_times: list[float] = []
 
     def step(variant: str) -> float:
         sync()
@@ -87,7 +94,8 @@ def main() -> None:
         if variant == "flip":
             t1 = time.perf_counter()
             tracker.metrics()  # one host sync per step, as the trainer logs
-            tracker_times.append(tracker_dt + time.perf_counter() - t1)
+            observe_times.append(tracker_dt)
+            metrics_times.append(time.perf_counter() - t1)
         sync()
         return time.perf_counter() - t0
 
@@ -99,13 +107,19 @@ def main() -> None:
             if i >= args.warmup:
                 times[v].append(dt)
     med = {v: statistics.median(ts) for v, ts in times.items()}
+    rl = load_config(args.rl_config)
+    micro = max(1, rl.rollout.prompts_per_step * rl.rollout.group_size // rl.train.micro_batch_size)
+    observe_s, metrics_s = statistics.median(observe_times), statistics.median(metrics_times)
     res = {
         "device": str(dev), "threads": torch.get_num_threads(), "config": args.config,
         "micro_batch": [B, T], "moe_layers": L, "topk": k, "experts": E, "steps": args.steps,
         "step_s_off": med["off"], "step_s_r2": med["r2"], "step_s_flip": med["flip"],
         "overhead_r2": med["r2"] / med["off"] - 1, "overhead_flip": med["flip"] / med["off"] - 1,
         "step_s_capture": med["capture"], "overhead_capture": med["capture"] / med["off"] - 1,
-        "tracker_s": statistics.median(tracker_times),  # observe + metrics, timed inside the flip steps
+        "tracker_s": observe_s + metrics_s,  # observe + metrics, timed inside the flip steps
+        "tracker_observe_s": observe_s, "tracker_metrics_s": metrics_s,
+        "rl_config": args.rl_config, "micro_batches_per_rl_step": micro,
+        "tracker_rl_step_share": (micro * observe_s + metrics_s) / (micro * med["off"]),
         "replay_bytes_per_token": cache.bytes_per_token(), "record_s": record_s,
     }
     print(f"{'variant':<10}{'step (ms)':>12}{'overhead':>10}")
@@ -114,7 +128,9 @@ def main() -> None:
         print(f"{v:<10}{med[v] * 1e3:>12.2f}{over:>10}")
     print(f"replay storage: {res['replay_bytes_per_token']} bytes/token ({L} layers x top-{k}, {cache.dtype}); "
           f"record of {int(lengths.sum())} tokens: {record_s * 1e3:.2f} ms; tracker observe+metrics "
-          f"{res['tracker_s'] * 1e3:.2f} ms/step ({res['tracker_s'] / med['off']:.2%} of the off step)")
+          f"{res['tracker_s'] * 1e3:.2f} ms/step ({res['tracker_s'] / med['off']:.2%} of the off step): observe "
+          f"{observe_s * 1e3:.2f} ms per micro-batch, metrics {metrics_s * 1e3:.2f} ms per RL step; at {micro} "
+          f"micro-batches per RL step ({args.rl_config}) {res['tracker_rl_step_share']:.2%} of the step's training")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -149,8 +149,8 @@ class ExpertFlipTracker:
             valid &= self._mask(mask_N, new, where).view(N, 1, 1)
         E = self.num_experts
         acc = self._accumulators(new.device, k)
-        before = acc["counts"][[0, 2]].sum((1, 2)) if churn else None  # (gained, load) so far
-        step = max(1, _SET_ELEMS // (L * (E + 1)))  # bounds the one-hot workspace on long micro-batches
+        before = acc["counts"][::2].sum((1, 2)) if churn else None  # (gained, load) so far
+        step = max(1, _SET_ELEMS // (L * E))  # bounds the one-hot workspace on long micro-batches
         for n0 in range(0, N, step):
             sl = slice(n0, min(N, n0 + step))
             self._count(new[sl], old[sl], valid[sl], acc, churn)
@@ -160,23 +160,25 @@ class ExpertFlipTracker:
                 acc["gradient"] += (slots_not_in(bias_ref[sl], old[sl]) & v).sum((0, 2))
                 acc["split_slots"] += v[..., 0].sum(0) * k
         if churn:
-            acc["depth"][:, min(self.updates, _DEPTHS - 1)] += acc["counts"][[0, 2]].sum((1, 2)) - before
+            acc["depth"][:, min(self.updates, _DEPTHS - 1)] += acc["counts"][::2].sum((1, 2)) - before
 
     def _count(self, new, old, valid, acc, churn: bool) -> None:
         """Add one token slice's set differences to the accumulators: (n, L, k) new / old, (n, L, 1) valid."""
         (n, L, k), E = new.shape, self.num_experts
-        # one-hot sets (2, n, L, E + 1) of (new, old); tokens outside `valid` put their experts in the spare column E
-        both = torch.where(valid, torch.stack([new.long(), old.long()]), E)
-        sets = torch.zeros(2, n, L, E + 1, dtype=torch.bool, device=new.device).scatter_(3, both, True)
+        # one-hot sets (2, n, L, E) of (new, old), emptied for the tokens outside `valid` (whose -1 ids, where there
+        # is no reference or no engine routing, are first moved onto expert 0 so that the scatter takes them)
+        both = torch.stack([new.long(), old.long()]).clamp_(min=0)
+        sets = torch.zeros(2, n, L, E, dtype=torch.bool, device=new.device).scatter_(3, both, True)
+        sets &= valid
         diff = sets ^ (sets[0] & sets[1])  # (gained: in new only, lost: in old only)
         if not churn:
-            acc["mismatch"] += diff[0, ..., :E].sum()
+            acc["mismatch"] += diff[0].sum()
             acc["mismatch_slots"] += valid.sum() * k
             compared = valid[..., 0]  # (n, L): the layers compared for each token
-            acc["mismatch_tokens"] += (diff[0, ..., :E].any(-1) & compared).any(-1).sum()
+            acc["mismatch_tokens"] += (diff[0].any(-1) & compared).any(-1).sum()
             acc["mismatch_token_count"] += compared.any(-1).sum()
             return
-        acc["counts"] += torch.cat([diff, sets[1:]])[..., :E].sum(1)  # (gained, lost, load) per (layer, expert)
+        acc["counts"] += torch.cat([diff, sets[1:]]).sum(1)  # (gained, lost, load) per (layer, expert)
 
     # ---------------------------------------------------------------- results
     def counts(self) -> dict[str, torch.Tensor] | None:

@@ -77,20 +77,64 @@ def kill_tree(pid: int) -> None:
 
 
 def run_torchrun(script, *args, nproc: int = 2, torchrun_args=(), timeout: int = 600):
-    """Run `script args` under torchrun (gloo, one thread per rank) from the repo root; fail the test, showing
-    the tail of stdout and stderr, if the job does not exit 0. Returns the CompletedProcess."""
+    """Run `script args` on `nproc` ranks (gloo, one thread per rank) from the repo root; fail the test, showing
+    the tail of every rank's output, if a rank does not exit 0. Returns the CompletedProcess (the ranks' output,
+    rank after rank).
+
+    The ranks start as torchrun starts its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT; rank 0 hosts the rendezvous store, the path any launcher without torchrun's agent takes), but
+    without torchrun's launcher process, which costs each launch about a second of importing; a rank that fails
+    ends the others, as torchrun ends them. With `torchrun_args` (restarts, a module to run) torchrun itself runs
+    the job. Launches through torchrun proper, its agent's store included, are tests/test_launch.py's and the
+    separate-placement tests'."""
     import os
     import subprocess
     import sys
+    import tempfile
+    import time
 
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", *torchrun_args, str(script), *map(str, args)]
-    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"torchrun {Path(script).name} {' '.join(map(str, args))} failed:\n" \
-                              f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return r
+    if torchrun_args:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", *torchrun_args, str(script), *map(str, args)]
+        r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        assert r.returncode == 0, f"torchrun {Path(script).name} {' '.join(map(str, args))} failed:\n" \
+                                  f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+        return r
+    port, cmd = free_port(), [sys.executable, str(script), *map(str, args)]
+    logs = [tempfile.TemporaryFile() for _ in range(nproc)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
+                                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for r in range(nproc)]
+    deadline, failed, timed_out = time.monotonic() + timeout, None, False
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            timed_out = time.monotonic() > deadline
+            if failed is not None or timed_out:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+                p.wait()
+    out = []
+    for r, f in enumerate(logs):
+        f.seek(0)
+        out.append(f.read().decode(errors="replace"))
+        f.close()
+    codes = [p.returncode for p in procs]
+    if failed is None:
+        failed = next((r for r, c in enumerate(codes) if c != 0), None)
+    what = f"{Path(script).name} {' '.join(map(str, args))}"
+    assert not timed_out, f"{what}: still running after {timeout} s (exit codes once killed {codes}):\n" + "\n".join(
+        f"--- rank {r}:\n{o[-4000:]}" for r, o in enumerate(out))
+    assert failed is None, f"{what}: rank {failed} exited {codes[failed]} (exit codes {codes}):\n" + "\n".join(
+        f"--- rank {r}:\n{o[-4000:]}" for r, o in enumerate(out))
+    return subprocess.CompletedProcess(cmd, 0, "".join(out), "")
 
 
 # A tiny RL run (2 layers, 4 experts, 4 prompts x 4 responses, 2 steps) on top of configs/train_tiny_cpu.yaml

@@ -211,6 +211,27 @@ def test_engine_start_leaves_threads_and_rngs_alone(policy):
         eng.close()
 
 
+def test_a_cpu_engine_starts_without_vllms_full_collections(policy, monkeypatch):
+    """vLLM's start-up runs full garbage collections (to measure accelerator memory); on the CPU, inside a trainer's
+    process, the engine skips them while it starts and gives gc.collect back afterwards."""
+    import gc
+
+    calls = []
+
+    def counting(generation=2):
+        calls.append(generation)
+        return 0
+
+    monkeypatch.setattr(gc, "collect", counting)
+    eng = build_engine("vllm", policy, dtype="bfloat16", return_routing=False)
+    try:
+        assert calls == [] and gc.collect is counting
+        assert len(eng.generate(random_prompts(2), 2, SamplingParams(max_new_tokens=4, seed=0,
+                                                                     return_routing=False))) == 4
+    finally:
+        eng.close()
+
+
 # ---------------------------------------------------------------------------------------------------- weight sync
 def test_weight_updates_equal_a_fresh_engine(policy, engine, tmp_path):
     """Three rounds of perturbed weights pushed in place: after each, the engine's fp32 log-probs are within 1e-5

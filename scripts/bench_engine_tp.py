@@ -124,11 +124,10 @@ def worker(args) -> None:
             tokens = int(batch.response_lengths.sum())
         rec |= {"gen_s": statistics.median(times), "gen_tokens": tokens}
     if args.no_transport:  # timing only: the engine keeps stale bytes wherever a piece comes from the other rank
-        from moe_gspo.rollout.sync import plan as shard_plan_module
+        from moe_gspo.rollout.sync.plan import SyncPlan
 
-        run = shard_plan_module.SyncPlan.run
-        shard_plan_module.SyncPlan.run = lambda self, views, device=None, post=None: run(self, views, device,
-                                                                                   lambda ops, i: [])
+        run = SyncPlan.run
+        SyncPlan.run = lambda self, views, device=None, post=None: run(self, views, device, lambda ops, i: [])
     syncs, peaks, phases = [], [], []
     for _ in range(args.repeats + 1):
         with torch.no_grad():

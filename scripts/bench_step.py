@@ -29,6 +29,10 @@ fp32 the default is torch's fallback of _grouped_mm (a C++ loop of GEMMs over th
 offsets). --tf32 lets fp32 matmuls run on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32 and cudnn's),
 for every model alike.
 
+--variants megatron_dispatch adds the policy with megatron's allgather dispatcher in front of its grouped experts
+(it reads the expert counts to the host and selects tokens by mask: three host synchronizations per MoE layer per
+forward on a GPU), against the default dispatch that keeps the counts on the device (model/dispatch.py).
+
 --optimizer adds a second table: a whole training step (forward, backward, optimizer step with clipping) of the
 policy under the trainer's optimizer (megatron DDP buffers, megatron's Adam on fp32 main params, its grad norm and
 LR schedule) against the same policy under plain torch.optim.AdamW + clip_grad_norm_, same weights and batch.
@@ -49,9 +53,10 @@ import torch
 warnings.filterwarnings("ignore")
 
 
-VARIANTS = ("sdpa", "local", "torch", "megatron", "hf_eager", "expert_loop")
-CUDA_VARIANTS = ("sdpa", "torch", "megatron")
+VARIANTS = ("sdpa", "local", "torch", "megatron", "hf_eager", "expert_loop", "megatron_dispatch")
+CUDA_VARIANTS = ("sdpa", "torch", "megatron", "megatron_dispatch")
 LOOP = "moe-gspo (megatron-core, SDPA, experts on their loop)"
+HOST_DISPATCH = "moe-gspo (megatron-core, SDPA, host-count dispatch)"
 
 
 def sync():
@@ -172,6 +177,21 @@ def main():
         for mod in experts:
             mod.use_grouped_mm = False
         models[LOOP] = looped
+    if "megatron_dispatch" in variants:
+        from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+        from moe_gspo.model.dispatch import DeviceCountDispatcher
+
+        host = twin([])
+        layers = [mod for mod in host.modules() if isinstance(getattr(mod, "token_dispatcher", None),
+                                                               DeviceCountDispatcher)]
+        if not layers:
+            raise SystemExit("error: --variants megatron_dispatch: the policy's MoE layers do not keep their counts "
+                             "on the device (model.experts=grouped on a device and dtype _grouped_mm runs)")
+        for mod in layers:
+            mod.token_dispatcher = MoEAllGatherTokenDispatcher(mod.num_local_experts, mod.local_expert_indices,
+                                                               config=mod.config, pg_collection=host.groups)
+        models[HOST_DISPATCH] = host
     if args.compile:
         fast = twin(["model.compile=true"])
         models["moe-gspo (megatron-core, SDPA, torch.compile)"] = fast

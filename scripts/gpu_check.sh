@@ -109,7 +109,7 @@ EOF
             --config configs/gpu_single.yaml --batch 32 --seq 256 --json "$OUT/bench_step_gpu_single.json" \
             ${STEP_ARGS:---profile 15}
         stage step_gpu_2b "$PY" scripts/bench_step.py --device cuda --dtype bfloat16 \
-            --config configs/gpu_2b.yaml --batch 4 --seq 2048 --variants sdpa,torch --json "$OUT/bench_step_gpu_2b.json"
+            --config configs/gpu_2b.yaml --batch 4 --seq 2048 --variants sdpa,megatron_dispatch --json "$OUT/bench_step_gpu_2b.json"
         # last and on its own: compiling can take minutes, and a stage cut off by its timeout writes no JSON
         stage step_compile_gpu_single "$PY" scripts/bench_step.py --device cuda --dtype bfloat16 \
             --config configs/gpu_single.yaml --batch 32 --seq 256 --variants sdpa --compile \

@@ -127,6 +127,30 @@ def test_grouped_rows_padded_for_alignment_equal_unpadded(counts):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_rows_past_the_groups_stay_outside_them_when_padded():
+    """A dispatch of a fixed number of slots (model.dispatch, under expert parallelism) hands the experts more rows
+    than its counts sum to; padded for alignment, the groups' rows must still equal the unpadded groups alone, in
+    the output and every gradient (what the experts write past the groups is the dispatcher's to drop)."""
+    counts, tail = [5, 0, 27, 3], 6
+    m = experts_module()
+    ref_out, ref_grads = loop_reference(m, counts)
+    n = sum(counts)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, m.config.hidden_size, generator=g)
+    p = torch.rand(n, generator=g)
+    assert torch.equal(module_run(m, counts)[0], ref_out)  # the same draws as module_run's
+    for align in (1, 8):
+        m.align_rows = align
+        xt = torch.cat([x, torch.randn(tail, x.shape[1], generator=g)]).requires_grad_()
+        pt = torch.cat([p, torch.rand(tail, generator=g)]).requires_grad_()
+        out, _ = m(xt, torch.tensor(counts), pt)
+        out[:n].sum().backward()
+        torch.testing.assert_close(out[:n].detach(), ref_out, rtol=1e-6, atol=1e-6)
+        for got, want in zip((xt.grad[:n], pt.grad[:n], m.weight1.grad, m.weight2.grad), ref_grads):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        m.zero_grad(set_to_none=True)
+
+
 def test_unaligned_width_falls_back_to_the_loop():
     m = experts_module(ffn=6)  # 6 fp32 = 24-byte rows: torch._grouped_mm refuses them
     assert not m.use_grouped_mm

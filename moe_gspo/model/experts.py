@@ -187,18 +187,21 @@ class GroupedGemmExperts(GroupedMLP):
 
 def pad_groups(x_NH: torch.Tensor, p_N: torch.Tensor, counts_E: torch.Tensor, align: int):
     """Rows grouped by counts_E -> the same groups each zero-padded to a multiple of `align` rows, in a buffer of
-    the static size N + E*(align-1) rounded up to `align` (no host sync). Returns (x (M, H), probs (M,), padded
-    counts (E,), rows (N,): where each original row went)."""
+    the static size N + E*(align-1) rounded up to `align` (no host sync). Rows past the groups (counts_E may sum to
+    less than N: a dispatch of a fixed number of slots, some empty) follow the last padded group, outside every
+    group. Returns (x (M, H), probs (M,), padded counts (E,), rows (N,): where each original row went)."""
     N, E = x_NH.shape[0], counts_E.numel()
     M = -(-(N + E * (align - 1)) // align) * align
-    padded_E = (counts_E + align - 1) // align * align
-    start_E = torch.cumsum(counts_E, 0) - counts_E
-    pstart_E = torch.cumsum(padded_E, 0) - padded_E
-    group_N = torch.repeat_interleave(torch.arange(E, device=x_NH.device), counts_E, output_size=N)
-    rows_N = torch.arange(N, device=x_NH.device) - start_E[group_N] + pstart_E[group_N]
+    tail = (N - counts_E.sum()).reshape(1)
+    counts_G = torch.cat([counts_E, tail])  # the rows past the groups as one more group, left unpadded
+    padded_G = torch.cat([(counts_E + align - 1) // align * align, tail])
+    start_G = torch.cumsum(counts_G, 0) - counts_G
+    pstart_G = torch.cumsum(padded_G, 0) - padded_G
+    group_N = torch.repeat_interleave(torch.arange(E + 1, device=x_NH.device), counts_G, output_size=N)
+    rows_N = torch.arange(N, device=x_NH.device) - start_G[group_N] + pstart_G[group_N]
     x_MH = x_NH.new_zeros(M, x_NH.shape[1]).index_copy(0, rows_N, x_NH)
     p_M = p_N.new_zeros(M).index_copy(0, rows_N, p_N)
-    return x_MH, p_M, padded_E, rows_N
+    return x_MH, p_M, padded_G[:E], rows_N
 
 
 def _ignore_extra_state(module, incompatible_keys):

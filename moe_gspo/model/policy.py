@@ -31,6 +31,7 @@ from moe_gspo.model import hf_io, hf_shards, te_names
 from moe_gspo.model.experts import per_expert_state
 from moe_gspo.model.layers import RMSNorm
 from moe_gspo.model.rope import yarn_inv_freq
+from moe_gspo.model.dispatch import keep_counts_on_device
 from moe_gspo.model.router import MoERouter, RecomputeBoundary, RoutingContext, active_routing, routing_scope
 from moe_gspo.model.routing_capture import PackedLayout, RoutingCapture
 from moe_gspo.model.spec import layer_specs, transformer_config
@@ -93,6 +94,7 @@ class MoEPolicy(torch.nn.Module):
             # megatron builds some parameters on the CPU whatever use_cpu_initialization says (the router weight)
             # and leaves moving the model to the training script, as megatron's own get_model does
             self.cuda(torch.cuda.current_device())
+        keep_counts_on_device(self.gpt, groups)  # grouped experts: no host read of the token counts
         self.routers: list[MoERouter] = [m for m in self.gpt.modules() if isinstance(m, MoERouter)]
         for i, r in enumerate(self.routers):  # the family's routing rule (model.router)
             r.norm_topk_prob, r.n_group, r.topk_group = mc.norm_topk_prob, mc.n_group, mc.topk_group

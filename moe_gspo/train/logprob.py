@@ -44,8 +44,7 @@ class Targets:
         lengths = [T] * B if lengths is None else [int(n) for n in lengths]
         counts = [max(n - 1, 0) for n in lengths]
         dev = input_ids_BT.device
-        self.bounds = list(itertools.accumulate([0, *counts]))  # host copy: no device sync to slice by row
-        self.cu = torch.tensor(self.bounds, device=dev)
+        self.bounds = list(itertools.accumulate([0, *counts]))  # on the host: no device sync to slice by row
         # flat (B*T) position of each target token; its prediction comes from the position before it
         self.pos = torch.cat([torch.arange(b * T + 1, b * T + 1 + c, device=dev) for b, c in enumerate(counts)])
         self.ids = input_ids_BT.reshape(-1)[self.pos]
@@ -99,7 +98,7 @@ def hidden_loss(policy, hidden_BTH: torch.Tensor, input_ids_BT: torch.Tensor, lo
     def part(lp, b0, b1):
         return loss_rows(tg.frame(lp, b0, b1), b0, b1)
 
-    loss, logp, ent = fused_logprob_loss(tg.hidden(hidden_BTH, w.dtype), w, tg.ids, part, cu_seqlens=tg.cu,
+    loss, logp, ent = fused_logprob_loss(tg.hidden(hidden_BTH, w.dtype), w, tg.ids, part, cu_seqlens=tg.bounds,
                                          temperature=temperature, process_group=_tp_group(policy),
                                          return_entropy=True)
     return loss, tg.frame(logp), tg.frame(ent)

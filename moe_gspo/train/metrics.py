@@ -25,6 +25,7 @@ import torch.distributed as dist
 from moe_gspo.config import ConfigError
 from moe_gspo.parallel.state import comm_device
 from moe_gspo.train.disk_space import free_bytes
+from moe_gspo.train.host_reads import SYNC_WARNING, host_syncs  # noqa: F401 - SYNC_WARNING: tests read it here
 
 TIMING_PREFIXES = ("time/", "perf/")
 
@@ -135,57 +136,6 @@ def costliest(events, top: int) -> tuple[float, list[dict]]:
     ops = sorted((e for e in events if not e.key.startswith("moe_gspo/")), key=lambda e: -getattr(e, key))[:top]
     return busy, [{"name": e.key, "calls": e.count, "ms": getattr(e, key) / 1e3,
                    "share": getattr(e, key) / 1e3 / max(busy, 1e-9)} for e in ops]
-
-
-SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's text under torch.cuda.set_sync_debug_mode
-
-
-@contextmanager
-def host_syncs():
-    """Count the block's device-to-host synchronizations by call site: yields a Counter of "file:line (function)"
-    -> syncs, filled as the block runs. On CUDA, torch.cuda.set_sync_debug_mode('warn') makes every synchronizing
-    operation (.item(), .tolist(), .cpu(), a boolean mask, nonzero) warn, and each warning is attributed to the
-    innermost frame of the Python stack outside torch itself, where our code or megatron's asked for the value.
-    Elsewhere nothing synchronizes and the Counter stays empty."""
-    import traceback
-    import warnings
-    from collections import Counter
-
-    sites: Counter = Counter()
-    torch_dir = str(Path(torch.__file__).parent)
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if SYNC_WARNING not in str(message):
-            return shown(message, category, filename, lineno, file, line)
-        frames = [f for f in traceback.extract_stack()[:-1]
-                  if not f.filename.startswith(torch_dir) and f.filename != __file__
-                  and not f.filename.endswith(("warnings.py", "contextlib.py"))]
-        f = frames[-1] if frames else None
-        where = f"{_short_path(f.filename)}:{f.lineno} ({f.name})" if f else f"{filename}:{lineno}"
-        sites[where] += 1
-
-    cuda = torch.cuda.is_available()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")  # every one, not once per site
-        shown = warnings.showwarning
-        warnings.showwarning = record
-        mode = torch.cuda.get_sync_debug_mode() if cuda else None
-        if cuda:
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield sites
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode(mode)
-
-
-def _short_path(filename: str) -> str:
-    """A source path from its package root on (moe_gspo/..., megatron/..., transformers/...)."""
-    parts = Path(filename).parts
-    for root in ("moe_gspo", "megatron", "transformers", "kernels", "scripts", "tests"):
-        if root in parts:
-            return "/".join(parts[len(parts) - parts[::-1].index(root) - 1:])
-    return filename
 
 
 @contextmanager

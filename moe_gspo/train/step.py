@@ -247,23 +247,27 @@ def minibatch_rows(ctx: StepContext, pb: PaddedRollout, old: OldPass, adv_B, idx
     return dataclasses.replace(rows, mask=c.mask, rollout_is_weight=c.weight), c.metrics
 
 
-def rows_loss(ctx: StepContext, rows: LossRows, logp_bT: torch.Tensor, denom) -> tuple[torch.Tensor, dict]:
+def rows_loss(ctx: StepContext, rows: LossRows, logp_bT: torch.Tensor, denom,
+              check_finite: bool = True) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) of the configured loss on rows with log-probs logp_bT; in bypass mode the rejection
     compares the current (detached) log-probs with the engine's first. With the global denominator the parts of
-    any split of the rows add up to the loss of the whole."""
+    any split of the rows add up to the loss of the whole. check_finite=False skips the loss's finiteness check
+    of its inputs (a host sync): the micro-batches skip it, and the minibatch's metrics check all its rows once,
+    before the optimizer step."""
     corr_m = {}
     mask = rows.mask
     if rows.engine_logp is not None:
         c = ctx.correction(logp_bT, rows.engine_logp, mask)
         mask, corr_m = c.mask, c.metrics
     loss, m = ctx.loss(logp_bT, rows.old_logp, rows.advantages, mask, loss_denominator=denom, ref_logp=rows.ref_logp,
-                       router_shift_weight=rows.router_shift_weight, rollout_is_weight=rows.rollout_is_weight)
+                       router_shift_weight=rows.router_shift_weight, rollout_is_weight=rows.rollout_is_weight,
+                       check_finite=check_finite)
     return loss, {**m, **corr_m}
 
 
 def _rows_part(ctx: StepContext, rows: LossRows, denom, logp_bT, b0: int, b1: int) -> torch.Tensor:
     """The loss part of rows b0..b1-1 (the fused kernel's callback, on as many rows as fit its workspace)."""
-    return rows_loss(ctx, rows.rows(slice(b0, b1)), logp_bT, denom)[0]
+    return rows_loss(ctx, rows.rows(slice(b0, b1)), logp_bT, denom, check_finite=False)[0]
 
 
 @dataclass
@@ -323,7 +327,7 @@ def micro_step(ctx: StepContext, m: MicroInputs) -> MicroOut:
         loss, logp, ent = hidden_loss(policy, hidden, ids_bT, functools.partial(_rows_part, ctx, rows, denom),
                                       temperature, lengths=lengths)
     else:
-        loss = rows_loss(ctx, rows, logp, denom)[0]
+        loss = rows_loss(ctx, rows, logp, denom, check_finite=False)[0]
     if src is not None:
         src.check_complete()
     return MicroOut(loss, logp.detach(), ent.detach(), gamma, cap)
@@ -365,14 +369,15 @@ def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, idx: torch.Tenso
         ent_sum += torch.where(response[sl], out.entropy, 0).sum().double()
         if gamma is not None:
             gamma[sl] = out.gamma
-    gnorm = ctx.optim.step()  # DP reduction, megatron's clipping, Adam on fp32 main params, LR schedule
+    # the metrics first: their loss evaluation checks every row's inputs for NaN/inf (the micro-batches skip
+    # that host sync), so a non-finite forward raises before the optimizer applies its gradient
+    extra = {"entropy": ent_sum / response.sum().clamp(min=1)}
+    if moved is not None:  # this rank's share of the slots routing noise moved
+        extra["moe/routing_noise_moved"] = moved[0] / moved[1].clamp(min=1)
+    out = minibatch_metrics(ctx, rows, logp, gamma, response, denom, corr_m, extra)
+    out["grad_norm"] = ctx.optim.step()  # DP reduction, megatron's clipping, Adam on fp32 main params, LR schedule
     if ctx.tracker is not None:
         ctx.tracker.updated()  # the next minibatch's forwards are one more update away from pi_old
-    out = minibatch_metrics(ctx, rows, logp, gamma, response, denom, corr_m)
-    out["entropy"] = float(ent_sum) / max(int(response.sum()), 1)
-    out["grad_norm"] = gnorm
-    if moved is not None:  # this rank's share of the slots routing noise moved
-        out["moe/routing_noise_moved"] = float(moved[0] / moved[1].clamp(min=1))
     return out
 
 
@@ -386,16 +391,17 @@ def moved_slots(capture: RoutingCapture, mask_N: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def minibatch_metrics(ctx: StepContext, rows: LossRows, logp, gamma, response, denom,
-                      corr_m: dict) -> dict[str, float]:
+                      corr_m: dict, extra: dict | None = None) -> dict[str, float]:
     """The minibatch's metrics: the loss evaluated once on all its rows' log-probs (pg_loss is this rank's share
-    of the global loss, the ratios and fractions are over all its tokens) and the router shift's statistics."""
+    of the global loss, the ratios and fractions are over all its tokens), the router shift's statistics and
+    `extra` (one-element tensors), read to the host together."""
     floor = ctx.cfg.algorithm.router_shift_floor
     if gamma is not None:
         rows = dataclasses.replace(rows, router_shift_weight=router_shift_weight(gamma, floor))
     m = {**rows_loss(ctx, rows, logp, denom)[1], **corr_m}
     if gamma is not None:  # over this minibatch's response tokens (the loop averages minibatches, then ranks)
         m.update(router_shift_metrics(gamma[response], floor))
-    return host_floats(m)
+    return host_floats({**m, **(extra or {})})
 
 
 def _router_shift_ratio(old_router: OldRouterScores, cap: RoutingCapture, old_src, shape_BT) -> torch.Tensor:

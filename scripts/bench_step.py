@@ -193,7 +193,7 @@ def main():
                                                                config=mod.config, pg_collection=host.groups)
         models[HOST_DISPATCH] = host
     if args.compile:
-        fast = twin(["model.compile=true"])
+        fast = twin(["model.compile=true", "train.max_tokens_per_micro_batch=0"])  # a config may pack; no matter here
         models["moe-gspo (megatron-core, SDPA, torch.compile)"] = fast
     hf = from_hf()  # the baseline: always measured
     models["transformers (default)"] = hf

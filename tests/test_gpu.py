@@ -196,6 +196,49 @@ def test_grouped_experts_on_cuda_match_sequential_mlp(hf_dir, dtype):
     assert logit_rel < tol and grad_rel < 10 * tol
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_device_count_dispatch_on_cuda_reads_nothing_back(hf_dir, dtype, monkeypatch):
+    """The grouped experts' dispatch (model/dispatch.py) on the GPU: a forward and backward takes no host sync in
+    the MoE layers (torch's sync debug mode), where megatron's allgather dispatch takes three per layer, and the
+    logits and gradients equal those behind megatron's dispatch (the experts' rows padded to 16 bytes on CUDA)."""
+    import moe_gspo
+    from moe_gspo.config import ModelConfig
+    from moe_gspo.model import dispatch
+    from moe_gspo.train.host_reads import host_syncs
+
+    def build():
+        source = ModelConfig(init_from=str(hf_dir), params_dtype=dtype)
+        return moe_gspo.load_policy(source, moe_gspo.init_parallel(source))
+
+    x = torch.randint(0, 512, (4, 96), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 512, (4, 96), generator=torch.Generator().manual_seed(1)).cuda()
+    ours = build()
+    assert all(isinstance(layer.mlp.token_dispatcher, dispatch.DeviceCountDispatcher)
+               for layer in ours.gpt.decoder.layers)
+    monkeypatch.setattr(dispatch, "device_counts_apply", lambda layer: False)
+    host = build()
+    results, syncs = [], []
+    for policy in (ours, host):
+        policy(x)  # warm-up: kernels loaded, the allocator filled
+        torch.cuda.synchronize()
+        with host_syncs() as sites:
+            out = policy(x)
+            torch.nn.functional.cross_entropy(out.float().reshape(-1, 512), y.reshape(-1)).backward()
+        torch.cuda.synchronize()
+        syncs.append(dict(sites))
+        results.append((out.detach().float(), {n: p.grad.float() for n, p in policy.gpt.named_parameters()}))
+    (out_o, grads_o), (out_h, grads_h) = results
+    moe = [{s: n for s, n in d.items() if "moe" in s or "dispatch" in s or "experts" in s} for d in syncs]
+    logit_rel = _rel(out_o, out_h)
+    grad_rel = max(_rel(grads_o[n], g) for n, g in grads_h.items() if g.abs().max() > 0)
+    record(f"device_count_dispatch_{dtype}", syncs_ours=syncs[0], syncs_megatron=syncs[1], logit_rel=logit_rel,
+           grad_rel=grad_rel, device=torch.cuda.get_device_name())
+    assert moe[0] == {}, moe[0]
+    assert sum(moe[1].values()) >= 3 * len(host.gpt.decoder.layers), moe[1]
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    assert logit_rel < tol and grad_rel < 10 * tol
+
+
 @pytest.mark.parametrize("experts", ["grouped", "megatron"])
 def test_te_spec_matches_local_spec(hf_dir, experts):
     """Transformer Engine's layer spec against the local spec on the same weights (fp32), loaded through the name
@@ -267,8 +310,9 @@ def test_rl_training_on_cuda_matches_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("variant", [["algorithm.loss=gspo"], ["algorithm.loss=grpo", "algorithm.routing_replay=r3"],
-                                     ["algorithm.loss=grpo", "algorithm.routing_replay=r2", "algorithm.kl_beta=0.01"]],
-                         ids=["gspo", "grpo_r3", "grpo_r2_kl"])
+                                     ["algorithm.loss=grpo", "algorithm.routing_replay=r2", "algorithm.kl_beta=0.01"],
+                                     ["algorithm.loss=gspo", "train.max_tokens_per_micro_batch=96"]],
+                         ids=["gspo", "grpo_r3", "grpo_r2_kl", "gspo_packed"])
 def test_rl_training_bf16_on_cuda(tmp_path, variant):
     """bf16 weights with fp32 main parameters on the GPU: every logged figure finite, the run resumes."""
     import math

@@ -69,6 +69,9 @@ CUDA_MISMATCHES = [
     "bf16 in place, so it is loaded in bf16 from the start).",
     "rollout engine: moe-gspo samples with its own engine (--engine) on a bf16 copy of the weights, synced after "
     "each step; TRL generates with the training model itself.",
+    "micro-batches: moe-gspo packs whole sequences back to back into forwards of at most "
+    "train.max_tokens_per_micro_batch tokens (the GPU configs set it; no padding computed); TRL runs "
+    "per_device_train_batch_size (train.micro_batch_size) padded rows per forward.",
 ]
 
 

@@ -59,6 +59,29 @@ def forward_backward_reads(policy):
     return sites
 
 
+def test_packed_forward_and_backward_read_nothing_back(monkeypatch):
+    """Packed rows (THD): the rotary table is applied at each token's position (model.rope); megatron's own THD
+    rotary reads the bounds back twice per call, for the query and the key of every layer. Same values."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from moe_gspo.model import rope
+
+    policy = moe_gspo.load_policy(MC, moe_gspo.init_parallel(MC))
+    x = torch.randint(0, MC.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for thd in (rope._thd_at_positions, rope._MEGATRON_THD):
+        monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", thd)
+        policy.zero_grad(set_to_none=True)
+        with value_reads() as sites:
+            out = policy(x, lengths=[20, 7, 13])
+            out.float().pow(2).mean().backward()
+        runs.append((dict(sites), out.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}))
+    (ours, out_o, grads_o), (megatron, out_m, grads_m) = runs
+    assert ours == {}
+    assert sum(n for s, n in megatron.items() if "rope_utils" in s) == 4 * MC.num_hidden_layers, megatron
+    assert torch.equal(out_o, out_m) and all(torch.equal(grads_o[n], g) for n, g in grads_m.items())
+
+
 def test_grouped_experts_forward_and_backward_read_nothing_back(monkeypatch):
     policy = moe_gspo.load_policy(MC, moe_gspo.init_parallel(MC))
     layers = [layer.mlp for layer in policy.gpt.decoder.layers]
@@ -77,11 +100,12 @@ def test_grouped_experts_forward_and_backward_read_nothing_back(monkeypatch):
 HOST_SIDE = ("(_ids)", "(check_targets)")
 
 
-def update_reads(micro_batch_size: int, impl: str):
+def update_reads(micro_batch_size: int, impl: str, budget: int = 0):
     from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
     from moe_gspo.train.step import OldPass, StepContext, old_logprob_pass, update_minibatch
 
-    cfg = case_cfg([f"train.micro_batch_size={micro_batch_size}", f"train.loss_impl={impl}"], "gspo_temperature")
+    cfg = case_cfg([f"train.micro_batch_size={micro_batch_size}", f"train.loss_impl={impl}",
+                    f"train.max_tokens_per_micro_batch={budget}"], "gspo_temperature")
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     mc = cfg.model
     ctx = StepContext(policy, RecordingOptim(policy), cfg,
@@ -96,9 +120,14 @@ def update_reads(micro_batch_size: int, impl: str):
     return {s: n for s, n in sites.items() if not s.endswith(HOST_SIDE)}
 
 
-@pytest.mark.parametrize("impl", ["fused", "eager"])
-def test_a_minibatch_update_reads_per_minibatch_not_per_micro_batch(impl):
-    one, three = update_reads(6, impl), update_reads(2, impl)  # 6 rows: one micro-batch, or three of two
+@pytest.mark.parametrize("impl,packed", [("fused", False), ("eager", False), ("fused", True)],
+                         ids=["fused", "eager", "fused_packed"])
+def test_a_minibatch_update_reads_per_minibatch_not_per_micro_batch(impl, packed):
+    # 6 rows of 59 tokens: one micro-batch, or three (two rows each; packed, at most 24 tokens each)
+    if packed:
+        one, three = update_reads(6, impl, budget=64), update_reads(6, impl, budget=24)
+    else:
+        one, three = update_reads(6, impl), update_reads(2, impl)
     assert three == one, (one, three)
     # the rows' lengths, the loss inputs' finiteness check and the metrics, each read once
     assert sum(one.values()) <= 3, one

@@ -206,16 +206,25 @@ def packed_rows(psp, device) -> tuple[torch.Tensor, torch.Tensor]:
     token sits in the flattened rows) of a THD PackedSeqParams, built on its first use in a forward and kept on it
     for the other layers."""
     cached = getattr(psp, "row_layout", None)
-    if cached is None:
+    if cached is None:  # built on the host from the bounds, then moved in one copy each
         bounds = seq_bounds(psp)
         lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         t, width = bounds[-1], max(lens)
         j = torch.arange(width)
         start, n = torch.tensor(bounds[:-1])[:, None], torch.tensor(lens)[:, None]
         rows = torch.where(j < n, start + j, t)  # (b, Lmax)
-        keep = (rows.reshape(-1) < t).nonzero().squeeze(1)  # row-major: the packed order
-        cached = psp.row_layout = (rows.to(device), keep.to(device))
+        keep = torch.cat([torch.arange(r * width, r * width + m) for r, m in enumerate(lens)])  # the packed order
+        cached = psp.row_layout = (to_device(rows, device), to_device(keep, device))
     return cached
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A tensor built on the host, on `device`: through pinned memory and a non-blocking copy on a GPU, so that the
+    host does not wait for the device's queue to drain first (a copy from pageable memory would)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class TorchLoopExperts(SequentialMLP):

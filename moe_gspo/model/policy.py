@@ -29,8 +29,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from moe_gspo.model import hf_io, hf_shards, te_names
 from moe_gspo.model.experts import per_expert_state
-from moe_gspo.model.layers import RMSNorm
-from moe_gspo.model.rope import yarn_inv_freq
+from moe_gspo.model.layers import RMSNorm, to_device
+from moe_gspo.model.rope import install_packed_rope, yarn_inv_freq
 from moe_gspo.model.dispatch import keep_counts_on_device
 from moe_gspo.model.router import MoERouter, RecomputeBoundary, RoutingContext, active_routing, routing_scope
 from moe_gspo.model.routing_capture import PackedLayout, RoutingCapture
@@ -95,6 +95,7 @@ class MoEPolicy(torch.nn.Module):
             # and leaves moving the model to the training script, as megatron's own get_model does
             self.cuda(torch.cuda.current_device())
         keep_counts_on_device(self.gpt, groups)  # grouped experts: no host read of the token counts
+        install_packed_rope()  # packed rows: the rotary table at each token's position, no host read
         self.routers: list[MoERouter] = [m for m in self.gpt.modules() if isinstance(m, MoERouter)]
         for i, r in enumerate(self.routers):  # the family's routing rule (model.router)
             r.norm_topk_prob, r.n_group, r.topk_group = mc.norm_topk_prob, mc.n_group, mc.topk_group
@@ -196,18 +197,21 @@ class MoEPolicy(torch.nn.Module):
             raise ConfigError(f"packed sequences need model.attention='sdpa' on the local spec, got "
                               f"{self.model_config.attention!r}")
         dev = input_ids.device
-        pos = torch.cat([torch.arange(b * T, b * T + n, device=dev) for b, n in enumerate(lengths)])  # (N,)
-        N = pos.numel()
+        N = sum(lengths)
         pad = max(pack_to - N, 0)
         pad += (-(N + pad)) % self.tp  # sequence parallelism splits the packed sequence evenly over TP ranks
-        bounds = list(itertools.accumulate([0, *lengths, *([pad] if pad else [])]))
-        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
-        longest = max(lengths + [pad])
+        seqs = lengths + ([pad] if pad else [])
+        bounds = list(itertools.accumulate([0, *seqs]))
+        # built on the host from the lengths, then moved in one copy each (no per-row kernels)
+        cu = to_device(torch.tensor(bounds, dtype=torch.int32), dev)
+        pos = to_device(torch.cat([torch.arange(b * T, b * T + n) for b, n in enumerate(lengths)]), dev)  # (N,)
+        position_ids = to_device(torch.cat([torch.arange(n) for n in seqs]), dev)  # each token's place in its row
+        cu.positions = position_ids  # the rotary table's rows for these tokens (model.rope, install_packed_rope)
+        longest = max(seqs)
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                               max_seqlen_kv=longest)
         psp.bounds = bounds  # read by the attention (seq_bounds) without a device sync per layer
         ids = torch.nn.functional.pad(input_ids.reshape(-1)[pos], (0, pad)).unsqueeze(0)  # (1, Np)
-        position_ids = torch.cat([torch.arange(n, device=dev) for n in lengths + ([pad] if pad else [])])
         ctx = self._routing_context(routing, B, T, N + pad, dev, packed=pos)
         return _GPTInputs(ids, position_ids.unsqueeze(0), None, psp, ctx, B, T, pos)
 

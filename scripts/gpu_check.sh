@@ -27,6 +27,8 @@
 #   STAGE_TIMEOUT=S  stop any stage after S seconds (default: no limit); TIMEOUT_<name>=S for one stage, by the
 #                    name its log has (TIMEOUT_rl_gpu_2b=150)
 #   DRY=1            print every stage's command without running anything (nor installing)
+#   SUMMARY=FILE     the per-goal summary the run updates (default docs/results/gpu_summary.json, scripts/
+#                    gpu_summary.py), copied to OUT/gpu_summary.json for a machine whose checkout does not come back
 #   COMPARE_ARGS     extra overrides for the comparison (default: the HF engine on the GPU, since SGLang is
 #                    checked by its own tests when importable)
 # Exits non-zero when a stage fails; every stage runs regardless, and gpu_check.json says which failed.
@@ -38,6 +40,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export OUT
 WHEELS=${WHEELS:-.whl}
+SUMMARY=${SUMMARY:-docs/results/gpu_summary.json}
 STAGES=${*:-env tests bench step configstep engine rl compare}
 export PYTHONUNBUFFERED=1
 status=0
@@ -213,4 +216,7 @@ if (cmp / "compare.json").exists():
 (out / "gpu_check.json").write_text(json.dumps(res, indent=1))
 print(f"wrote {out / 'gpu_check.json'}")
 EOF
+if [ -z "${DRY:-}" ]; then  # one key per goal, each from the newest run that measured it; a copy beside the results
+    "$PY" scripts/gpu_summary.py "$OUT" --summary "$SUMMARY" && cp "$SUMMARY" "$OUT/gpu_summary.json" || status=1
+fi
 exit $status

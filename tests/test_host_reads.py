@@ -100,18 +100,26 @@ def test_grouped_experts_forward_and_backward_read_nothing_back(monkeypatch):
 HOST_SIDE = ("(_ids)", "(check_targets)")
 
 
-def update_reads(micro_batch_size: int, impl: str, budget: int = 0):
+def step_context(*overrides):
+    """A StepContext of the tiny policy (flip tracker on, no replay) whose optimizer records the gradients and
+    steps nothing, and a batch of 8 rows of 7-12 tokens with its generator."""
     from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
-    from moe_gspo.train.step import OldPass, StepContext, old_logprob_pass, update_minibatch
+    from moe_gspo.train.step import StepContext
 
-    cfg = case_cfg([f"train.micro_batch_size={micro_batch_size}", f"train.loss_impl={impl}",
-                    f"train.max_tokens_per_micro_batch={budget}"], "gspo_temperature")
+    cfg = case_cfg(list(overrides), "gspo_temperature")
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     mc = cfg.model
     ctx = StepContext(policy, RecordingOptim(policy), cfg,
                       RoutingReplayCache("off", mc.num_hidden_layers, mc.num_experts_per_tok, mc.num_experts),
                       ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts), policy.groups)
-    pb, g = batch(cfg)
+    return (ctx, *batch(cfg))
+
+
+def update_reads(micro_batch_size: int, impl: str, budget: int = 0):
+    from moe_gspo.train.step import OldPass, old_logprob_pass, update_minibatch
+
+    ctx, pb, g = step_context(f"train.micro_batch_size={micro_batch_size}", f"train.loss_impl={impl}",
+                              f"train.max_tokens_per_micro_batch={budget}")
     first = old_logprob_pass(ctx, pb)
     adv = torch.randn(pb.input_ids.shape[0], generator=g)
     with value_reads() as sites:
@@ -136,16 +144,9 @@ def test_a_minibatch_update_reads_per_minibatch_not_per_micro_batch(impl, packed
 def test_a_non_finite_loss_input_raises_before_the_optimizer_step():
     """The micro-batches skip the loss's finiteness check; the minibatch's metrics check every row once, before
     the optimizer applies the gradient."""
-    from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
-    from moe_gspo.train.step import OldPass, StepContext, old_logprob_pass, update_minibatch
+    from moe_gspo.train.step import OldPass, old_logprob_pass, update_minibatch
 
-    cfg = case_cfg(["train.micro_batch_size=2"], "gspo_temperature")
-    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
-    mc = cfg.model
-    ctx = StepContext(policy, RecordingOptim(policy), cfg,
-                      RoutingReplayCache("off", mc.num_hidden_layers, mc.num_experts_per_tok, mc.num_experts),
-                      ExpertFlipTracker(mc.num_hidden_layers, mc.num_experts), policy.groups)
-    pb, g = batch(cfg)
+    ctx, pb, _ = step_context("train.micro_batch_size=2")
     old = old_logprob_pass(ctx, pb).old_logp.clone()
     old[3, 6] = float("nan")  # row 3's response, in the second micro-batch of two rows
     assert pb.response_mask[3, 6]

@@ -45,7 +45,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """(M, K) rows grouped by the int32 end offsets offs_E, times w_EKN[e] per group -> (M, N); rows past
-    offs_E[-1] are left zero. torch's own autograd gives both gradients."""
+    offs_E[-1] are unspecified (torch's CPU kernel writes nonzero values there), for the caller to drop. torch's own
+    autograd gives both gradients."""
     return _ContiguousGrad.apply(torch._grouped_mm(x_MK, w_EKN, offs=offs_E))
 
 
@@ -178,10 +179,13 @@ class GroupedGemmExperts(GroupedMLP):
         w1_EHF2, w2_EFH = self._stacked()
         w1s, w2s = w1_EHF2.unbind(0), w2_EFH.unbind(0)
         counts = tokens_per_expert.tolist()
+        n = sum(counts)  # rows past the groups (a dispatch of fixed slots, some empty) come out zero
         out = []
-        for e, (x, p) in enumerate(zip(torch.split(x_NH, counts), torch.split(p_N, counts), strict=True)):
+        for e, (x, p) in enumerate(zip(torch.split(x_NH[:n], counts), torch.split(p_N[:n], counts), strict=True)):
             gate, up = torch.chunk(x @ w1s[e], 2, dim=-1)
             out.append((((F.silu(gate) * up) * p.unsqueeze(-1)).to(x.dtype)) @ w2s[e])
+        if n < x_NH.shape[0]:
+            out.append(x_NH.new_zeros(x_NH.shape[0] - n, w2_EFH.shape[-1]))
         return torch.cat(out, dim=0)
 
 

@@ -6,6 +6,8 @@
   gradients and flip counts packed and unpacked (tests/dist/packed_worker.py), in this process and under TP=2
   and EP=2, where the ranks plan different numbers of packed forwards.
 - The planner: whole rows, budgets met exactly, ranks balanced, an over-long sequence is one line naming the field.
+- The packed rotary on latent attention with YaRN (DeepSeek-V3) and on part of each head (GLM-4.5) equals
+  megatron's own and the padded rows.
 """
 from __future__ import annotations
 
@@ -145,3 +147,29 @@ def test_packing_refuses_what_cannot_pack():
     for extra, what in ((["model.attention=megatron"], "model.attention=sdpa"), (["model.compile=true"], "compile")):
         with pytest.raises(ConfigError, match=what):
             load_config(ROOT / "configs/train_tiny_cpu.yaml", ["train.max_tokens_per_micro_batch=64", *extra])
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_packed_rotary_equals_megatrons_for_latent_and_partial_rotary(family, monkeypatch):
+    """The packed rotary (model/rope.py: the table gathered at each token's position) on DeepSeek-V3's latent
+    attention with YaRN and GLM-4.5's rotary on part of each head: equal to megatron's own THD rotary bit for bit,
+    and to the padded rows at every real token."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from moe_gspo import init_parallel, load_policy
+    from moe_gspo.config import load_config
+    from moe_gspo.model import rope
+
+    c = load_config(ROOT / f"configs/compare_tiny_{family}.yaml")
+    policy = load_policy(c, init_parallel(c)).eval()
+    lengths = [20, 7, 13]
+    ids, _ = _batch(c.model.vocab_size, lengths, 20)
+    outs = {}
+    with torch.no_grad():
+        rows = policy(ids)
+        for name, thd in (("ours", rope._thd_at_positions), ("megatron", rope._MEGATRON_THD)):
+            monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", thd)
+            outs[name] = policy(ids, lengths=lengths)
+    assert torch.equal(outs["ours"], outs["megatron"])
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(outs["ours"][b, :n], rows[b, :n], rtol=1e-5, atol=1e-5)

@@ -228,7 +228,9 @@ def test_device_count_dispatch_on_cuda_reads_nothing_back(hf_dir, dtype, monkeyp
         syncs.append(dict(sites))
         results.append((out.detach().float(), {n: p.grad.float() for n, p in policy.gpt.named_parameters()}))
     (out_o, grads_o), (out_h, grads_h) = results
-    moe = [{s: n for s, n in d.items() if "moe" in s or "dispatch" in s or "experts" in s} for d in syncs]
+    layer_files = ("megatron/core/transformer/moe/", "moe_gspo/model/dispatch.py", "moe_gspo/model/experts.py",
+                   "moe_gspo/model/router.py")  # the MoE layer's own code, megatron's and ours
+    moe = [{s: n for s, n in d.items() if s.startswith(layer_files)} for d in syncs]
     logit_rel = _rel(out_o, out_h)
     grad_rel = max(_rel(grads_o[n], g) for n, g in grads_h.items() if g.abs().max() > 0)
     record(f"device_count_dispatch_{dtype}", syncs_ours=syncs[0], syncs_megatron=syncs[1], logit_rel=logit_rel,

@@ -178,8 +178,8 @@ def fused_logprob_loss(hidden, weight, targets, loss_fn, *, cu_seqlens, temperat
     loss_fn(logp_c, b0, b1) -> 0-dim tensor: the part of the loss carried by sequences b0..b1-1, from logp_c, their
     tokens' log-probs (fp32, 0 at ignore_index targets, requires grad). The call splits the sequences into
     consecutive groups that fit the workspace and sums the parts, so the loss must be additive over sequences (a
-    denominator fixed in advance, not counted from the tokens it is given). Returns (loss 0-dim fp32, logp [T] fp32, entropy [T] fp32 or None), logp and entropy
-    detached; the entropy carries no gradient."""
+    denominator fixed in advance, not counted from the tokens it is given). Returns (loss 0-dim fp32, logp [T]
+    fp32, entropy [T] fp32 or None), logp and entropy detached; the entropy carries no gradient."""
     if chunk_bytes is None:
         chunk_bytes = default_chunk_bytes(hidden.device)
     check_inputs(hidden, weight, targets, temperature, chunk_bytes)

@@ -123,7 +123,8 @@ def update_reads(micro_batch_size: int, impl: str, budget: int = 0):
     first = old_logprob_pass(ctx, pb)
     adv = torch.randn(pb.input_ids.shape[0], generator=g)
     with value_reads() as sites:
-        m = update_minibatch(ctx, pb, OldPass(first.old_logp, None, first.router), adv, torch.tensor([5, 0, 3, 6, 1, 2]))
+        m = update_minibatch(ctx, pb, OldPass(first.old_logp, None, first.router), adv,
+                             torch.tensor([5, 0, 3, 6, 1, 2]))
     assert m["pg_clipfrac"] >= 0 and ctx.optim.grads  # the update ran and produced gradients
     return {s: n for s, n in sites.items() if not s.endswith(HOST_SIDE)}
 

@@ -15,6 +15,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide, get_pg_size
 
+from moe_gspo.model.routing_capture import flat_positions
+
 
 class RMSNorm(torch.nn.RMSNorm):
     """torch RMSNorm with megatron's norm constructor signature; marks its weight `sequence_parallel` so that
@@ -213,7 +215,7 @@ def packed_rows(psp, device) -> tuple[torch.Tensor, torch.Tensor]:
         j = torch.arange(width)
         start, n = torch.tensor(bounds[:-1])[:, None], torch.tensor(lens)[:, None]
         rows = torch.where(j < n, start + j, t)  # (b, Lmax)
-        keep = torch.cat([torch.arange(r * width, r * width + m) for r, m in enumerate(lens)])  # the packed order
+        keep = flat_positions(lens, [0] * len(lens), width)  # the packed order
         cached = psp.row_layout = (to_device(rows, device), to_device(keep, device))
     return cached
 

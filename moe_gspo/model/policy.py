@@ -28,12 +28,12 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from moe_gspo.model import hf_io, hf_shards, te_names
+from moe_gspo.model.dispatch import keep_counts_on_device
 from moe_gspo.model.experts import per_expert_state
 from moe_gspo.model.layers import RMSNorm, to_device
 from moe_gspo.model.rope import install_packed_rope, yarn_inv_freq
-from moe_gspo.model.dispatch import keep_counts_on_device
 from moe_gspo.model.router import MoERouter, RecomputeBoundary, RoutingContext, active_routing, routing_scope
-from moe_gspo.model.routing_capture import PackedLayout, RoutingCapture
+from moe_gspo.model.routing_capture import PackedLayout, RoutingCapture, flat_positions
 from moe_gspo.model.spec import layer_specs, transformer_config
 
 
@@ -204,8 +204,8 @@ class MoEPolicy(torch.nn.Module):
         bounds = list(itertools.accumulate([0, *seqs]))
         # built on the host from the lengths, then moved in one copy each (no per-row kernels)
         cu = to_device(torch.tensor(bounds, dtype=torch.int32), dev)
-        pos = to_device(torch.cat([torch.arange(b * T, b * T + n) for b, n in enumerate(lengths)]), dev)  # (N,)
-        position_ids = to_device(torch.cat([torch.arange(n) for n in seqs]), dev)  # each token's place in its row
+        pos = to_device(flat_positions(lengths, [0] * B, T), dev)  # (N,)
+        position_ids = to_device(flat_positions(seqs, [0] * len(seqs), 0), dev)  # each token's place in its row
         cu.positions = position_ids  # the rotary table's rows for these tokens (model.rope, install_packed_rope)
         longest = max(seqs)
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,

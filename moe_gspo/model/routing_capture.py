@@ -39,6 +39,7 @@ weights' update changed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,16 @@ class LayerRouting:
     topk_idx: torch.Tensor  # (N, k) int64 expert ids, sorted ascending per token
     topk_weights: torch.Tensor  # (N, k) float32 combine weights (renormalized top-k probabilities), detached
     live_idx: torch.Tensor | None = None  # (N, k) what the live router would have chosen, when replay overrode it
+
+
+def flat_positions(lengths: Sequence[int], starts: Sequence[int], seq_len: int) -> torch.Tensor:
+    """(sum(lengths),) int64 batch-major positions b * seq_len + starts[b] + i, for i < lengths[b], row by row, on
+    the host (from the lists alone: no tensor value is read back). seq_len 0 gives each row's own positions."""
+    total = sum(int(n) for n in lengths)
+    lens = torch.tensor(list(lengths), dtype=torch.int64)
+    row_first = torch.tensor([b * seq_len + s for b, s in enumerate(starts)], dtype=torch.int64)
+    within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=total)
+    return torch.repeat_interleave(row_first, lens, output_size=total) + within
 
 
 class PackedLayout:

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from moe_gspo.model.routing_capture import ReplaySource
+from moe_gspo.model.routing_capture import ReplaySource, flat_positions
 
 MODES = ("off", "r2", "r3")
 
@@ -43,14 +43,6 @@ def _ints(values, n: int, name: str, default: int | None = None) -> list[int]:
     if len(out) != n:
         raise ValueError(f"{name} has {len(out)} entries for {n} sample ids")
     return [int(v) for v in out]
-
-
-def flat_positions(lengths: Sequence[int], starts: Sequence[int], seq_len: int) -> torch.Tensor:
-    """(sum(lengths),) int64 batch-major positions b * seq_len + starts[b] + i, for i < lengths[b], row by row."""
-    lens = torch.tensor(list(lengths), dtype=torch.int64)
-    row_first = torch.tensor([b * seq_len + s for b, s in enumerate(starts)], dtype=torch.int64)
-    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    return torch.repeat_interleave(row_first, lens) + within
 
 
 def scatter_rows(chunks: Sequence[torch.Tensor], starts: Sequence[int], seq_len: int,

@@ -15,7 +15,9 @@ device are not counted by `value_reads`.
 
 from __future__ import annotations
 
+import contextlib
 import traceback
+import warnings
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,8 +26,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
+_MACHINERY = {__file__, warnings.__file__, contextlib.__file__}  # frames between the read and who asked for it
 
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's text under torch.cuda.set_sync_debug_mode
+
+
+def _site(default: str = "?") -> str:
+    """"file:line (function)" of the innermost frame outside torch, this module and the warnings and contextlib
+    machinery: where our code or megatron's asked for the value (`default` when no such frame is on the stack)."""
+    frames = [f for f in traceback.extract_stack()
+              if not f.filename.startswith(_TORCH_DIR) and f.filename not in _MACHINERY]
+    f = frames[-1] if frames else None
+    return f"{_short_path(f.filename)}:{f.lineno} ({f.name})" if f else default
 
 
 @contextmanager
@@ -35,19 +47,12 @@ def host_syncs():
     operation (.item(), .tolist(), .cpu(), a boolean mask, nonzero) warn, and each warning is attributed to the
     innermost frame of the Python stack outside torch itself, where our code or megatron's asked for the value.
     Elsewhere nothing synchronizes and the Counter stays empty."""
-    import warnings
-
     sites: Counter = Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
         if SYNC_WARNING not in str(message):
             return shown(message, category, filename, lineno, file, line)
-        frames = [f for f in traceback.extract_stack()[:-1]
-                  if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__
-                  and not f.filename.endswith(("warnings.py", "contextlib.py"))]
-        f = frames[-1] if frames else None
-        where = f"{_short_path(f.filename)}:{f.lineno} ({f.name})" if f else f"{filename}:{lineno}"
-        sites[where] += 1
+        sites[_site(default=f"{filename}:{lineno}")] += 1
 
     cuda = torch.cuda.is_available()
     with warnings.catch_warnings():
@@ -76,15 +81,6 @@ def _short_path(filename: str) -> str:
 # operators whose result the host must see (scalars) or whose output size depends on the values
 _READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::is_nonzero", "aten::equal",
           "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim", "aten::bincount", "aten::allclose"}
-
-
-def _site(skip: int = 2) -> str:
-    """"file:line (function)" of the innermost frame outside torch and this module."""
-    frames = [f for f in traceback.extract_stack()[:-skip]
-              if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__
-              and not f.filename.endswith("contextlib.py")]
-    f = frames[-1] if frames else None
-    return f"{_short_path(f.filename)}:{f.lineno} ({f.name})" if f else "?"
 
 
 def _is_read(func, args, kwargs) -> bool:

@@ -28,6 +28,7 @@ from moe_gspo.kernels import fused_logprob_loss, token_logprobs, token_logprobs_
 from moe_gspo.losses import loss_denominator
 from moe_gspo.losses.registry import loss_with_call_kwargs
 from moe_gspo.model.layers import to_device
+from moe_gspo.model.routing_capture import flat_positions
 
 
 def _tp_group(policy):
@@ -47,8 +48,8 @@ class Targets:
         dev = input_ids_BT.device
         self.bounds = list(itertools.accumulate([0, *counts]))  # on the host: no device sync to slice by row
         # flat (B*T) position of each target token; its prediction comes from the position before it (built on the
-        # host from the lengths and moved in one copy, not one kernel per row)
-        self.pos = to_device(torch.cat([torch.arange(b * T + 1, b * T + 1 + c) for b, c in enumerate(counts)]), dev)
+        # host from the lengths and moved in one copy)
+        self.pos = to_device(flat_positions(counts, [1] * B, T), dev)
         self.ids = input_ids_BT.reshape(-1)[self.pos]
 
     def hidden(self, hidden_BTH: torch.Tensor, dtype) -> torch.Tensor:

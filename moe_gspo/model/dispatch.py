@@ -76,13 +76,10 @@ def device_counts_apply(layer: MoELayer) -> bool:
             and not layer.shared_expert_overlap)
 
 
-def keep_counts_on_device(gpt: torch.nn.Module, groups) -> int:
+def keep_counts_on_device(gpt: torch.nn.Module, groups) -> None:
     """Give every MoE layer of a built model where `device_counts_apply` a DeviceCountDispatcher (the layer's
-    process groups `groups`, as the model was built with); returns how many layers got one."""
-    n = 0
+    process groups `groups`, as the model was built with)."""
     for layer in gpt.modules():
         if isinstance(layer, MoELayer) and device_counts_apply(layer):
             layer.token_dispatcher = DeviceCountDispatcher(layer.num_local_experts, layer.local_expert_indices,
                                                            config=layer.config, pg_collection=groups)
-            n += 1
-    return n

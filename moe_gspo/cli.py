@@ -244,6 +244,17 @@ def _export(args) -> int:
     return 0
 
 
+def _upcycle(args) -> int:
+    from moe_gspo.model.upcycle import UpcycleSpec, upcycle
+
+    spec = UpcycleSpec(num_experts=args.experts, top_k=args.top_k, family=args.family, drop_rate=args.drop_rate,
+                       router_std=args.router_std, seed=args.seed, dtype=args.dtype)
+    r = upcycle(args.src, args.out, spec, save_dense=args.save_dense, overwrite=args.overwrite)
+    print(f"upcycled {r['source_model_type']} {r['source']} -> {r['family']} {args.out}: {r['num_experts']} experts, "
+          f"top-{r['top_k']}, drop rate {r['drop_rate']}, router N(0, {r['router_std']}), {r['dtype']}")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-gspo", description=__doc__.splitlines()[0],
@@ -323,6 +334,29 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--overwrite", action="store_true",
                     help="replace --out even when it is not empty and not an earlier export")
     ex.set_defaults(func=_export)
+
+    up = sub.add_parser("upcycle", help="a dense HF checkpoint or GGUF file as an MoE checkpoint (each expert a "
+                                        "copy of the dense MLP)")
+    up.add_argument("src", metavar="SRC", help="a dense Llama, Mistral, Qwen2 or Qwen3 checkpoint folder, or a .gguf "
+                                               "file (needs the gguf package)")
+    up.add_argument("--out", required=True, help="folder to write: config.json, safetensors, tokenizer, chat template, "
+                                                 "generation_config.json, upcycle.json")
+    up.add_argument("--experts", type=int, default=4, help="experts per layer (default 4)")
+    up.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
+    up.add_argument("--family", default=None, choices=["mixtral", "qwen2_moe", "qwen3_moe"],
+                    help="the MoE family (default: mixtral for Llama and Mistral, qwen2_moe for Qwen2 with a shared "
+                         "expert, qwen3_moe for Qwen3)")
+    up.add_argument("--drop-rate", type=float, default=0.0,
+                    help="Drop-Upcycling: the fraction of each expert's neurons re-initialized (default 0: the MoE "
+                         "computes the dense model's function exactly)")
+    up.add_argument("--router-std", type=float, default=None,
+                    help="std of the router's N(0, std) initialization (default: the source's initializer_range)")
+    up.add_argument("--seed", type=int, default=0, help="seed of the router and of Drop-Upcycling's draws")
+    up.add_argument("--dtype", default=None, help="dtype to save (default: the source's; GGUF: float32)")
+    up.add_argument("--save-dense", default=None, metavar="DIR",
+                    help="also write the dense model as a plain HF folder (a GGUF file's dequantized weights)")
+    up.add_argument("--overwrite", action="store_true", help="replace --out (and --save-dense) when not empty")
+    up.set_defaults(func=_upcycle)
 
     la = sub.add_parser("launch", help="COMMAND on torchrun's ranks (scripts/launch.sh); a user error in one line",
                         add_help=False, prefix_chars="\0")

@@ -38,27 +38,30 @@ def _redrawn_and_saved(model, path, expert_bias: bool = False, biases: bool = Fa
 
 
 def mixtral_checkpoint(path, seed: int = 0):
-    """A tiny random Mixtral (no query/key norm, experts named w1/w3/w2 in its files), saved by transformers."""
+    """A tiny random Mixtral (no query/key norm, experts named w1/w3/w2 in its files) with tied embeddings (the head
+    is the embedding, and the files hold no lm_head.weight), as an upcycled SmolLM2 is, saved by transformers."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
     c = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
                       num_experts_per_tok=2, rms_norm_eps=1e-6, max_position_embeddings=256,
-                      initializer_range=0.2, router_jitter_noise=0.0)
+                      initializer_range=0.2, router_jitter_noise=0.0, tie_word_embeddings=True)
     return _redrawn_and_saved(MixtralForCausalLM(c).eval(), path)
 
 
 def qwen2_moe_checkpoint(path, seed: int = 0):
     """A tiny random Qwen2-MoE: q/k/v biases (drawn nonzero, so a loader dropping them shows), a shared expert of
-    another width than the routed ones behind its sigmoid gate, top-k probabilities not renormalized."""
+    another width than the routed ones behind its sigmoid gate, top-k probabilities not renormalized, and tied
+    embeddings (as Qwen2's small models have)."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(seed)
     c = Qwen2MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=32, moe_intermediate_size=32,
                        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6,
-                       max_position_embeddings=256, initializer_range=0.2, norm_topk_prob=False)
+                       max_position_embeddings=256, initializer_range=0.2, norm_topk_prob=False,
+                       tie_word_embeddings=True)
     return _redrawn_and_saved(Qwen2MoeForCausalLM(c).eval(), path, biases=True)
 
 

@@ -30,12 +30,14 @@ def _same_after_resume(ref_dir, run_dir):
             f"{k} {a[k]} vs {b.get(k)}" for k in a if not k.startswith(("time/", "perf/")) and a[k] != b.get(k))
 
 
-def test_one_process(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_one_process(tmp_path, tied):
     from moe_gspo.train.loop import train
 
-    train(tiny_cfg(*RUN, f"train.steps={STEPS}"), run_dir=tmp_path / "ref")
-    train(tiny_cfg(*RUN, f"train.steps={STOP}"), run_dir=tmp_path / "run")
-    train(tiny_cfg(*RUN, f"train.steps={STEPS}"), run_dir=tmp_path / "run", resume=True)
+    run = [*RUN, f"model.tie_word_embeddings={str(tied).lower()}"]
+    train(tiny_cfg(*run, f"train.steps={STEPS}"), run_dir=tmp_path / "ref")
+    train(tiny_cfg(*run, f"train.steps={STOP}"), run_dir=tmp_path / "run")
+    train(tiny_cfg(*run, f"train.steps={STEPS}"), run_dir=tmp_path / "run", resume=True)
     _same_after_resume(tmp_path / "ref", tmp_path / "run")
 
 

@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh inst
 from moe_gspo.rollout import SamplingParams, build_engine, rollout_probs_diff  # noqa: E402
 
 FAMILIES = {
-    "mixtral": [],
+    "mixtral": ["model.tie_word_embeddings=true"],  # as an upcycled SmolLM2: the head is the embedding
     "qwen2_moe": ["model.shared_expert_intermediate_size=96", "model.attention_bias=true",
                   "model.norm_topk_prob=false"],
     "olmoe": ["model.rms_norm_eps=1e-5", "model.norm_topk_prob=false"],

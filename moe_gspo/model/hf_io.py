@@ -404,8 +404,8 @@ def hf_sources(mc: ModelConfig) -> list[tuple[str, str, Callable[[torch.Tensor],
                         (pe + "up_proj.bias", x + "linear_fc1.bias", fc1_part(1)),
                         (pe + "down_proj.bias", x + "linear_fc2.bias", same)]
     out.append(("model.norm.weight", "decoder.final_layernorm.weight", same))
-    out.append(("lm_head.weight", "output_layer.weight" if not mc.tie_word_embeddings else
-                "embedding.word_embeddings.weight", same))
+    if not mc.tie_word_embeddings:  # a tied head is the embedding: saved once, as transformers saves it
+        out.append(("lm_head.weight", "output_layer.weight", same))
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 
 from moe_gspo.rewards import (boxed_reward, countdown, exact_match, get_reward_fn, gsm8k_reward, math_verify_reward,
                               score_responses)
-from moe_gspo.rewards.text import last_boxed
+from moe_gspo.rewards.text import last_boxed, last_number_reward
 from moe_gspo.tasks import Example
 
 # (gold, response, expected reward)
@@ -161,6 +161,29 @@ BOXED_TABLE = [
 def test_boxed_table(gold, response, expected):
     assert boxed_reward(response, Example("q", gold)) == expected
     assert get_reward_fn("boxed") is boxed_reward
+
+
+# (gold, response, expected reward): the last number standing alone decides
+LAST_NUMBER_TABLE = [
+    ("-4", "To calculate -8 / 2, we divide: -8 / 2 = -4.", 1.0),
+    ("-4", "-4", 1.0),
+    ("2.5", "It is 2.50", 1.0),  # compared as numbers
+    ("1234", "The total is 1,234", 1.0),
+    ("+5", "answer: 5", 1.0),
+    ("32", "4 * -8 = 32", 1.0),  # a wrong answer is still the answer read
+    ("-32", "4 * -8 = 32", 0.0),
+    ("-4", "To calculate -8 / 2, we need to perform the division", 0.0),  # stopped before answering: 2 is last
+    ("7", "7 is what 3 + 4 gives.", 0.0),  # talked on past the answer
+    ("3", "the 3rd step", 0.0),  # glued to a word
+    ("2", "x2", 0.0),
+    ("5", "", 0.0),
+]
+
+
+@pytest.mark.parametrize("gold,response,expected", LAST_NUMBER_TABLE)
+def test_last_number_table(gold, response, expected):
+    assert last_number_reward(response, Example("q", gold)) == expected
+    assert get_reward_fn("last_number") is last_number_reward
 
 
 def test_text_rewards_report_a_gold_answer_they_cannot_use():

@@ -11,6 +11,7 @@ The built-ins, each `fn(response, example) -> float` comparing with example.answ
 - "math": the final answer is mathematically equivalent to the answer (math-verify);
 - "gsm8k": the number after the last `####` equals the answer numerically (`1,234` is 1234);
 - "boxed": the last `\\boxed{...}` equals the answer after light normalization (spaces, `$`, `\\left`).
+- "last_number": the last number in the response equals the answer numerically.
 
 load_reward (moe_gspo.rewards.user) also takes `path/to/file.py:function`: a function written for verl
 (data_source, solution_str, ground_truth, extra_info), for TRL (prompts, completions, **kwargs) or for this

@@ -1,9 +1,10 @@
-"""Rewards that read a final answer out of free text by a fixed convention: GSM8K's `#### 72`, LaTeX's `\\boxed{..}`.
+"""Rewards that read a final answer out of free text by a fixed convention: GSM8K's `#### 72`, LaTeX's `\\boxed{..}`,
+the last number.
 
     gsm8k_reward("... so she has 72 apples.\\n#### 72", example)     # example.answer == "72" -> 1.0
     boxed_reward("... hence $\\\\boxed{\\\\frac{1}{2}}$.", example)   # example.answer == "\\\\frac{1}{2}" -> 1.0
 
-Both compare one extracted answer with `example.answer`: 1.0 when they agree, 0.0 otherwise, including a response
+Each compares one extracted answer with `example.answer`: 1.0 when they agree, 0.0 otherwise, including a response
 that holds no answer in the expected form. Unlike the `math` reward they check no symbolic equivalence: `1/2` and
 `0.5` differ, while numbers written differently (`1,234` and `1234`, `0.50` and `0.5`) agree.
 """
@@ -45,6 +46,27 @@ def gsm8k_reward(response: str, example) -> float:
     if gold is None:
         raise ValueError(f"gold answer {example.answer!r} is not a number")
     pred = gsm8k_answer(response)
+    return 1.0 if pred is not None and pred == gold else 0.0
+
+
+# a number standing alone: not glued to a letter or another digit's word (`x2`, `3rd` are not read)
+_LAST_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\w])")
+
+
+def last_number(response: str) -> Fraction | None:
+    """The value of the last number in the response (`-3`, `0.50`, `1,234`), or None when it holds none."""
+    found = _LAST_NUMBER.findall(response)
+    return _as_number(found[-1].lstrip("+")) if found else None
+
+
+def last_number_reward(response: str, example) -> float:
+    """1.0 when the last number in the response equals example.answer numerically, else 0.0: for short answers
+    asked as "answer with just the number", where a model that stops early or talks on past its answer scores 0.
+    A gold answer that is not a number raises, as gsm8k_reward's does."""
+    gold = _as_number(re.sub(r"[\s$,]", "", str(example.answer)).rstrip("."))
+    if gold is None:
+        raise ValueError(f"gold answer {example.answer!r} is not a number")
+    pred = last_number(response)
     return 1.0 if pred is not None and pred == gold else 0.0
 
 

@@ -180,3 +180,21 @@ def test_eval_pass_at_k(ckpt, tmp_path, capfd):
     assert m["eval/pass@4"] == pytest.approx(sum(passed) / 8)
     assert 0 < m["eval/accuracy"] < m["eval/pass@4"]  # the sampled responses differ within a prompt
     assert {c["prompt"] for c in calls[:4]} == {calls[0]["prompt"]}  # a prompt's 4 samples are adjacent
+
+
+def test_eval_before_training_is_the_starting_policy(ckpt, tmp_path, capfd):
+    """train.eval_before: a step-0 row of eval/ figures only, from the policy before any update; with lr 0 the policy
+    after step 1 is that policy, and its greedy evaluation gives the same figures."""
+    reward = tmp_path / "r.py"  # a score that tells greedy responses apart
+    reward.write_text("def reward(response, example):\n    return 1.0 if sum(map(ord, response)) % 3 == 0 else 0.5\n")
+    data = [f"rollout.dataset_path={VERL / 'train.parquet'}", "rollout.answer_field=reward_model.ground_truth",
+            f"rollout.eval_dataset_path={VERL / 'test.parquet'}"]
+    err = _train(_overrides(ckpt, f"{reward}:reward", data) + ["train.steps=1", "train.eval_every=1",
+                                                                "train.eval_before=true", "train.lr=0"],
+                 tmp_path / "run", capfd)
+    before, after = _rows(tmp_path / "run" / "metrics.jsonl")
+    assert (before["step"], after["step"]) == (0, 1)
+    assert set(before) == {"step", "eval/reward_mean", "eval/accuracy", "eval/reward_errors", "eval/prompts"}
+    assert 0.5 < before["eval/reward_mean"] < 1.0  # the reward varies over the responses, so equality says much
+    assert {k: after[k] for k in before if k != "step"} == {k: v for k, v in before.items() if k != "step"}
+    assert f"before training: eval/accuracy {before['eval/accuracy']:.4f} on 4 held-out prompts" in err

@@ -285,6 +285,10 @@ class TrainConfig:
     """Evaluate every N RL steps (and after the last) on held-out prompts (rollout.eval_dataset_path, or a built-in
     task's held-out split): eval/reward_mean, eval/accuracy and, with rollout.eval_samples > 1, eval/pass@N in
     metrics.jsonl. 0: never."""
+    eval_before: bool = False
+    """Also evaluate the starting policy (after any cold start) before the first RL step, as verl's
+    trainer.val_before_train does: a metrics.jsonl row of step 0 with the eval/ figures only. Needs
+    train.eval_every; a resumed run does not repeat it."""
 
     def __post_init__(self):
         positive(self, "steps", "minibatches", "micro_batch_size", "seq_len", "batch_size", "keep_checkpoints",
@@ -300,6 +304,8 @@ class TrainConfig:
         positive(self, "recompute_layers")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every={self.eval_every} must be >= 0 (0: never)")
+        if self.eval_before and not self.eval_every:
+            raise ConfigError("train.eval_before=true needs train.eval_every > 0 (the held-out prompts it reads)")
         if self.cold_start_steps < 0 or self.checkpoint_every < 0:
             raise ConfigError(f"train.cold_start_steps={self.cold_start_steps} and train.checkpoint_every="
                               f"{self.checkpoint_every} must be >= 0")

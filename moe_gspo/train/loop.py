@@ -70,6 +70,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
             run = Run.setup(cfg, run_dir=run_dir, task=task, engine=engine, init_state=init_state, resume=resume,
                             label=label, overwrite=overwrite, roles=roles, tok=tok)
             m: dict[str, float] = {}
+            if cfg.train.eval_before and run.start == 0:
+                run.evaluate_before()
             for step in range(run.start, cfg.train.steps):
                 m = rl_step(run, step)
             run.close()
@@ -290,6 +292,15 @@ class Run:
             return {}
         return evaluate(self.cfg, self.task, self.tok, self.rollouts, self.held_out, self.info.dp_rank,
                         self.layout.dp, self.ctx.trainer_group, step)
+
+    def evaluate_before(self) -> dict[str, float]:
+        """train.eval_before: the starting policy's eval/ figures as metrics.jsonl's row of step 0."""
+        m = evaluate(self.cfg, self.task, self.tok, self.rollouts, self.held_out, self.info.dp_rank,
+                     self.layout.dp, self.ctx.trainer_group, -1)
+        self.writer.write(0, m)
+        _say(self.info, f"before training: eval/accuracy {m['eval/accuracy']:.4f} on {int(m['eval/prompts'])} "
+                        "held-out prompts")
+        return m
 
     def minibatches(self, step: int) -> list[torch.Tensor]:
         """The local responses shuffled (seeded by step) and cut into train.minibatches equal parts."""

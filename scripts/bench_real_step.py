@@ -1,0 +1,169 @@
+"""The RL step at the real model's size (configs/real_smollm2_cpu.yaml: the upcycled SmolLM2-135M, 30 layers, a
+49,152-token vocabulary, 64 responses a step), its phases against an isolated forward+backward of the same rows.
+
+    bash scripts/get_real_model.sh                               # once
+    python scripts/bench_real_step.py --json runs/bench_real_step.json [--steps 2] [--set a.b=v ...]
+
+The trainer runs `--steps` RL steps from the config (no evaluation, no checkpoints), phase by phase as the training
+loop runs them (rollout, old log-probs, the minibatch updates, the engine sync); the first step's batch is kept. On
+that batch's rows, cut into the trainer's micro-batches, are then timed in the same process:
+
+- "policy fwd+bwd": the same policy's forward to full logits, token cross-entropy on the response tokens, and
+  backward (no optimizer step, no routing capture, no loss object): what the training phase's kernels cost;
+- "transformers fwd+bwd": transformers' MixtralForCausalLM loaded from the same checkpoint, the same rows, the
+  same loss: the reference the policy's forward+backward is held to;
+- "optimizer step": the trainer's optimizer step alone (megatron's Adam over all parameters, with clipping).
+
+The ratio `isolated / training phase` (isolated = policy fwd+bwd + optimizer step, times the minibatches) is the
+training phase's speed relative to its kernels; 1.0 means the RL machinery adds nothing. Each isolated row runs
+--repeats times after one warmup; the table gives medians. Run it on a quiet machine: nothing else beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rl_steps(cfg, run_dir: Path, steps: int):
+    """(per-step phase seconds, the first step's padded batch, the Run) of `steps` RL steps."""
+    from moe_gspo.train.loop import Run, preflight
+    from moe_gspo.train.step import record_engine_routing, update_minibatch
+
+    tok, task = preflight(cfg, None, None)
+    run = Run.setup(cfg, run_dir=run_dir, task=task, engine=None, init_state=None, resume=False, label="bench",
+                    tok=tok)
+    phases, kept = [], None
+    for step in range(steps):
+        t = {}
+        t0 = time.perf_counter()
+        batch, examples, texts = run.rollout(step)
+        adv, valid, _ = run.score(batch, examples, texts, step)
+        pb = run.pad(batch, valid)
+        record_engine_routing(run.ctx, pb)
+        t["rollout"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        old, _ = run.old_logprobs(pb)
+        t["logprob"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        for idx in run.minibatches(step):
+            update_minibatch(run.ctx, pb, old, adv.to(pb.input_ids.device), idx)
+        t["train"] = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        run.rollouts.publish(run.policy.weights())
+        run.replay.clear()
+        t["sync"] = time.perf_counter() - t3
+        t["step"] = time.perf_counter() - t0
+        t["tokens"] = int(pb.attention_mask.sum())
+        t["responses"] = int(pb.input_ids.shape[0])
+        phases.append(t)
+        print(f"step {step + 1}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                              for k, v in t.items()), flush=True)
+        if kept is None:
+            kept = pb
+    return phases, kept, run
+
+
+def micro_batches(pb, micro: int):
+    """(ids, target mask) per micro-batch of `micro` rows, each trimmed to its longest row (as the trainer trims)."""
+    lengths = pb.attention_mask.sum(1)
+    out = []
+    for s in range(0, pb.input_ids.shape[0], micro):
+        T = int(lengths[s:s + micro].max())
+        out.append((pb.input_ids[s:s + micro, :T], pb.response_mask[s:s + micro, :T]))
+    return out
+
+
+def fwd_bwd(forward, params, batches) -> float:
+    """Seconds of forward to logits, cross-entropy on the response tokens, backward, over every micro-batch."""
+    t0 = time.perf_counter()
+    for ids, mask in batches:
+        logits = forward(ids)[:, :-1].float()
+        target = ids[:, 1:]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                                reduction="none").view(target.shape)
+        (nll * mask[:, 1:]).sum().div(mask.sum()).backward()
+    dt = time.perf_counter() - t0
+    for p in params:
+        p.grad = None
+    return dt
+
+
+def main(argv=None) -> int:
+    from moe_gspo.config import load_config
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(ROOT / "configs/real_smollm2_cpu.yaml"))
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--set", nargs="*", default=[], metavar="a.b=v", help="config overrides")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    over = ["train.eval_every=0", "train.eval_before=false", "train.checkpoint_every=0", "logging.progress=false",
+            "logging.tensorboard=false", f"train.steps={args.steps}", *args.set]
+    cfg = load_config(args.config, over)
+    with tempfile.TemporaryDirectory() as tmp:
+        phases, pb, run = rl_steps(cfg, Path(tmp) / "run", args.steps)
+        policy, optim = run.policy, run.ctx.optim
+        micro = cfg.train.micro_batch_size
+        batches = micro_batches(pb, micro)
+        params = [q for q in policy.parameters() if q.requires_grad]
+        policy.train()
+        rows = {"policy fwd+bwd": [], "transformers fwd+bwd": [], "optimizer step": []}
+        for _ in range(args.repeats + 1):
+            rows["policy fwd+bwd"].append(fwd_bwd(lambda x: policy(x), params, batches))
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(cfg.model.init_from, dtype=torch.float32).train()
+        hf_params = list(hf.parameters())
+        for _ in range(args.repeats + 1):
+            rows["transformers fwd+bwd"].append(fwd_bwd(lambda x: hf(x).logits, hf_params, batches))
+        del hf
+        for _ in range(args.repeats + 1):  # the trainer's optimizer on gradients of the right shapes
+            optim.zero_grad()
+            fwd_bwd(lambda x: policy(x), [], batches[:1])
+            t0 = time.perf_counter()
+            optim.step()
+            rows["optimizer step"].append(time.perf_counter() - t0)
+        run.close()
+    med = {k: statistics.median(v[1:]) for k, v in rows.items()}
+    measured = phases[1:] or phases  # the first step pays for first-touch allocations and the engine's warmup
+    phase = {k: statistics.median(s[k] for s in measured) for k in ("rollout", "logprob", "train", "sync", "step")}
+    isolated = med["policy fwd+bwd"] + cfg.train.minibatches * med["optimizer step"]
+    result = {"config": args.config, "overrides": over, "threads": torch.get_num_threads(),
+              "cpu": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "steps": phases, "phase_median": phase,
+              "isolated": rows, "isolated_median": med, "micro_batch_size": micro,
+              "responses": phases[0]["responses"], "tokens": phases[0]["tokens"],
+              "training_phase_vs_isolated": isolated / phase["train"],
+              "policy_vs_transformers_fwd_bwd": med["transformers fwd+bwd"] / med["policy fwd+bwd"]}
+    print(f"\n{result['responses']} responses, {result['tokens']} tokens a step, micro-batches of {micro} rows, "
+          f"{result['threads']} threads")
+    print(f"{'phase (median of steps 2..)':32s} {'s':>8s}")
+    for k, v in phase.items():
+        print(f"{k:32s} {v:8.2f}")
+    print(f"{'isolated (median)':32s} {'s':>8s}")
+    for k, v in med.items():
+        print(f"{k:32s} {v:8.2f}")
+    print(f"training phase at {result['training_phase_vs_isolated']:.2f} of isolated fwd+bwd + optimizer; policy "
+          f"fwd+bwd {result['policy_vs_transformers_fwd_bwd']:.2f}x transformers'")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,6 +13,7 @@ import yaml
 
 from moe_gspo.config import load_config
 from hf_fixtures import user_checkpoint
+from helpers import ROOT
 
 DATA = Path(__file__).parent / "data"
 VERL = DATA / "gsm8k_verl_sample"
@@ -198,3 +199,26 @@ def test_eval_before_training_is_the_starting_policy(ckpt, tmp_path, capfd):
     assert 0.5 < before["eval/reward_mean"] < 1.0  # the reward varies over the responses, so equality says much
     assert {k: after[k] for k in before if k != "step"} == {k: v for k, v in before.items() if k != "step"}
     assert f"before training: eval/accuracy {before['eval/accuracy']:.4f} on 4 held-out prompts" in err
+
+
+def test_a_resume_that_does_not_fit_changes_nothing_in_the_run(ckpt, tmp_path, capsys, monkeypatch):
+    """A run trained from model.init_from, resumed without it: one line naming the fields that differ, exit 2, and
+    config.yaml, metrics.jsonl and the checkpoints as they were (export still reads the run)."""
+    from moe_gspo.cli import main
+
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "run"
+    base = ["train", "--config", "configs/train_tiny_cpu.yaml", "--out", str(run), "train.steps=1",
+            "train.checkpoint_every=1", "logging.progress=false", "logging.tensorboard=false",
+            "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.group_size=4", "train.minibatches=1"]
+    assert main(base + [f"model.init_from={ckpt}", "train.cold_start_steps=0"]) == 0
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(base[:-4] + ["train.steps=2", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moe-gspo train: error: --resume: "), err
+    assert "model.num_hidden_layers=2 in the run, 4 now" in err[0] and f"model.init_from={ckpt}" in err[0]
+    assert "nothing in the run directory was changed" in err[0]
+    after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert after == before
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0

@@ -65,6 +65,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, run_dir
     run_dir = Path(run_dir or cfg.train.out_dir)
     tok, task = preflight(cfg, task, roles)  # what needs nothing built, before the lock writes anything
     _check_run_dir(run_dir, resume, overwrite)
+    if resume:
+        check_resume_fits(cfg, run_dir)
     with RunLock.held(run_dir, active=data.world_rank() == 0):  # one run per directory
         try:
             run = Run.setup(cfg, run_dir=run_dir, task=task, engine=engine, init_state=init_state, resume=resume,
@@ -183,9 +185,10 @@ class Run:
                     p = run_dir / old
                     shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints, group=trainer_group(policy.groups))
         start = ckpts.latest() if resume else 0
+        if info.rank == 0 and not start:  # a resumed run records its config once its checkpoint has loaded
+            _write_config(run_dir, cfg)
         if start and info.rank == 0:
             disk_space.check_room_to_resume(ckpts, TMP)
         _say(info, f"run directory: {run_dir}")
@@ -210,6 +213,8 @@ class Run:
         if start:
             start, _ = ckpts.load_newest(start, ctx)  # one refused for unsafe content falls back to the one before
             _say(info, f"resumed from {ckpts.root / ckpts.name(start)}")
+            if info.rank == 0:
+                _write_config(run_dir, cfg)
         if roles is not None:  # the engines live on their own ranks: build them from this version
             from moe_gspo.train.separate import RemoteRollouts
 
@@ -349,6 +354,13 @@ class Run:
         self.rollouts.close()
 
 
+def _write_config(run_dir: Path, cfg: Config) -> None:
+    """RUN_DIR/config.yaml, written whole or not at all (a temporary file renamed over it)."""
+    tmp = run_dir / ".config.yaml.tmp"
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(run_dir / "config.yaml")
+
+
 def _check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to start a fresh run over a previous one unless told to continue it or to replace it, and a run
     directory this process cannot write."""
@@ -357,6 +369,31 @@ def _check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
         raise ConfigError(f"run directory {run_dir} holds a previous run ({', '.join(held)}): pass --resume to "
                           f"continue it or --overwrite to replace it (or choose another --out / train.out_dir)")
     writable_dir(run_dir, "run directory")
+
+
+def check_resume_fits(cfg: Config, run_dir: Path) -> None:
+    """Refuse a resume whose model differs from the one the run's checkpoints hold, before anything in the run
+    directory changes: the run's config.yaml against `cfg`, field by field over the architecture (and the
+    parameters' dtype), naming each difference. A run without config.yaml or checkpoints has nothing to fit."""
+    from moe_gspo.config.model import ARCHITECTURE
+
+    recorded = run_dir / "config.yaml"
+    if not recorded.is_file() or not Checkpoints(run_dir / "checkpoints").latest():
+        return
+    try:
+        before = (yaml.safe_load(recorded.read_text()) or {}).get("model") or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{recorded}: invalid YAML ({str(e).splitlines()[0]}); the run's record of its config "
+                          "is damaged") from None
+    now = to_dict(cfg)["model"]
+    keys = [k for k in (*ARCHITECTURE, "params_dtype") if k in before and before[k] != now.get(k)]
+    if keys:
+        diffs = ", ".join(f"model.{k}={before[k]!r} in the run, {now.get(k)!r} now" for k in keys[:6])
+        hint = (f"; the run was trained from model.init_from={before['init_from']}"
+                if before.get("init_from") and before.get("init_from") != now.get("init_from") else "")
+        raise ConfigError(f"--resume: {run_dir}'s checkpoints hold another model than this config: {diffs}"
+                          f"{', ...' if len(keys) > 6 else ''}{hint} (resume with --config {recorded}, or the "
+                          "same overrides as the run); nothing in the run directory was changed")
 
 
 def writable_dir(path: Path, what: str) -> None:

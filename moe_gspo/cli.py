@@ -227,10 +227,23 @@ def _preflight(command: list[str]):
     return None
 
 
+LAUNCH_HELP = """usage: moe-gspo launch [torchrun options] -- COMMAND [args]
+
+Run a moe-gspo COMMAND (train, train-lm, compare, ...) on torchrun's ranks, in this process's torchrun. The options
+before `--` are torchrun's (--nproc-per-node, --nnodes, --node-rank, --master-addr, --master-port,
+--max-restarts, ...). A user error on any rank ends the job in one line naming that rank, exit code 2.
+
+  moe-gspo launch --nproc-per-node 2 -- train --config configs/train_tiny_cpu.yaml parallel.tp=2
+  scripts/launch.sh sets the torchrun options from NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE."""
+
+
 def _launch(args) -> int:
     from moe_gspo.parallel.launch import launch
 
     rest = list(args.rest)
+    if rest[: rest.index("--") if "--" in rest else len(rest)] in (["-h"], ["--help"]):
+        print(LAUNCH_HELP)
+        return 0
     if "--" not in rest or rest.index("--") == len(rest) - 1:
         raise UserError("launch needs a command after `--`: moe-gspo launch [torchrun options] -- COMMAND [args]")
     cut = rest.index("--")
@@ -365,8 +378,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with `a.b=value` overrides taken wherever they stand (after an option too, as in
+    `train --config X a.b=1 --out D c.d=2`), in the order given."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "launch":  # launch hands everything to torchrun and the command
+        args.rest = list(args.rest) + extra
+        extra = []
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.parse_args(argv)  # argparse's own message for what it does not know, exit 2
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return int(args.func(args) or 0)
     except UserError as e:  # anything else is a bug here and keeps its traceback

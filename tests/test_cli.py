@@ -56,3 +56,27 @@ def test_bad_override_is_one_clear_error():
     assert r.returncode == 2
     assert "unknown config key 'train.nope'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_overrides_are_taken_anywhere_on_the_line(tmp_path):
+    """`a.b=value` after an option is an override like one before it, in the order given; an unknown option is still
+    argparse's error. The run's config.yaml shows both overrides applied."""
+    import yaml
+
+    from moe_gspo.cli import parse
+
+    a = parse(["train", "--config", "c.yaml", "train.steps=1", "--out", "runs/a", "train.seed=1", "--resume"])
+    assert (a.overrides, a.out, a.resume) == (["train.steps=1", "train.seed=1"], "runs/a", True)
+    r = run("train-lm", "--config", "configs/tiny_cpu.yaml", "train.steps=1", "--bogus")
+    assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr
+    r = run("train", "--config", "configs/train_tiny_cpu.yaml", "model.hidden_size=32", "train.steps=1",
+            "--out", str(tmp_path / "run"), "train.seed=7", "train.cold_start_steps=0", "logging.progress=false")
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert (cfg["train"]["seed"], cfg["train"]["steps"], cfg["model"]["hidden_size"]) == (7, 1, 32)
+
+
+def test_launch_help_exits_0():
+    for flag in ("--help", "-h"):
+        r = run("launch", flag)
+        assert r.returncode == 0 and r.stdout.startswith("usage: moe-gspo launch [torchrun options] -- COMMAND"), r

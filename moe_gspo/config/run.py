@@ -343,7 +343,8 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write tensorboard event files in the run directory."""
     progress: bool = True
-    """Show a rich progress bar."""
+    """Show the run's progress: a rich progress bar on a terminal; one plain line per step (step, reward, clip
+    fraction, flip rate, held-out accuracy when evaluated, s/step, eta) when stdout is not a terminal."""
     every: int = 1
     """Log every N steps."""
     profile_step: int = 0

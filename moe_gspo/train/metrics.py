@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -298,14 +299,27 @@ class WandbRun:
         return run
 
 
+def _clock(seconds: float) -> str:
+    """h:mm:ss, as rich's bar shows times."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
 class Progress:
-    """A rich progress bar with the key figures of the last step (rank 0, when enabled)."""
+    """Rank 0's view of the run's progress, when enabled: on a terminal, a rich progress bar with the key figures of
+    the last step; otherwise (stdout in a file, as under nohup or a batch queue) one plain line per step, flushed,
+    which a log tail shows as it comes."""
 
-    KEYS = (("reward", "reward/mean"), ("clip", "pg_clipfrac"), ("flip", "moe/flip_rate"), ("s/step", "time/step"))
+    KEYS = (("reward", "reward/mean"), ("clip", "pg_clipfrac"), ("flip", "moe/flip_rate"),
+            ("eval", "eval/accuracy"), ("s/step", "time/step"))
 
-    def __init__(self, total: int, start: int, label: str, enabled: bool):
-        self.bar = None
+    def __init__(self, total: int, start: int, label: str, enabled: bool, stream=None):
+        self.bar = self.stream = None
         if not enabled:
+            return
+        stream = stream or sys.stdout
+        if not stream.isatty():
+            self.stream, self.total, self.step, self.label, self.spent = stream, total, start, label, []
             return
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
                                    TimeElapsedColumn, TimeRemainingColumn)
@@ -317,10 +331,17 @@ class Progress:
         self.task = self.bar.add_task(label, total=total, completed=start, info="")
 
     def update(self, m: dict[str, float]) -> None:
-        if self.bar is None:
-            return
         info = "  ".join(f"{name} {m[k]:.3g}" for name, k in self.KEYS if k in m)
-        self.bar.update(self.task, advance=1, info=info)
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, info=info)
+        elif self.stream is not None:
+            self.step += 1
+            if "time/step" in m:
+                self.spent.append(m["time/step"])
+            left = self.total - self.step
+            eta = sum(self.spent) / len(self.spent) * left if self.spent else 0.0
+            print(f"{self.label} step {self.step}/{self.total}  {info}  eta {_clock(eta)}", file=self.stream,
+                  flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

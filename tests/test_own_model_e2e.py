@@ -222,3 +222,39 @@ def test_a_resume_that_does_not_fit_changes_nothing_in_the_run(ckpt, tmp_path, c
     after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     assert after == before
     assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+
+
+QWEN_LIKE = ("{% for m in messages %}{% if m.role == 'system' %}<|im_start|>system\n{{ m.content }}<|im_end|>\n"
+             "{% elif m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+             "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_role_the_template_drops_is_named_at_load(ckpt, tmp_path, capsys, monkeypatch):
+    """A template that renders system, user and assistant only (as Qwen's do) would show the model nothing of a
+    'human' message: refused before anything is built, naming the file, line and role; the roles it renders run."""
+    import shutil
+
+    from moe_gspo.cli import main
+
+    monkeypatch.chdir(ROOT)
+    own = tmp_path / "ckpt"
+    shutil.copytree(ckpt, own)
+    (own / "chat_template.jinja").write_text(QWEN_LIKE)
+    data = tmp_path / "chat.jsonl"
+    rows = [[{"role": "user", "content": "1+1="}], [{"role": "system", "content": "Be brief."},
+                                                   {"role": "human", "content": "2+2="}]]
+    data.write_text("".join(json.dumps({"prompt": r, "answer": "2"}) + "\n" for r in rows))
+    argv = ["train", "--config", "configs/train_tiny_cpu.yaml", f"model.init_from={own}", "rollout.task=dataset",
+            "rollout.task_args=", f"rollout.dataset_path={data}", "rollout.reward=exact", "train.steps=1",
+            "train.cold_start_steps=0", "rollout.prompts_per_step=2", "rollout.group_size=2", "train.minibatches=1",
+            "rollout.max_new_tokens=2", "logging.progress=false", "logging.tensorboard=false", "--out",
+            str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"moe-gspo train: error: {data}:2: message 1 has role 'human', which the chat template drops: the "
+                   "template renders nothing of its messages (roles in the data: human, system, user); use the roles "
+                   "the template renders (system, user, assistant)"], err
+    assert not (tmp_path / "run").exists()
+    data.write_text("".join(json.dumps({"prompt": r, "answer": "2"}) + "\n" for r in rows[:1] * 2))
+    assert main(argv) == 0

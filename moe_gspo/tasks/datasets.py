@@ -137,12 +137,18 @@ def _files(path: Path, fmt: str | None) -> list[tuple[Path, str]]:
 
 
 def load_examples(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer",
-                  demonstration_field: str | None = None, fmt: str | None = None) -> list[Example]:
-    """Every row of a data set file (or folder of parquet shards) as Examples; fmt overrides the suffix."""
+                  demonstration_field: str | None = None, fmt: str | None = None,
+                  wheres: list[str] | None = None) -> list[Example]:
+    """Every row of a data set file (or folder of parquet shards) as Examples; fmt overrides the suffix. `wheres`,
+    when given, receives each row's place (file and line or row), in the same order."""
     path = Path(path)
     readers = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet}
-    out = [_row_to_example(row, where, prompt_field, answer_field, demonstration_field)
-           for f, kind in _files(path, fmt) for where, row in readers[kind](f)]
+    out = []
+    for f, kind in _files(path, fmt):
+        for where, row in readers[kind](f):
+            out.append(_row_to_example(row, where, prompt_field, answer_field, demonstration_field))
+            if wheres is not None:
+                wheres.append(where)
     if not out:
         raise DatasetError(f"{path}: no rows")
     return out
@@ -159,9 +165,11 @@ class DatasetTask(Task):
                  heldout_fraction: float = 0.0, eval_path: str | Path | None = None):
         from moe_gspo.rewards import load_reward
 
-        self.rows = load_examples(path, prompt_field, answer_field, demonstration_field, fmt)
-        self.eval_rows = (load_examples(eval_path, prompt_field, answer_field, demonstration_field)
-                          if eval_path is not None else [])
+        self.wheres: list[str] = []  # each row's file and line (or row), for errors found after loading
+        self.eval_wheres: list[str] = []
+        self.rows = load_examples(path, prompt_field, answer_field, demonstration_field, fmt, self.wheres)
+        self.eval_rows = (load_examples(eval_path, prompt_field, answer_field, demonstration_field,
+                                        wheres=self.eval_wheres) if eval_path is not None else [])
         self.reward_fn = load_reward(reward)
         self.heldout_fraction = heldout_fraction
         self.has_demonstrations = any(ex.demonstration is not None for ex in self.rows)

@@ -48,3 +48,30 @@ def encode_prompt(tok, example: Example, chat_template: str = "auto", template_k
         raise ConfigError(f"the tokenizer's chat template failed on the prompt {example.prompt[:60]!r} with "
                           f"rollout.chat_template_kwargs={template_kwargs or {}}: {type(e).__name__}: "
                           f"{' '.join(str(e).split())}") from None
+
+
+def unrendered_roles(tok, roles) -> dict[str, str]:
+    """{role: why} for each chat role in `roles` that the tokenizer's chat template leaves out of what it renders
+    (a message whose content does not appear) or refuses. Each role is probed in a short conversation (after a user
+    message, a system message before one); a template that raises on the probe of a standard role (system, user,
+    assistant: some insist on their own order) is given the benefit of the doubt. Needs a transformers tokenizer
+    (the character tokenizer's template renders every role)."""
+    hf = getattr(tok, "tok", None)
+    if hf is None or not getattr(hf, "chat_template", None):
+        return {}
+    mark = "moe-gspo role probe 7f3a"
+    out = {}
+    for role in sorted(set(roles)):
+        probe = {"role": role, "content": mark}
+        conv = ([probe] if role == "user" else [probe, {"role": "user", "content": "q"}] if role == "system"
+                else [{"role": "user", "content": "q"}, probe])
+        try:
+            text = hf.apply_chat_template(conv, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - jinja's raise_exception and others
+            if role not in ("system", "user", "assistant"):
+                out[role] = f"the template refuses it ({type(e).__name__}: {' '.join(str(e).split())[:80]})"
+            continue
+        if mark not in text:
+            out[role] = "the template renders nothing of its messages"
+    return out
+

@@ -172,6 +172,28 @@ def check_prompts(cfg: Config, task: Task, tok) -> None:
     first_chat = next((ex for ex in rows if ex.messages is not None), None)
     for ex in rows[:1] + ([first_chat] if first_chat is not None else []):
         check_chat_template(tok, ex, cfg.rollout.chat_template)
+    check_roles(task, tok)
+
+
+def check_roles(task: Task, tok) -> None:
+    """ConfigError naming the file, row and role of the first chat message, train or eval, whose role the chat
+    template would drop or refuse: a model that never sees part of its prompt trains on a silently different task."""
+    from moe_gspo.tasks.prompts import unrendered_roles
+
+    sets = [(getattr(task, "rows", []), getattr(task, "wheres", [])),
+            (getattr(task, "eval_rows", []), getattr(task, "eval_wheres", []))]
+    roles = {m["role"] for rows, _ in sets for ex in rows if ex.messages for m in ex.messages}
+    bad = unrendered_roles(tok, roles) if roles else {}
+    if not bad:
+        return
+    for rows, wheres in sets:
+        for i, ex in enumerate(rows):
+            for j, m in enumerate(ex.messages or []):
+                if m["role"] in bad:
+                    where = wheres[i] if i < len(wheres) else f"row {i + 1}"
+                    raise ConfigError(f"{where}: message {j} has role {m['role']!r}, which the chat template drops: "
+                                      f"{bad[m['role']]} (roles in the data: {', '.join(sorted(roles))}); use the "
+                                      "roles the template renders (system, user, assistant)")
 
 
 def cold_start_plan(cfg: Config, task: Task, has_init_state: bool) -> tuple[int, str | None]:

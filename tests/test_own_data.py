@@ -146,6 +146,28 @@ def test_prompt_longer_than_context_names_it(ckpt):
         encode_prompts(ex, CharTokenizer(), cfg.rollout, cfg.model.max_position_embeddings)
 
 
+def test_overlong_rows_are_dropped_at_load_when_asked(tmp_path, capsys):
+    """rollout.overlong_prompts=drop: the rows too long for the context leave the train and eval sets before any
+    step, one line counts them; the rest stay in order."""
+    from moe_gspo.train.data import check_prompts
+
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+" * 40 + "1=", "answer": "41"},
+            {"prompt": "2+2=", "answer": "4"}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(TINY, ["rollout.task=dataset", "rollout.task_args=", f"rollout.dataset_path={data}",
+                             f"rollout.eval_dataset_path={data}", "rollout.overlong_prompts=drop"])
+    task = task_from_config(cfg.rollout)
+    check_prompts(cfg, task, CharTokenizer())
+    assert [ex.prompt for ex in task.rows] == ["1+1=", "2+2="] == [ex.prompt for ex in task.eval_rows]
+    assert task.wheres == [f"{data}:1", f"{data}:3"]
+    err = capsys.readouterr().err
+    assert "train data: 1 of 3 rows dropped, their prompts longer than 60 tokens" in err and "eval data: 1 of 3" in err
+    with pytest.raises(ConfigError, match=f"{data}:2: the prompt has 83 tokens"):
+        check_prompts(load_config(TINY, ["rollout.task=dataset", "rollout.task_args=", f"rollout.dataset_path={data}"]),
+                      task_from_config(cfg.rollout), CharTokenizer())
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["rollout.task=dataset"], "rollout.task='dataset' needs rollout.dataset_path"),
     (["rollout.task=dataset", f"rollout.dataset_path={TRL}"], "rollout.task_args='max_digits=1,num_operands=3' holds"),

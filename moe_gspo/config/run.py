@@ -110,6 +110,10 @@ class RolloutConfig:
     """Difficulty knobs of a built-in task as 'key=value,key=value' (e.g. 'max_digits=1,num_operands=3')."""
     bad_reward: str = "error"
     """A NaN/inf or failed reward: 'error' (stop, naming the sample) or 'skip' (drop the sample, count it)."""
+    overlong_prompts: str = "error"
+    """A data set row whose templated prompt leaves no room for rollout.max_new_tokens within the context, found
+    when the data load (every train and eval row is encoded then, as verl's filter_overlong_prompts does): 'error'
+    (stop, naming the file, line and its length) or 'drop' (leave it out, and say how many were)."""
 
     def __post_init__(self):
         positive(self, "prompts_per_step", "group_size", "max_new_tokens", "eval_samples")
@@ -118,6 +122,7 @@ class RolloutConfig:
         choice(self, "chat_template", ("auto", "always", "none"))
         self._check_data()
         choice(self, "bad_reward", ("error", "skip"))
+        choice(self, "overlong_prompts", ("error", "drop"))
         choice(self, "engine_dtype", ("float32", "bfloat16", "float16"))
         positive(self, "engine_tp")
         if not 0 < self.engine_gpu_memory < 1:

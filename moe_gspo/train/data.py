@@ -6,6 +6,7 @@ sampler state, and `data_position` in a checkpoint is just the next step.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -173,6 +174,38 @@ def check_prompts(cfg: Config, task: Task, tok) -> None:
     for ex in rows[:1] + ([first_chat] if first_chat is not None else []):
         check_chat_template(tok, ex, cfg.rollout.chat_template)
     check_roles(task, tok)
+    check_lengths(cfg, task, tok)
+
+
+def check_lengths(cfg: Config, task: Task, tok) -> None:
+    """Every train and eval row of a data set encoded once: one whose prompt ids + rollout.max_new_tokens exceed the
+    context is an error naming its file and line, or (rollout.overlong_prompts='drop') is left out, with one line
+    saying how many were. An empty train or eval set after dropping is an error."""
+    rc, context = cfg.rollout, cfg.model.max_position_embeddings
+    room = context - rc.max_new_tokens
+    for rows_name, wheres_name, what in (("rows", "wheres", "train"), ("eval_rows", "eval_wheres", "eval")):
+        rows, wheres = getattr(task, rows_name, None), getattr(task, wheres_name, None)
+        if not rows or wheres is None:
+            continue
+        keep = []
+        for i, ex in enumerate(rows):
+            n = len(encode_prompt(tok, ex, rc.chat_template, rc.chat_template_kwargs))
+            if n <= room:
+                keep.append(i)
+            elif rc.overlong_prompts == "error":
+                raise ConfigError(f"{wheres[i]}: the prompt has {n} tokens; with rollout.max_new_tokens="
+                                  f"{rc.max_new_tokens} it exceeds the context model.max_position_embeddings={context} "
+                                  "(rollout.overlong_prompts=drop leaves such rows out)")
+        if len(keep) < len(rows):
+            if not keep:
+                raise ConfigError(f"rollout.overlong_prompts=drop left no {what} rows: every prompt is longer than "
+                                  f"{room} tokens (model.max_position_embeddings={context} - rollout.max_new_tokens="
+                                  f"{rc.max_new_tokens})")
+            if world_rank() == 0:
+                print(f"{what} data: {len(rows) - len(keep)} of {len(rows)} rows dropped, their prompts longer than "
+                      f"{room} tokens (rollout.overlong_prompts=drop)", file=sys.stderr, flush=True)
+            setattr(task, rows_name, [rows[i] for i in keep])
+            setattr(task, wheres_name, [wheres[i] for i in keep])
 
 
 def check_roles(task: Task, tok) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -117,6 +118,7 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, over)
     with tempfile.TemporaryDirectory() as tmp:
         phases, pb, run = rl_steps(cfg, Path(tmp) / "run", args.steps)
+        peak_rl = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux reports KiB)
         policy, optim = run.policy, run.ctx.optim
         micro = cfg.train.micro_batch_size
         batches = micro_batches(pb, micro)
@@ -147,6 +149,7 @@ def main(argv=None) -> int:
               "cpu": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "steps": phases, "phase_median": phase,
               "isolated": rows, "isolated_median": med, "micro_batch_size": micro,
               "responses": phases[0]["responses"], "tokens": phases[0]["tokens"],
+              "peak_rss_gib_rl_steps": peak_rl,
               "training_phase_vs_isolated": isolated / phase["train"],
               "policy_vs_transformers_fwd_bwd": med["transformers fwd+bwd"] / med["policy fwd+bwd"]}
     print(f"\n{result['responses']} responses, {result['tokens']} tokens a step, micro-batches of {micro} rows, "
@@ -157,6 +160,7 @@ def main(argv=None) -> int:
     print(f"{'isolated (median)':32s} {'s':>8s}")
     for k, v in med.items():
         print(f"{k:32s} {v:8.2f}")
+    print(f"peak resident memory of the process through the RL steps: {peak_rl:.2f} GiB")
     print(f"training phase at {result['training_phase_vs_isolated']:.2f} of isolated fwd+bwd + optimizer; policy "
           f"fwd+bwd {result['policy_vs_transformers_fwd_bwd']:.2f}x transformers'")
     if args.json:

@@ -169,6 +169,21 @@ def test_trl_reward_gets_prompts_completions_and_columns_once_per_batch(tmp_path
         score_responses(only, ["x"], [Example("q", "a", {"topic": "t"})])
 
 
+def test_an_installed_modules_function_trls_own_accuracy_reward():
+    """`package.module:function`: TRL's accuracy_reward, whose file uses relative imports, on chat prompts with a
+    `solution` column, scored by math-verify inside TRL; a module or name that is not there is one line."""
+    pytest.importorskip("trl", reason="trl is not installed (the bench extra)")
+    fn = load_reward("trl.rewards:accuracy_reward")
+    exs = [Example("user: 2+2?", "4", {"solution": "$4$"}, messages=chat("2+2?")),
+           Example("user: 3+3?", "6", {"solution": "$6$"}, messages=chat("3+3?"))]
+    res = score_responses(fn, ["So it is $\\boxed{4}$.", "So it is $\\boxed{5}$."], exs)
+    assert res.rewards.tolist() == [1.0, 0.0]
+    with pytest.raises(ConfigError, match="cannot import module 'trl.nosuch'"):
+        load_reward("trl.nosuch:accuracy_reward")
+    with pytest.raises(ConfigError, match="module trl.rewards has no 'nosuch'"):
+        load_reward("trl.rewards:nosuch")
+
+
 def test_none_nan_and_inf_are_nan_rewards_left_to_bad_reward(tmp_path):
     trl = load_reward(write(tmp_path, "trl_rm.py", TRL) + ":reward")
     res = score_responses(trl, ["a", "skip"], [Example("q", "a")] * 2, warn=False)
@@ -262,7 +277,7 @@ def test_a_builtin_reward_that_raises_is_still_a_failed_sample_but_a_user_error_
 
 @pytest.mark.parametrize("spec,message", [
     ("nosuch", r"rollout.reward='nosuch' is neither a built-in reward \['boxed', 'countdown', 'exact', 'gsm8k', "
-               r"'math'\] nor path/to/file.py:function"),
+               r"'last_number', 'math'\] nor path/to/file.py:function"),
     ("{tmp}/sig_rm.py", r"rollout.reward='.*/sig_rm.py' names no function: "
                         r"write rollout.reward=.*sig_rm.py:<function>"),
     ("{tmp}/sig_rm.txt:score", r"'.*/sig_rm.txt' is not a Python file \(.py\)"),

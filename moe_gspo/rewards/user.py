@@ -278,9 +278,29 @@ def _import_file(path: str, shown: str, field: str):
     return module
 
 
+def _from_module(module_name: str, name: str, field: str):
+    """`name` from an importable module (TRL's `trl.rewards:accuracy_reward`, whose relative imports rule out loading
+    its file alone), wrapped as a UserReward."""
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{field}: cannot import module {module_name!r} ({_one_line(e)}); expected "
+                          "'package.module:function' of an installed module or 'path/to/file.py:function'") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ConfigError(f"{field}: module {module_name} has no {name!r}")
+    if not callable(fn):
+        raise ConfigError(f"{field}: {module_name}:{name} is {_describe(fn)}, not a function")
+    path = os.path.realpath(getattr(module, "__file__", None) or module_name)
+    return _wrap(fn, name, f"{module_name}:{name}", path, field)
+
+
 def load_reward(spec: str, field: str = "rollout.reward"):
-    """The reward function `spec` names: a built-in (REWARD_FNS), or `path/to/file.py:function` wrapped as a
-    UserReward (a relative path is relative to the working directory; the file is imported, running its code).
+    """The reward function `spec` names: a built-in (REWARD_FNS), `path/to/file.py:function` wrapped as a
+    UserReward (a relative path is relative to the working directory; the file is imported, running its code), or
+    `package.module:function` of an installed module.
     Any problem raises a one-line ConfigError naming `field` and the file."""
     from moe_gspo.rewards.builtin import REWARD_FNS, get_reward_fn
 
@@ -293,7 +313,10 @@ def load_reward(spec: str, field: str = "rollout.reward"):
         raise ConfigError(f"{field}={spec!r} is neither a built-in reward {sorted(REWARD_FNS)} nor "
                           f"path/to/file.py:function")
     if not file.endswith(".py"):
-        raise ConfigError(f"{field}={spec!r}: {file!r} is not a Python file (.py); expected path/to/file.py:function")
+        if not Path(file).exists() and all(part.isidentifier() for part in file.split(".")) and name.isidentifier():
+            return _from_module(file, name, field)
+        raise ConfigError(f"{field}={spec!r}: {file!r} is not a Python file (.py); expected "
+                          "'path/to/file.py:function' (or 'package.module:function' of an installed module)")
     if not name.isidentifier():
         raise ConfigError(f"{field}={spec!r}: {name!r} is not a function name; expected path/to/file.py:function")
     given = Path(file).expanduser()

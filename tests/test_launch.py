@@ -106,7 +106,7 @@ def test_an_error_every_rank_hits_is_one_line(tmp_path):
 
 def test_an_error_only_rank_1_hits_names_rank_1(tmp_path):
     """Each data-parallel rank draws its own cold-start demonstrations: with train.seed=0 rank 0's first one is the
-    short row and rank 1's the long one, longer than the context. Rank 1 stops before its forward while rank 0
+    short row and rank 1's the long one, whose prompt fits the context and whose demonstration does not. Rank 1 stops before its forward while rank 0
     waits for it in the gradient all-reduce; the job ends in one line naming rank 1, and rank 0's failure once rank
     1 has left adds nothing."""
     from helpers import TINY
@@ -117,12 +117,12 @@ def test_an_error_only_rank_1_hits_names_rank_1(tmp_path):
                     + json.dumps({"prompt": long_prompt, "answer": "31"}) + "\n")
     r = _launch_sh(["train", "--config", "configs/train_tiny_cpu.yaml", *TINY, "train.seed=0", "rollout.task=jsonl",
                     "rollout.task_args=", f"rollout.dataset_path={data}", "rollout.demonstration_field=answer",
-                    "model.max_position_embeddings=32", "train.cold_start_batch_size=2", "--out",
-                    str(tmp_path / "run")], ROOT)
+                    "model.max_position_embeddings=64", "rollout.max_new_tokens=1", "train.cold_start_batch_size=2",
+                    "--out", str(tmp_path / "run")], ROOT)
     assert r.returncode == 2, r.stderr[-4000:]
     assert _error_lines(r) == [f"moe-gspo train: error: rank 1: cold start: demonstration {long_prompt[:40]!r}... "
                                "has 66 tokens (bos + prompt + completion + eos), more than the context "
-                               "model.max_position_embeddings=32"], r.stderr[-4000:]
+                               "model.max_position_embeddings=64"], r.stderr[-4000:]
 
 
 def test_the_job_line_names_a_rank_only_when_the_ranks_disagree():

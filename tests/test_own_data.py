@@ -252,3 +252,21 @@ def test_chat_prompts_need_a_template(ckpt):
     assert encode_prompt(tok, string_ex, "auto") == tok.encode(string_ex.prompt)  # strings need none
     with pytest.raises(ConfigError, match="rollout.chat_template='always' wraps as a user message"):
         encode_prompt(tok, string_ex, "always")
+
+
+def test_data_set_rows_come_by_epochs_the_same_over_any_number_of_ranks(tmp_path):
+    """Each row once per epoch, in an order drawn per epoch from the seed; data-parallel ranks split each step's
+    rows of that stream; the same seed and step give the same rows (a resume draws what the run would have)."""
+    from moe_gspo.train.data import step_examples
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+0=", "answer": str(i)}) + "\n" for i in range(10)))
+    cfg = load_config(TINY, ["rollout.task=dataset", "rollout.task_args=", f"rollout.dataset_path={data}"])
+    task = task_from_config(cfg.rollout)
+    one = [ex.answer for s in range(5) for ex in step_examples(task, 3, s, 0, 4)]
+    assert sorted(one[:10]) == sorted(one[10:20]) == [str(i) for i in range(10)]  # every row once per epoch
+    assert one[:10] != one[10:20]  # each epoch in an order of its own
+    two = [ex.answer for s in range(5) for r in range(2) for ex in step_examples(task, 3, s, r, 2, dp=2)]
+    assert two == one
+    assert [ex.answer for ex in step_examples(task_from_config(cfg.rollout), 3, 2, 0, 4)] == one[8:12]
+    assert [ex.answer for ex in step_examples(task, 4, 0, 0, 10)] != one[:10]  # another seed, another order

@@ -19,7 +19,7 @@ import random
 from pathlib import Path
 
 from moe_gspo.config import UserError
-from moe_gspo.tasks.base import Example, Task
+from moe_gspo.tasks.base import Example, Task, in_heldout
 
 FORMATS = ("jsonl", "json", "parquet")
 
@@ -176,6 +176,36 @@ class DatasetTask(Task):
 
     def _draw(self, rng: random.Random) -> Example:
         return self.rows[rng.randrange(len(self.rows))]
+
+    def epoch_examples(self, start: int, n: int, seed: int) -> list[Example]:
+        """The training rows at positions start .. start+n-1 of the seed's stream of epochs: each epoch is the
+        train rows in an order of its own (drawn from the seed and the epoch), so every row is seen once per epoch,
+        as a shuffling data loader gives them. Rows held out by heldout_fraction are not in it."""
+        pool = self._pool()
+        out = []
+        for g in range(start, start + n):
+            epoch, i = divmod(g, len(pool))
+            out.append(pool[self._order(seed, epoch)[i]])
+        return out
+
+    def _pool(self) -> list[Example]:
+        if getattr(self, "_pool_rows", None) is None or self._pool_of is not self.rows:
+            rows = self.rows if not self.heldout_fraction else [
+                ex for ex in self.rows if not in_heldout(ex.prompt, self.heldout_fraction)]
+            if not rows:
+                raise DatasetError(f"every training row is held out (heldout_fraction={self.heldout_fraction})")
+            self._pool_rows, self._pool_of, self._orders = rows, self.rows, {}
+        return self._pool_rows
+
+    def _order(self, seed: int, epoch: int) -> list[int]:
+        key = (seed, epoch)
+        if key not in self._orders:
+            if len(self._orders) > 4:  # steps walk forward: the newest epochs are the ones asked for
+                self._orders.pop(next(iter(self._orders)))
+            order = list(range(len(self._pool_rows)))
+            random.Random(f"moe-gspo epoch {seed} {epoch}").shuffle(order)
+            self._orders[key] = order
+        return self._orders[key]
 
     def sample(self, rng: random.Random, split: str = "train") -> Example:
         if split == "test" and self.eval_rows:

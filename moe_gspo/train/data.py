@@ -96,8 +96,12 @@ def check_names(cfg: Config, world: int | None = None) -> None:
                           f"algorithm.advantage={cfg.algorithm.advantage!r} are 0 for a group of one; use >= 2")
 
 
-def step_examples(task: Task, seed: int, step: int, dp_rank: int, n: int) -> list[Example]:
-    """The n training prompts of `step` on data-parallel rank `dp_rank` (deterministic)."""
+def step_examples(task: Task, seed: int, step: int, dp_rank: int, n: int, dp: int = 1) -> list[Example]:
+    """The n training prompts of `step` on data-parallel rank `dp_rank` of `dp` (deterministic). A data set's rows
+    come by epochs (each row once per epoch, in an order drawn per epoch): the step's dp x n rows are the next in
+    that stream, rank by rank. A generated task draws fresh examples."""
+    if hasattr(task, "epoch_examples"):
+        return task.epoch_examples((step * dp + dp_rank) * n, n, seed)
     return task.examples(n, seed=hash_seed(seed, step, dp_rank), split="train")
 
 
@@ -159,7 +163,7 @@ def handle_bad_rewards(rewards: torch.Tensor, errors: list, examples: list[Examp
 def step_prompts(cfg: Config, task: Task, tok, layout: Layout, step: int, dp_rank: int):
     """(examples, prompt ids, SamplingParams) of data-parallel rank dp_rank at this step: a function of the seed,
     the step and dp_rank only, so any rank (an engine replica, an engine rank) can build the prompts it samples."""
-    examples = step_examples(task, cfg.train.seed, step, dp_rank, layout.prompts_local)
+    examples = step_examples(task, cfg.train.seed, step, dp_rank, layout.prompts_local, layout.dp)
     prompts = encode_prompts(examples, tok, cfg.rollout, cfg.model.max_position_embeddings)
     return examples, prompts, sampling_params(cfg, tok, hash_seed(cfg.train.seed, step, dp_rank, 1) % 2**31)
 

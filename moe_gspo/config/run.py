@@ -53,10 +53,11 @@ class RolloutConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3's."""
     reward: str | None = None
-    """The reward: a built-in name ('math', 'exact', 'gsm8k', 'boxed', 'countdown') or 'path/to/file.py:function',
-    a function of the user's with verl's signature (data_source, solution_str, ground_truth, extra_info) or TRL's
-    (prompts, completions, **columns); None: the task's own (exact or countdown for the built-in tasks, 'math' for
-    a data set)."""
+    """The reward: a built-in name ('math', 'exact', 'gsm8k', 'boxed', 'last_number', 'countdown'),
+    'path/to/file.py:function' or 'package.module:function' (an installed module's, e.g. TRL's
+    'trl.rewards:accuracy_reward'): a function with verl's signature (data_source, solution_str, ground_truth,
+    extra_info) or TRL's (prompts, completions, **columns); None: the task's own (exact or countdown for the
+    built-in tasks, 'math' for a data set)."""
     prompts_per_step: int = 8
     """Prompts per rollout batch."""
     group_size: int = 8
@@ -177,9 +178,16 @@ class RolloutConfig:
                                   "inside one)")
         if self.reward is not None and ":" in self.reward and not self.reward.startswith(":"):
             file = self.reward.rsplit(":", 1)[0]
-            if not file.endswith(".py"):
-                raise ConfigError(f"rollout.reward={self.reward!r}: a reward of your own is 'path/to/file.py:function'")
-            if not Path(file).is_file():
+            module = not file.endswith(".py") and not Path(file).exists() and \
+                all(part.isidentifier() for part in file.split("."))
+            if module:
+                import importlib.util
+
+                module = importlib.util.find_spec(file.split(".")[0]) is not None  # an installed package, not imported
+            if not file.endswith(".py") and not module:
+                raise ConfigError(f"rollout.reward={self.reward!r}: a reward of your own is 'path/to/file.py:function' "
+                                  "(or 'package.module:function' of an installed module)")
+            if not module and not Path(file).is_file():
                 raise ConfigError(f"rollout.reward={self.reward!r}: no such file {file} (relative to {Path.cwd()})")
 
 

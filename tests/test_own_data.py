@@ -170,7 +170,8 @@ def test_overlong_rows_are_dropped_at_load_when_asked(tmp_path, capsys):
 
 @pytest.mark.parametrize("overrides,message", [
     (["rollout.task=dataset"], "rollout.task='dataset' needs rollout.dataset_path"),
-    (["rollout.task=dataset", f"rollout.dataset_path={TRL}"], "rollout.task_args='max_digits=1,num_operands=3' holds"),
+    (["rollout.task=dataset", f"rollout.dataset_path={TRL}", "rollout.task_args=max_digits=2"],
+     "rollout.task_args='max_digits=2' holds"),
     (["rollout.prompt_field=question"], "rollout.prompt_field read a data set, but rollout.task='addition'"),
     (["rollout.answer_field=a..b"], "rollout.answer_field"),
     (["rollout.reward=nope.py:f"], "no such file nope.py"),
@@ -187,6 +188,12 @@ def test_overlong_rows_are_dropped_at_load_when_asked(tmp_path, capsys):
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.").replace("[", r"\[")):
         load_config(TINY, overrides)
+
+
+def test_the_files_task_knobs_go_with_the_task_the_command_line_replaced():
+    cfg = load_config(TINY, ["rollout.task=dataset", f"rollout.dataset_path={TRL}"])
+    assert (cfg.rollout.task, cfg.rollout.task_args) == ("dataset", "")
+    assert load_config(TINY, ["rollout.task=addition"]).rollout.task_args == "max_digits=1,num_operands=3"
 
 
 def test_not_a_checkpoint(tmp_path):

@@ -167,6 +167,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data.pop("compare", None)
     from_file = copy.deepcopy(data)
     data = apply_overrides(data, list(overrides or []))
+    given = {o.split("=", 1)[0].strip() for o in overrides or [] if "=" in o}
+    rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
+    before = from_file.get("rollout") if isinstance(from_file.get("rollout"), dict) else {}
+    if "rollout.task" in given and "rollout.task_args" not in given and rollout.get("task") != before.get("task"):
+        rollout.pop("task_args", None)  # the file's knobs were for the task the command line replaced
     try:
         return config_from_dict(data)
     except ConfigError as e:

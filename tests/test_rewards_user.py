@@ -184,6 +184,20 @@ def test_an_installed_modules_function_trls_own_accuracy_reward():
         load_reward("trl.rewards:nosuch")
 
 
+VERL_SCORER = """
+    def compute_score(model_output: str, ground_truth: str, timeout_score: float = 0) -> float:
+        return 1.0 if model_output.strip().endswith(ground_truth) else timeout_score
+"""
+
+
+def test_a_verl_scorer_is_called_as_verls_dispatcher_calls_it(tmp_path):
+    """verl's per-source scorers (math_verify.py's compute_score(model_output, ground_truth), ...) take the response
+    and the ground truth positionally, whatever their names."""
+    fn = load_reward(write(tmp_path, "math_verify.py", VERL_SCORER) + ":compute_score")
+    res = score_responses(fn, ["so 42", "so 41"], [Example("q", "42"), Example("q", "42")])
+    assert res.rewards.tolist() == [1.0, 0.0]
+
+
 def test_none_nan_and_inf_are_nan_rewards_left_to_bad_reward(tmp_path):
     trl = load_reward(write(tmp_path, "trl_rm.py", TRL) + ":reward")
     res = score_responses(trl, ["a", "skip"], [Example("q", "a")] * 2, warn=False)
@@ -288,7 +302,8 @@ def test_a_builtin_reward_that_raises_is_still_a_failed_sample_but_a_user_error_
     ("{tmp}/sig_rm.py:threshold", r"threshold in reward file .*/sig_rm.py is float 0.5, not a function"),
     ("{tmp}/sig_rm.py:two_args", r"two_args in reward file .*/sig_rm.py: signature two_args\(x, y\) matches none of "
                                  r"the reward conventions: fn\(data_source, solution_str, ground_truth, "
-                                 r"extra_info=None\); fn\(prompts, completions, \*\*kwargs\); fn\(response, example\)"),
+                                 r"extra_info=None\); fn\(prompts, completions, \*\*kwargs\); fn\(response, example\); "
+                                 r"fn\(solution, ground_truth\) \(verl's scorers\)"),
     ("{tmp}/sig_rm.py:both", r"signature both\(solution_str, completions\) matches several \(verl, trl\)"),
     ("{tmp}/sig_rm.py:extra_required", r"signature extra_required\(.*tokenizer\) cannot be called as "
                                        r"fn\(data_source, solution_str, ground_truth, extra_info=None\): missing a "

@@ -167,6 +167,15 @@ class VerlReward(UserReward):
         return self._each(self._call, texts, examples)
 
 
+class VerlScorerReward(UserReward):
+    """fn(solution, ground_truth, ...), once per response: one of verl's per-source scorers
+    (verl/utils/reward_score/math_verify.py's compute_score(model_output, ground_truth), gsm8k.py's, ...), called
+    positionally as verl's default_compute_score calls them."""
+
+    def score_batch(self, texts, examples):
+        return self._each(lambda text, ex: self.fn(text, ex.answer), texts, examples)
+
+
 class NativeReward(UserReward):
     """fn(response, example), once per response."""
 
@@ -250,8 +259,16 @@ def _wrap(fn, name: str, shown: str, path: str, field: str) -> UserReward:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: cannot read its signature ({e})") from None
-    forms = "; ".join(form for _, _, form in _CONVENTIONS.values())
+    forms = "; ".join(form for _, _, form in _CONVENTIONS.values()) + "; fn(solution, ground_truth) (verl's scorers)"
     hits = [c for c, (names, _, _) in _CONVENTIONS.items() if all(n in sig.parameters for n in names)]
+    positional = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not hits and positional[1:2] == ["ground_truth"]:  # verl's per-source scorers: (solution, ground_truth, ...)
+        try:
+            sig.bind(None, None)
+        except TypeError as e:
+            raise ConfigError(f"{where}: signature {name}{sig} cannot be called as verl calls its scorers, "
+                              f"fn(solution, ground_truth): {e}") from None
+        return VerlScorerReward(fn, name, shown, path, sig)
     if len(hits) != 1:
         which = "matches none" if not hits else f"matches several ({', '.join(hits)})"
         raise ConfigError(f"{where}: signature {name}{sig} {which} of the reward conventions: {forms}")

@@ -285,3 +285,17 @@ def test_fisher_power_matches_a_simulation():
     a, b = rng.binomial(8, 0.5, 4000), rng.binomial(8, 0.125, 4000)
     hits = np.mean([fisher_exact(int(x), 8, int(y), 8) < 0.05 for x, y in zip(a, b)])
     assert fisher_power(0.5, 0.125, 8) == pytest.approx(hits, abs=0.02)
+
+
+@pytest.mark.parametrize("a,b,lo,hi", [((56, 70), (48, 80), 0.0524, 0.3339), ((9, 10), (3, 10), 0.1705, 0.8090),
+                                       ((5, 56), (0, 29), -0.0381, 0.1926)])
+def test_newcombe_matches_newcombe_1998s_table(a, b, lo, hi):
+    """Newcombe (1998), Statistics in Medicine 17:873, Table II, method 10 (score, no continuity correction)."""
+    from moe_gspo.report.stats import newcombe, wilson
+
+    d = newcombe(*a, *b)
+    assert d.mean == pytest.approx(a[0] / a[1] - b[0] / b[1])
+    assert (round(d.lo, 4), round(d.hi, 4)) == (lo, hi)
+    p, (wl, wh) = 48 / 80, wilson(48, 80)  # Wilson's bounds solve |p - p^| = z sqrt(p (1 - p) / n)
+    for bound in (wl, wh):
+        assert abs(p - bound) == pytest.approx(1.959964 * (bound * (1 - bound) / 80) ** 0.5, rel=1e-5)

@@ -89,6 +89,22 @@ def fisher_exact(hits_a: int, n_a: int, hits_b: int, n_b: int) -> float:
     return float(st.fisher_exact([[hits_a, n_a - hits_a], [hits_b, n_b - hits_b]]).pvalue)
 
 
+def wilson(hits: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Wilson's score interval of a proportion hits/n (scipy.stats.binomtest's proportion_ci, method 'wilson')."""
+    ci = st.binomtest(hits, n).proportion_ci(level, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+def newcombe(hits_a: int, n_a: int, hits_b: int, n_b: int, level: float = 0.95) -> Interval:
+    """The difference of two independent proportions hits_a/n_a - hits_b/n_b with Newcombe's hybrid score
+    interval (Newcombe 1998, method 10: each proportion's Wilson interval, combined in quadrature). For the same
+    items measured twice it is conservative (their positive correlation narrows the true interval)."""
+    pa, pb = hits_a / n_a, hits_b / n_b
+    (la, ua), (lb, ub) = wilson(hits_a, n_a, level), wilson(hits_b, n_b, level)
+    d = pa - pb
+    return Interval(d, d - math.hypot(pa - la, ub - pb), d + math.hypot(ua - pa, pb - lb), n_a + n_b, level)
+
+
 def paired_p(diffs: Sequence[float]) -> float | None:
     """Two-sided p-value of the paired t-test that the mean of `diffs` is 0 (scipy.stats.ttest_1samp on the
     per-pair differences, which is ttest_rel on the pairs); None below 2 values or with no spread."""

@@ -14,6 +14,9 @@ that batch's rows, cut into the trainer's micro-batches, are then timed in the s
   same loss: the reference the policy's forward+backward is held to;
 - "optimizer step": the trainer's optimizer step alone (megatron's Adam over all parameters, with clipping).
 
+--trl then runs TRL's GRPOTrainer (model.generate, fp32, AdamW) on the same checkpoint, prompts, reward and batch
+shape (scripts/_rl_bench/trl_side.py's mapping) and reports both sides' phases and the step-time ratio.
+
 The ratio `isolated / training phase` (isolated = policy fwd+bwd + optimizer step, times the minibatches) is the
 training phase's speed relative to its kernels; 1.0 means the RL machinery adds nothing. Each isolated row runs
 --repeats times after one warmup; the table gives medians. Run it on a quiet machine: nothing else beside it.
@@ -34,6 +37,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))  # scripts/_rl_bench: TRL's settings for a moe-gspo config
 
 
 def rl_steps(cfg, run_dir: Path, steps: int):
@@ -100,6 +104,73 @@ def fwd_bwd(forward, params, batches) -> float:
     return dt
 
 
+def trl_steps(cfg, steps: int) -> list[dict]:
+    """TRL's GRPOTrainer on the same checkpoint, the same prompts (the ones moe-gspo's loop draws for steps
+    0..steps-1, chat messages through the checkpoint's template), the same reward and batch shape
+    (scripts/_rl_bench/trl_side.py maps the settings); per-step seconds: the whole step, generation with scoring,
+    the old-log-prob pass, and the rest (training)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from _rl_bench.trl_side import trl_kwargs
+    from moe_gspo.tasks import task_from_config
+    from moe_gspo.train import data
+
+    task = task_from_config(cfg.rollout)
+    P = cfg.rollout.prompts_per_step
+    examples = [ex for s in range(steps) for ex in data.step_examples(task, cfg.train.seed, s, 0, P)]
+
+    def reward(prompts, completions, example_index, **_):
+        texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+        return [float(task.reward_fn(t, examples[i])) for t, i in zip(texts, example_index)]
+
+    dataset = Dataset.from_dict({"prompt": [ex.messages or ex.prompt for ex in examples],
+                                 "example_index": list(range(len(examples)))})
+    tok = AutoTokenizer.from_pretrained(cfg.model.init_from, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.init_from, dtype=torch.float32)
+    marks, out = [], []
+
+    class Boundaries(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step % cfg.train.minibatches == 0:
+                marks.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as d:
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**trl_kwargs(cfg, "grpo", d)),
+                              train_dataset=dataset, processing_class=tok, callbacks=[Boundaries()])
+        gen, logps = trainer._generate_and_score_completions, trainer._get_per_token_logps_and_entropies
+
+        def timed_gen(inputs):
+            out.append({"logprob": 0.0})
+            t0 = time.perf_counter()
+            result = gen(inputs)
+            out[-1]["rollout_and_logprob"] = time.perf_counter() - t0
+            out[-1]["tokens"] = int(result["prompt_mask"].sum() + result["completion_mask"].sum())
+            return result
+
+        def timed_logps(*a, **kw):
+            if torch.is_grad_enabled():
+                return logps(*a, **kw)
+            t0 = time.perf_counter()
+            result = logps(*a, **kw)
+            out[-1]["logprob"] += time.perf_counter() - t0
+            return result
+
+        trainer._generate_and_score_completions, trainer._get_per_token_logps_and_entropies = timed_gen, timed_logps
+        trainer.train()
+    for k, s in enumerate(out):
+        s["step"] = marks[k + 1] - marks[k]
+        s["rollout"] = s.pop("rollout_and_logprob") - s["logprob"]
+        s["train"] = s["step"] - s["rollout"] - s["logprob"]
+        print(f"TRL step {k + 1}: " + ", ".join(f"{key} {v:.2f}" if isinstance(v, float) else f"{key} {v}"
+                                                 for key, v in s.items()), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     from moe_gspo.config import load_config
 
@@ -110,6 +181,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--set", nargs="*", default=[], metavar="a.b=v", help="config overrides")
     p.add_argument("--json", default=None)
+    p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer on the same checkpoint and prompts")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -141,6 +213,12 @@ def main(argv=None) -> int:
             optim.step()
             rows["optimizer step"].append(time.perf_counter() - t0)
         run.close()
+    if torch.distributed.is_initialized():  # TRL's accelerate would take the trainer's process group for its own
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+    trl = trl_steps(cfg, args.steps) if args.trl else None
     med = {k: statistics.median(v[1:]) for k, v in rows.items()}
     measured = phases[1:] or phases  # the first step pays for first-touch allocations and the engine's warmup
     phase = {k: statistics.median(s[k] for s in measured) for k in ("rollout", "logprob", "train", "sync", "step")}
@@ -163,6 +241,15 @@ def main(argv=None) -> int:
     print(f"peak resident memory of the process through the RL steps: {peak_rl:.2f} GiB")
     print(f"training phase at {result['training_phase_vs_isolated']:.2f} of isolated fwd+bwd + optimizer; policy "
           f"fwd+bwd {result['policy_vs_transformers_fwd_bwd']:.2f}x transformers'")
+    if trl:
+        trl_med = {k: statistics.median(s[k] for s in (trl[1:] or trl)) for k in ("rollout", "logprob", "train", "step")}
+        result["trl_steps"], result["trl_phase_median"] = trl, trl_med
+        result["speedup_vs_trl"] = trl_med["step"] / phase["step"]
+        print(f"{'phase (median of steps 2..)':32s} {'moe-gspo':>9s} {'TRL':>9s}")
+        for k in ("rollout", "logprob", "train", "step"):
+            print(f"{k:32s} {phase[k]:9.2f} {trl_med[k]:9.2f}")
+        print(f"RL step {result['speedup_vs_trl']:.2f}x TRL's GRPOTrainer (tokens a step: moe-gspo "
+              f"{phases[-1]['tokens']}, TRL {trl[-1]['tokens']}: each samples its own responses)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

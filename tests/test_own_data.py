@@ -277,3 +277,20 @@ def test_data_set_rows_come_by_epochs_the_same_over_any_number_of_ranks(tmp_path
     assert two == one
     assert [ex.answer for ex in step_examples(task_from_config(cfg.rollout), 3, 2, 0, 4)] == one[8:12]
     assert [ex.answer for ex in step_examples(task, 4, 0, 0, 10)] != one[:10]  # another seed, another order
+
+
+def test_prompts_only_data_with_a_reward_that_needs_no_answer(tmp_path):
+    """rollout.answer_field=null: rows with a prompt and nothing else train with a reward of one's own (TRL's
+    length reward here); the built-in rewards, which compare with an answer, are refused at config load."""
+    from moe_gspo.train.loop import train
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    over = ["rollout.task=dataset", f"rollout.dataset_path={data}", "rollout.answer_field=null",
+            "model.hidden_size=32", "train.steps=1", "train.cold_start_steps=0", "rollout.prompts_per_step=2",
+            "rollout.group_size=4", "train.minibatches=1", "logging.progress=false", "logging.tensorboard=false"]
+    with pytest.raises(ConfigError, match="the built-in reward 'math' compares with one"):
+        load_config(TINY, over)
+    m = train(load_config(TINY, over + ["rollout.reward=examples/rewards/trl_length_reward.py:reward"]),
+              run_dir=tmp_path / "run")
+    assert m["reward/std"] > 0  # the lengths differ: the reward read the completions and nothing else

@@ -31,9 +31,10 @@ class RolloutConfig:
     column, a string or chat messages) are read as they are."""
     prompt_field: str = "prompt"
     """The column holding the prompt: a string, or a list of chat messages ({"role": ..., "content": ...})."""
-    answer_field: str = "answer"
+    answer_field: str | None = "answer"
     """The column holding the gold answer the reward compares with; a dotted path reads inside a column
-    ('reward_model.ground_truth' for verl's rows)."""
+    ('reward_model.ground_truth' for verl's rows). None: a prompts-only data set, for a reward of your own that
+    needs no answer (TRL's length or format rewards); the built-in rewards need one."""
     demonstration_field: str | None = None
     """A column of gold completions for the supervised cold start (train.cold_start_steps); None: the data set has
     no demonstrations and the cold start does not run on it."""
@@ -172,7 +173,13 @@ class RolloutConfig:
             if stray:
                 raise ConfigError(f"{', '.join(stray)} read a data set, but rollout.task={self.task!r} is a built-in "
                                   "task; set rollout.task=dataset")
+        if self.answer_field is None and self.task in self.DATASET_TASKS and (self.reward is None or
+                                                                            ":" not in self.reward):
+            raise ConfigError(f"rollout.answer_field=null (prompts only) needs a reward of your own that reads no "
+                              f"answer; the built-in reward {self.reward or 'math'!r} compares with one")
         for name in ("prompt_field", "answer_field"):
+            if name == "answer_field" and self.answer_field is None:
+                continue
             if not getattr(self, name) or any(not p for p in getattr(self, name).split(".")):
                 raise ConfigError(f"rollout.{name}={getattr(self, name)!r} must name a column (a.b for a field "
                                   "inside one)")

@@ -54,14 +54,16 @@ def _messages(prompt, where: str, field: str) -> list[dict] | None:
     return out
 
 
-def _row_to_example(row, where: str, prompt_field: str, answer_field: str, demo_field: str | None) -> Example:
+def _row_to_example(row, where: str, prompt_field: str, answer_field: str | None, demo_field: str | None
+                    ) -> Example:
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected an object, got {type(row).__name__}")
     schema = f"(declared schema: rollout.prompt_field={prompt_field!r}, rollout.answer_field={answer_field!r})"
     for name in (prompt_field, answer_field):
-        if _lookup(row, name) is None:
+        if name is not None and _lookup(row, name) is None:
             raise DatasetError(f"{where}: missing field {name!r} {schema}; row has {sorted(row)}")
-    prompt, answer = _lookup(row, prompt_field), _lookup(row, answer_field)
+    prompt = _lookup(row, prompt_field)
+    answer = "" if answer_field is None else _lookup(row, answer_field)  # prompts only: no gold answer
     messages = _messages(prompt, where, prompt_field)
     if messages is None and not prompt.strip():
         raise DatasetError(f"{where}: field {prompt_field!r} must be a non-empty string or a list of chat messages; "

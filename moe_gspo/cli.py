@@ -130,6 +130,8 @@ def _train(args) -> int:
     if args.resume and args.overwrite:
         raise UserError("--resume and --overwrite exclude each other")
     cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        return _print_config(cfg)
     if _rank() is not None and not launcher.under_launcher():  # torchrun's SIGTERM after another rank died: one line
         from moe_gspo.train.run_lock import resume_hint
 
@@ -138,6 +140,16 @@ def _train(args) -> int:
     roles, served = split_and_serve(cfg)  # rollout.placement=separate: the job's last engine_ranks ranks only sample
     if not served:
         train(cfg, resume=args.resume, overwrite=args.overwrite, run_dir=args.out, roles=roles)
+    return 0
+
+
+def _print_config(cfg) -> int:
+    """The merged config (the YAML, the overrides, a checkpoint's architecture) as YAML, as a run records it."""
+    import yaml
+
+    from moe_gspo.config import to_dict
+
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     return 0
 
 
@@ -280,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run directory's newest complete checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace a previous run in the run directory")
     t.add_argument("--out", default=None, help="run directory (default: train.out_dir)")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the merged config (YAML, overrides, the checkpoint's architecture) and exit")
     _overrides(t)
     t.set_defaults(func=_train)
 

@@ -80,3 +80,14 @@ def test_launch_help_exits_0():
     for flag in ("--help", "-h"):
         r = run("launch", flag)
         assert r.returncode == 0 and r.stdout.startswith("usage: moe-gspo launch [torchrun options] -- COMMAND"), r
+
+
+def test_print_config_shows_the_merged_config_and_runs_nothing(tmp_path):
+    import yaml
+
+    r = run("train", "--config", "configs/train_tiny_cpu.yaml", "--print-config", "train.steps=3",
+            "--out", str(tmp_path / "run"), "model.hidden_size=32")
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(r.stdout)
+    assert (cfg["train"]["steps"], cfg["model"]["hidden_size"], cfg["rollout"]["task"]) == (3, 32, "addition")
+    assert not (tmp_path / "run").exists()

@@ -117,6 +117,11 @@ def test_verl_data_and_reward_to_export(ckpt, tmp_path, capfd):
     tok = AutoTokenizer.from_pretrained(str(out))
     gen = json.loads((out / "generation_config.json").read_text())
     assert tok.chat_template and gen["eos_token_id"][0] == tok.convert_tokens_to_ids("<|im_end|>")
+    # the tokenizer has no bos (as Qwen's): none is named, and config.json keeps eos and pad as generation does
+    assert "bos_token_id" not in gen and tok.bos_token_id is None
+    config = json.loads((out / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"]) == (gen["eos_token_id"], gen["pad_token_id"])
+    assert config.get("bos_token_id") is None
 
 
 def test_trl_data_and_reward(ckpt, tmp_path, capfd):

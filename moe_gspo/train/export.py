@@ -54,8 +54,10 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, ov
     policy = load_policy(cfg, init_parallel(cfg, one), parallel=one)
     ckpts.load_weights(step, policy)
     config, tensors = policy.export_hf()
+    gen = generation_config(cfg, tok)
+    config.update({k: gen[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if gen.get(k) is not None})
     files = {**tokenizer_files(tok),
-             "generation_config.json": json.dumps(generation_config(cfg, tok), indent=2).encode(),
+             "generation_config.json": json.dumps(gen, indent=2).encode(),
              MARKER: json.dumps({"format": FORMAT, "run": str(run.resolve()), "step": step,
                                  "tokenizer": "hf" if _is_hf(tok) else "char"}, indent=2).encode()}
     return _write(out, config, tensors, files)
@@ -86,7 +88,10 @@ def generation_config(cfg, tok) -> dict:
     """generation_config.json: bos / eos / pad of the tokenizer the run trained with. With the checkpoint's own
     tokenizer, model.init_from's generation_config.json (when it has one) is the base: its sampling defaults and
     eos list are kept, the tokenizer's eos added to the list when missing, bos and pad filled where unset."""
-    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    # a tokenizer without bos (Qwen's) stands its eos in for bos inside this package; an export names no bos then
+    has_bos = getattr(tok, "has_bos", True)
+    ids = {"bos_token_id": tok.bos_id if has_bos else None, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    ids = {k: v for k, v in ids.items() if v is not None}
     src = Path(cfg.model.init_from) / "generation_config.json" if cfg.model.init_from else None
     if not _is_hf(tok) or src is None or not src.is_file():
         return ids
@@ -100,7 +105,7 @@ def generation_config(cfg, tok) -> dict:
         eos.append(tok.eos_id)
     base["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     for k in ("bos_token_id", "pad_token_id"):
-        if base.get(k) is None:
+        if base.get(k) is None and k in ids:
             base[k] = ids[k]
     return base
 

@@ -65,6 +65,7 @@ CASES = [
     ("minibatches do not divide", TRAIN + ["train.minibatches=3", "--out", "{d}/r"], "train.minibatches=3 does not divide"),
     ("dataset without path", TRAIN + ["rollout.task=jsonl", "--out", "{d}/r"], "rollout.task='jsonl' needs rollout.dataset_path"),
     ("dataset file missing", TRAIN + ["rollout.task=jsonl", "rollout.task_args=", "rollout.dataset_path={d}/none.jsonl", "--out", "{d}/r"], "dataset file not found: {d}/none.jsonl"),
+    ("relative dataset path missing", TRAIN + ["rollout.task=jsonl", "rollout.dataset_path=no/such.jsonl", "--out", "{d}/r"], "dataset file not found: no/such.jsonl (a relative path: looked for " + str(ROOT) + "/no/such.jsonl, from the working directory)"),
     ("dataset line not json, the task replaced on the command line", TRAIN + ["rollout.task=jsonl", "rollout.dataset_path={d}/bad.jsonl", "--out", "{d}/r"], "{d}/bad.jsonl:2: invalid JSON"),
     ("a task knob given for a data set", TRAIN + ["rollout.task=jsonl", "rollout.dataset_path={d}/bad.jsonl", "rollout.task_args=max_digits=1", "--out", "{d}/r"], "rollout.task_args='max_digits=1' holds a built-in task's knobs"),
     ("dataset line not json", TRAIN + ["rollout.task=jsonl", "rollout.task_args=", "rollout.dataset_path={d}/bad.jsonl", "--out", "{d}/r"], "{d}/bad.jsonl:2: invalid JSON"),

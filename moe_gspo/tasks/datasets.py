@@ -130,7 +130,9 @@ def _files(path: Path, fmt: str | None) -> list[tuple[Path, str]]:
             raise DatasetError(f"{path}: a folder data set must hold .parquet shards; found none")
         return [(p, "parquet") for p in shards]
     if not path.is_file():
-        raise DatasetError(f"dataset file not found: {path}")
+        where = "" if path.is_absolute() else f" (a relative path: looked for {Path.cwd() / path}, from the working " \
+                                              "directory)"
+        raise DatasetError(f"dataset file not found: {path}{where}")
     if fmt in (None, "dataset"):
         fmt = {".parquet": "parquet", ".json": "json"}.get(path.suffix, "jsonl")
     if fmt not in FORMATS:

@@ -192,6 +192,10 @@ class Run:
         if start and info.rank == 0:
             disk_space.check_room_to_resume(ckpts, TMP)
         _say(info, f"run directory: {run_dir}")
+        if cfg.algorithm.track_flips and cfg.train.minibatches == 1:
+            _say(info, "algorithm.track_flips with train.minibatches=1: each step's one update comes after its routing "
+                       "is observed, so moe/flip_rate is 0 by construction (2 or more minibatches measure the flips "
+                       "of each update)")
         if cfg.checkpoint_overrides:
             _say(info, f"model.init_from={cfg.model.init_from} defines the architecture; it replaces the config's "
                        f"{', '.join(cfg.checkpoint_overrides)}")

@@ -191,3 +191,32 @@ def test_text_rewards_report_a_gold_answer_they_cannot_use():
     assert res.errors[0] == "ValueError: gold answer 'three' is not a number" and res.rewards[1] == 1.0
     with pytest.raises(ValueError, match="empty"):
         boxed_reward("\\boxed{1}", Example("q", " $ "))
+
+
+def test_dapos_soft_overlong_penalty_by_hand():
+    """max 16 tokens, buffer 4, factor 1: nothing up to 12 tokens, then -1/4 per token to -1 at 16 (DAPO eq. 13)."""
+    from moe_gspo.rewards.text import overlong_penalty
+
+    got = overlong_penalty(torch.tensor([3.0, 12.0, 13.0, 14.0, 16.0]), 16, 4, 1.0)
+    assert got.tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalty(torch.tensor([16.0]), 16, 4, 0.5).tolist() == [-0.5]
+    assert overlong_penalty(torch.tensor([16.0]), 16, 0, 1.0).tolist() == [0.0]
+
+
+def test_a_run_with_the_overlong_penalty_and_truncated_responses_masked(tmp_path):
+    """The penalty is added to every reward (its mean logged; the accuracy counts the unpenalized reward) and with
+    rollout.mask_truncated every response cut at max_new_tokens leaves the loss: at 2 new tokens from a random policy
+    that is every response, so nothing is trained."""
+    from helpers import records, tiny_cfg
+
+    from moe_gspo.train.loop import train
+
+    run = ["train.cold_start_steps=0", "rollout.reward=tests/data/spread_reward.py:compute_score",
+           "rollout.max_new_tokens=2", "train.steps=1", "train.minibatches=1"]
+    train(tiny_cfg(*run, "rollout.overlong_buffer=2", "rollout.overlong_penalty=0.5"), run_dir=tmp_path / "a")
+    (m,) = records(tmp_path / "a")
+    # the buffer is the whole budget: the penalty is -0.5 * L / 2 for a response of L tokens
+    assert m["reward/overlong_penalty"] == pytest.approx(-0.25 * m["response_length/mean"], rel=1e-6)
+    train(tiny_cfg(*run, "rollout.mask_truncated=true"), run_dir=tmp_path / "b")
+    (m,) = records(tmp_path / "b")
+    assert m["response/truncated"] == 1.0 and m["grad_norm"] == 0.0

@@ -112,6 +112,15 @@ class RolloutConfig:
     """Difficulty knobs of a built-in task as 'key=value,key=value' (e.g. 'max_digits=1,num_operands=3')."""
     bad_reward: str = "error"
     """A NaN/inf or failed reward: 'error' (stop, naming the sample) or 'skip' (drop the sample, count it)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a response longer than rollout.max_new_tokens - N tokens gets a penalty
+    added to its reward, falling linearly from 0 to -rollout.overlong_penalty at rollout.max_new_tokens (verl's
+    overlong_buffer.len). 0: none."""
+    overlong_penalty: float = 1.0
+    """The penalty at rollout.max_new_tokens under rollout.overlong_buffer (verl's overlong_buffer.penalty_factor)."""
+    mask_truncated: bool = False
+    """Leave responses cut off at rollout.max_new_tokens out of the loss (TRL's mask_truncated_completions); they
+    still count in their group's advantages."""
     overlong_prompts: str = "error"
     """A data set row whose templated prompt leaves no room for rollout.max_new_tokens within the context, found
     when the data load (every train and eval row is encoded then, as verl's filter_overlong_prompts does): 'error'
@@ -125,6 +134,9 @@ class RolloutConfig:
         self._check_data()
         choice(self, "bad_reward", ("error", "skip"))
         choice(self, "overlong_prompts", ("error", "drop"))
+        if not 0 <= self.overlong_buffer <= self.max_new_tokens:
+            raise ConfigError(f"rollout.overlong_buffer={self.overlong_buffer} must be in [0, rollout.max_new_tokens="
+                              f"{self.max_new_tokens}]")
         choice(self, "engine_dtype", ("float32", "bfloat16", "float16"))
         positive(self, "engine_tp")
         if not 0 < self.engine_gpu_memory < 1:

@@ -123,3 +123,14 @@ def boxed_reward(response: str, example) -> float:
         return 1.0
     pred_value, gold_value = _as_number(pred), _as_number(gold)
     return 1.0 if pred_value is not None and pred_value == gold_value else 0.0
+
+
+def overlong_penalty(lengths, max_new_tokens: int, buffer: int, factor: float = 1.0):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 for a response of at most max_new_tokens - buffer
+    tokens, then falling linearly to -factor at max_new_tokens. `lengths` is a float tensor of response lengths."""
+    import torch
+
+    if buffer <= 0:
+        return torch.zeros_like(lengths)
+    start = max_new_tokens - buffer
+    return torch.clamp(-(lengths - start) / buffer * factor, max=0.0)

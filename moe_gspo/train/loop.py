@@ -30,6 +30,7 @@ from moe_gspo.rollout import engine_from_config
 from moe_gspo.rollout.placement import EnginePlacement
 from moe_gspo.train.rollouts import ColocatedRollouts, Rollouts
 from moe_gspo.rewards import score_responses
+from moe_gspo.rewards.text import overlong_penalty
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.tasks import CharTokenizer, Task, task_from_config
 from moe_gspo.train import data, disk_space
@@ -266,6 +267,10 @@ class Run:
         valid = data.handle_bad_rewards(res.rewards, res.errors, examples, texts, batch.sample_ids,
                                         self.cfg.rollout.bad_reward, step)
         r = res.rewards
+        rc = self.cfg.rollout
+        penalty = overlong_penalty(batch.response_lengths.float(), rc.max_new_tokens, rc.overlong_buffer,
+                                   rc.overlong_penalty)
+        r = r + penalty.to(r.dtype)
         adv = torch.zeros_like(r)
         if valid.any():
             adv[valid] = get_advantage_estimator(self.cfg.algorithm.advantage)(r[valid], batch.group_ids[valid])
@@ -274,11 +279,13 @@ class Run:
         spread = [float(rv[gid == g].std(unbiased=False)) > 0 for g in gid.unique()] if rv.numel() else [False]
         m = {"reward/mean": float(rv.mean()) if rv.numel() else 0.0,
              "reward/std": float(rv.std(unbiased=False)) if rv.numel() else 0.0,
-             "accuracy": float((rv >= 1.0).float().mean()) if rv.numel() else 0.0,
+             "accuracy": float((res.rewards[valid] >= 1.0).float().mean()) if rv.numel() else 0.0,  # unpenalized
              "reward/skipped": float((~valid).sum()),
              "groups/with_variance": float(np.mean(spread)),
              "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
              "response/truncated": float(np.mean([f == "length" for f in batch.finish_reasons]))}
+        if rc.overlong_buffer:
+            m["reward/overlong_penalty"] = float(penalty[valid].mean()) if valid.any() else 0.0
         return adv, valid, m
 
     def pad(self, batch, valid):
@@ -287,6 +294,9 @@ class Run:
         pb = batch.to_padded(pad_id=self.tok.pad_id,  # one T on every trainer rank
                              max_len=max_over_ranks(longest, self.ctx.trainer_group))
         pb.response_mask &= valid[:, None]  # skipped samples carry no loss
+        if self.cfg.rollout.mask_truncated:  # cut-off responses carry no loss either (their advantages stand)
+            cut = torch.tensor([f == "length" for f in batch.finish_reasons], device=pb.response_mask.device)
+            pb.response_mask &= ~cut[:, None]
         return pb.to(self.policy.device)
 
     def old_logprobs(self, pb) -> tuple[OldPass, dict[str, float]]:

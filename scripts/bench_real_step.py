@@ -5,7 +5,7 @@
     python scripts/bench_real_step.py --json runs/bench_real_step.json [--steps 2] [--set a.b=v ...]
 
 The trainer runs `--steps` RL steps from the config (no evaluation, no checkpoints), phase by phase as the training
-loop runs them (rollout, old log-probs, the minibatch updates, the engine sync); the first step's batch is kept. On
+loop runs them (rollout, old log-probs, the minibatch updates, the engine sync); the last step's batch is kept. On
 that batch's rows, cut into the trainer's micro-batches, are then timed in the same process:
 
 - "policy fwd+bwd": the same policy's forward to full logits, token cross-entropy on the response tokens, and
@@ -17,7 +17,8 @@ that batch's rows, cut into the trainer's micro-batches, are then timed in the s
 --trl then runs TRL's GRPOTrainer (model.generate, fp32, AdamW) on the same checkpoint, prompts, reward and batch
 shape (scripts/_rl_bench/trl_side.py's mapping) and reports both sides' phases and the step-time ratio.
 
-The ratio `isolated / training phase` (isolated = policy fwd+bwd + optimizer step, times the minibatches) is the
+The ratio `isolated / training phase` (isolated = policy fwd+bwd + optimizer step, times the minibatches; the
+training phase of the last step, whose rows they are) is the
 training phase's speed relative to its kernels; 1.0 means the RL machinery adds nothing. Each isolated row runs
 --repeats times after one warmup; the table gives medians. Run it on a quiet machine: nothing else beside it.
 """
@@ -41,7 +42,7 @@ sys.path.insert(0, str(ROOT / "scripts"))  # scripts/_rl_bench: TRL's settings f
 
 
 def rl_steps(cfg, run_dir: Path, steps: int):
-    """(per-step phase seconds, the first step's padded batch, the Run) of `steps` RL steps."""
+    """(per-step phase seconds, the last step's padded batch, the Run) of `steps` RL steps."""
     from moe_gspo.train.loop import Run, preflight
     from moe_gspo.train.step import record_engine_routing, update_minibatch
 
@@ -74,8 +75,7 @@ def rl_steps(cfg, run_dir: Path, steps: int):
         phases.append(t)
         print(f"step {step + 1}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                               for k, v in t.items()), flush=True)
-        if kept is None:
-            kept = pb
+        kept = pb  # the last step's rows: the isolated rows below are timed on them
     return phases, kept, run
 
 
@@ -223,12 +223,13 @@ def main(argv=None) -> int:
     measured = phases[1:] or phases  # the first step pays for first-touch allocations and the engine's warmup
     phase = {k: statistics.median(s[k] for s in measured) for k in ("rollout", "logprob", "train", "sync", "step")}
     isolated = med["policy fwd+bwd"] + cfg.train.minibatches * med["optimizer step"]
+    same_rows = phases[-1]["train"]  # the training phase of the step whose rows the isolated rows ran on
     result = {"config": args.config, "overrides": over, "threads": torch.get_num_threads(),
               "cpu": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "steps": phases, "phase_median": phase,
               "isolated": rows, "isolated_median": med, "micro_batch_size": micro,
-              "responses": phases[0]["responses"], "tokens": phases[0]["tokens"],
+              "responses": phases[-1]["responses"], "tokens": phases[-1]["tokens"],
               "peak_rss_gib_rl_steps": peak_rl,
-              "training_phase_vs_isolated": isolated / phase["train"],
+              "training_phase_vs_isolated": isolated / same_rows,
               "policy_vs_transformers_fwd_bwd": med["transformers fwd+bwd"] / med["policy fwd+bwd"]}
     print(f"\n{result['responses']} responses, {result['tokens']} tokens a step, micro-batches of {micro} rows, "
           f"{result['threads']} threads")

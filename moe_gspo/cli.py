@@ -402,8 +402,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         extra = []
     stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
     if stray:
-        parser.parse_args(argv)  # argparse's own message for what it does not know, exit 2
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")  # argparse's own words, exit 2
     if extra:
         args.overrides = list(args.overrides) + extra
     return args

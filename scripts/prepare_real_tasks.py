@@ -35,6 +35,8 @@ import sys
 import types
 from pathlib import Path
 
+from prepare_gsm8k import write_parquet  # scripts/: the same atomic parquet writer
+
 ARITHMETIC_INSTRUCTION = "Answer with just the number."
 
 
@@ -141,16 +143,6 @@ def gsm_symbolic(args) -> tuple[dict[str, list[dict]], dict]:
 # for minutes): they are never generated from. They may still be test templates, whose GSM8K original needs no
 # generation; on the train side they are left out (split.json lists them).
 SLOW_TEMPLATES = (20, 43, 107, 320, 364, 410, 434, 459, 718, 737, 740, 843, 873, 930, 984, 1133, 1141, 1207)
-
-
-def write_parquet(rows: list[dict], path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The errors a user can cause, and the range checks the config dataclasses' __post_init__ share."""
+"""The errors a user can cause, and the checks the config dataclasses' __post_init__ and the loaders share."""
 
 from __future__ import annotations
 
@@ -58,3 +58,11 @@ def choice(obj, name, choices):
     v = getattr(obj, name)
     if v not in choices:
         raise ConfigError(f"{_section(obj)}.{name}={v!r} is not one of {list(choices)}")
+
+
+def names_a_module(file: str) -> bool:
+    """Whether the part of a reward spec before ':' reads as a module name (`trl.rewards`) rather than a file: no .py
+    suffix, no such file, and dotted identifiers."""
+    from pathlib import Path
+
+    return not file.endswith(".py") and not Path(file).exists() and all(p.isidentifier() for p in file.split("."))

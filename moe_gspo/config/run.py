@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from moe_gspo.config.algorithm import AlgorithmConfig
-from moe_gspo.config.checks import ConfigError, choice, positive
+from moe_gspo.config.checks import ConfigError, choice, names_a_module, positive
 from moe_gspo.config.hf_config import model_config_from_hf
 from moe_gspo.config.model import ModelConfig, ParallelConfig, architecture_changes
 
@@ -197,8 +197,7 @@ class RolloutConfig:
                                   "inside one)")
         if self.reward is not None and ":" in self.reward and not self.reward.startswith(":"):
             file = self.reward.rsplit(":", 1)[0]
-            module = not file.endswith(".py") and not Path(file).exists() and \
-                all(part.isidentifier() for part in file.split("."))
+            module = names_a_module(file)
             if module:
                 import importlib.util
 

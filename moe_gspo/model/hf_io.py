@@ -225,6 +225,16 @@ def hf_config_dict(mc: ModelConfig) -> dict:
     return {**out, "attention_bias": False}
 
 
+def usual_modes(folder: Path) -> None:
+    """Give `folder` and the files in it the modes mkdir and open give under the process's umask: mkdtemp makes a
+    folder private (0700) and safetensors writes its files 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for p in folder.iterdir():
+        os.chmod(p, 0o666 & ~umask)
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory, so that renames and new entries inside it survive a crash (every atomic writer uses it)."""
     fd = os.open(path, os.O_RDONLY)

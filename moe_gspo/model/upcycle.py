@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from moe_gspo.config.checks import ConfigError
+from moe_gspo.model.hf_io import usual_modes
 
 TARGETS = {"llama": ("mixtral", "qwen2_moe"), "mistral": ("mixtral", "qwen2_moe"), "qwen2": ("qwen2_moe",),
            "qwen3": ("qwen3_moe",)}
@@ -194,7 +195,7 @@ def _dropped(w: torch.Tensor, rows: torch.Tensor, dim: int, g: torch.Generator) 
 def upcycled_state(dense_sd: dict[str, torch.Tensor], moe_model, family: str, spec: UpcycleSpec,
                    router_std: float) -> dict[str, torch.Tensor]:
     """The MoE model's state dict from the dense one: same-named tensors copied, experts from the dense MLP.
-    `moe_model` gives the names and shapes only (a model on the meta device serves)."""
+    `moe_model` gives the names and shapes only."""
     g = torch.Generator().manual_seed(spec.seed)
     target = moe_model.state_dict()
     out: dict[str, torch.Tensor] = {}
@@ -235,14 +236,6 @@ def upcycled_state(dense_sd: dict[str, torch.Tensor], moe_model, family: str, sp
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def upcycle(src: str | Path, out: str | Path, spec: UpcycleSpec = UpcycleSpec(), save_dense: str | Path | None = None,
             overwrite: bool = False) -> dict:
     """Write the MoE checkpoint of `src` to `out` (config, safetensors, tokenizer with its chat template,
@@ -271,10 +264,8 @@ def upcycle(src: str | Path, out: str | Path, spec: UpcycleSpec = UpcycleSpec(),
     config = moe_config(dense.config, family, spec)
     config.dtype = dense.dtype
     router_std = dense.config.initializer_range if spec.router_std is None else spec.router_std
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
     moe = AutoModelForCausalLM.from_config(config, dtype=dense.dtype).eval()
-    state = upcycled_state(dense.state_dict(), skeleton, family, spec, router_std)
+    state = upcycled_state(dense.state_dict(), moe, family, spec, router_std)
     missing, unexpected = moe.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
@@ -283,8 +274,12 @@ def upcycle(src: str | Path, out: str | Path, spec: UpcycleSpec = UpcycleSpec(),
     if config.tie_word_embeddings:
         moe.tie_weights()
     src_path = where if where.suffix == ".gguf" else Path(src)
+    digest = None
+    if src_path.is_file():
+        with open(src_path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
     record = {"source": str(src_path.resolve()), "source_model_type": dense.config.model_type,
-              "source_sha256": _sha256(src_path) if src_path.is_file() else None,
+              "source_sha256": digest,
               "family": family, "router_std": router_std, "dtype": str(dense.dtype).removeprefix("torch."),
               **{k: v for k, v in asdict(spec).items() if k not in ("family", "router_std", "dtype")}}
     _save(out, moe, tok, gen, record, overwrite)
@@ -300,8 +295,6 @@ def _save(out: Path, model, tok, gen, record: dict | None, overwrite: bool) -> N
     """Write to a temporary folder beside `out`, then rename it into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
     try:
         model.save_pretrained(str(tmp))
         if tok is not None:
@@ -310,9 +303,7 @@ def _save(out: Path, model, tok, gen, record: dict | None, overwrite: bool) -> N
             gen.save_pretrained(str(tmp))
         if record is not None:
             (tmp / "upcycle.json").write_text(json.dumps(record, indent=1) + "\n")
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; the checkpoint is as readable as any file
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)
+        usual_modes(tmp)
         if out.exists():
             if not overwrite and any(out.iterdir()):
                 raise ConfigError(f"{out}: exists and is not empty (--overwrite replaces it)")

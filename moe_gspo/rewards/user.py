@@ -35,7 +35,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from moe_gspo.config.checks import ConfigError, UserError
+from moe_gspo.config.checks import ConfigError, UserError, names_a_module
 
 _PACKAGE_DIR = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CUT = 60  # characters of a prompt, response or returned value quoted in an error message
@@ -330,7 +330,7 @@ def load_reward(spec: str, field: str = "rollout.reward"):
         raise ConfigError(f"{field}={spec!r} is neither a built-in reward {sorted(REWARD_FNS)} nor "
                           f"path/to/file.py:function")
     if not file.endswith(".py"):
-        if not Path(file).exists() and all(part.isidentifier() for part in file.split(".")) and name.isidentifier():
+        if names_a_module(file) and name.isidentifier():
             return _from_module(file, name, field)
         raise ConfigError(f"{field}={spec!r}: {file!r} is not a Python file (.py); expected "
                           "'path/to/file.py:function' (or 'package.module:function' of an installed module)")

@@ -163,7 +163,7 @@ def _check_out(out: Path, run: Path, overwrite: bool) -> None:
 def _write(out: Path, config: dict, tensors: dict, files: dict[str, bytes]) -> Path:
     """config.json + safetensors (hf_io.write_hf_dir) and `files` into a temp folder beside `out`, each fsynced,
     then renamed to `out` (an existing `out` is moved aside first and removed after)."""
-    from moe_gspo.model.hf_io import fsync_dir, write_hf_dir
+    from moe_gspo.model.hf_io import fsync_dir, usual_modes, write_hf_dir
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -177,12 +177,7 @@ def _write(out: Path, config: dict, tensors: dict, files: dict[str, bytes]) -> P
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        # mkdtemp makes the folder private (0700), safetensors its files 0600: give them what mkdir and open give
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(folder, 0o777 & ~umask)
-        for p in folder.iterdir():
-            os.chmod(p, 0o666 & ~umask)
+        usual_modes(folder)
         fsync_dir(folder)
         if out.exists():
             old = staging / "old"

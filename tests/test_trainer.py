@@ -488,3 +488,47 @@ def test_host_floats_equals_float_of_each_value():
     assert list(out) == list(m)
     assert out == {k: float(v) for k, v in m.items()} and all(type(v) is float for v in out.values())
     assert host_floats({"a": 1.0}) == {"a": 1.0}
+
+
+@pytest.mark.parametrize("overrides", [
+    ["train.minibatches=2"], ["algorithm.track_flips=true"], ["algorithm.routing_replay=r2"], ["algorithm.kl_beta=0.1"],
+    ["algorithm.rollout_is=token"], ["algorithm.rollout_rs=token_k2", "algorithm.rollout_rs_threshold=0.01"],
+    ["algorithm.router_shift=true"], ["algorithm.loss=rspo"], ["train.routing_noise=0.1"],
+    ["train.old_logprob_pass=always"], ["algorithm.use_engine_logprobs=true"]])
+def test_the_old_logprob_pass_is_kept_whenever_the_update_forward_is_not_pi_old(overrides):
+    from moe_gspo.train.step import forward_gives_pi_old
+
+    one_update = ["train.minibatches=1", "algorithm.track_flips=false"]
+    assert forward_gives_pi_old(tiny_cfg(*one_update))
+    assert not forward_gives_pi_old(tiny_cfg(*one_update, *overrides))
+
+
+def test_one_update_per_step_takes_pi_old_from_its_own_forward_and_trains_as_the_pass_does(tmp_path, monkeypatch):
+    """train.minibatches=1 without the tracker: the step skips the old-log-prob pass and the loss takes the update
+    forward's own detached log-probs as pi_old (ratio exactly 1, the policy gradient for gradient). Two steps train
+    as with the pass (train.old_logprob_pass=always) up to float rounding, with the engine-vs-trainer metrics."""
+    import moe_gspo.train.step as step
+
+    passes = []
+    real_pass = step.old_logprob_pass
+    monkeypatch.setattr(step, "old_logprob_pass", lambda *a, **k: passes.append(1) or real_pass(*a, **k))
+    ovs = ["train.minibatches=1", "algorithm.track_flips=false", "algorithm.loss=grpo", "train.lr=0.01",
+           "train.micro_batch_size=8", "train.logprob_micro_batch_size=8"]
+    from moe_gspo.tasks import task_from_config
+    from moe_gspo.train.loop import train
+
+    def run(name, *more):  # rewards with variance in every group: every step has a policy gradient
+        cfg = tiny_cfg(*ovs, *more)
+        train(cfg, run_dir=tmp_path / name, task=_ParityTask(task_from_config(cfg.rollout)))
+
+    run("auto")
+    assert len(passes) == 0
+    run("always", "train.old_logprob_pass=always")
+    assert len(passes) == 2
+    auto, always = records(tmp_path / "auto"), records(tmp_path / "always")
+    for a, b in zip(auto, always):
+        assert a["ratio_min"] == a["ratio_max"] == 1.0 and a["pg_clipfrac"] == 0.0
+        assert a["rollout_probs_diff_max"] < 1e-4 and b["rollout_probs_diff_max"] < 1e-4  # fp32 engine and trainer
+        for k in ("pg_loss", "grad_norm", "entropy", "reward/mean", "rollout_probs_diff_mean"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), k
+    assert min(a["grad_norm"] for a in auto) > 1e-3  # the gradient is the policy gradient, not the 0 of a constant ratio

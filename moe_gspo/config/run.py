@@ -265,6 +265,15 @@ class TrainConfig:
     batch t+1 while the trainer trains on batch t. 0: synchronous, the same samples as colocated."""
     minibatches: int = 4
     """Optimizer steps per rollout batch (the paper uses 4)."""
+    old_logprob_pass: str = "auto"
+    """'auto' or 'always'. The old-log-prob pass computes pi_old with the weights that then take the step's first
+    update, so when a step has one update (train.minibatches=1) the update's own forward computes the same
+    log-probs. 'auto' then skips the pass and takes pi_old as that forward's log-probs, detached (as TRL's
+    GRPOTrainer and verl's on-policy case do): the importance ratio is 1 in value with the policy gradient for its
+    gradient. It keeps the pass whenever the step needs what only the pass records: 2 or more minibatches, R2's
+    routing, the flip tracker's reference, the router shift's scores, pi_ref (a KL term), routing noise (the update's
+    forward is noised, pi_old is not), or a decoupled rollout correction (its rejection shrinks the loss's
+    denominator before the forwards). 'always' runs the pass in every step."""
     micro_batch_size: int = 8
     """Sequences per forward/backward inside a minibatch."""
     logprob_micro_batch_size: int | None = None
@@ -330,6 +339,7 @@ class TrainConfig:
             raise ConfigError(f"train.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 0 "
                               f"(0: row micro-batches)")
         choice(self, "logprob_impl", ("fused", "eager"))
+        choice(self, "old_logprob_pass", ("auto", "always"))
         choice(self, "loss_impl", ("fused", "eager"))
         choice(self, "recompute", ("none", "selective", "full"))
         positive(self, "recompute_layers")

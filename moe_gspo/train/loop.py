@@ -196,7 +196,8 @@ class Run:
         if cfg.algorithm.track_flips and cfg.train.minibatches == 1:
             _say(info, "algorithm.track_flips with train.minibatches=1: each step's one update comes after its routing "
                        "is observed, so moe/flip_rate is 0 by construction (2 or more minibatches measure the flips "
-                       "of each update)")
+                       "of each update); without the tracker the step can skip its old-log-prob pass "
+                       "(train.old_logprob_pass)")
         if cfg.checkpoint_overrides:
             _say(info, f"model.init_from={cfg.model.init_from} defines the architecture; it replaces the config's "
                        f"{', '.join(cfg.checkpoint_overrides)}")

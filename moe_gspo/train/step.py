@@ -59,9 +59,24 @@ from moe_gspo.train.optim import Optimizer
 class OldPass:
     """What the no-grad pass over the rollout batch computes for the updates that follow."""
 
-    old_logp: torch.Tensor  # (B, T) pi_old log-probs, token-aligned (the engine's in bypass mode)
+    old_logp: torch.Tensor | None  # (B, T) pi_old log-probs, token-aligned (the engine's in bypass mode); None:
+    # the update's forward computes pi_old itself (StepContext.forward_is_pi_old)
     ref_logp: torch.Tensor | None = None  # (B, T) pi_ref log-probs (algorithm.kl_beta > 0)
     router: OldRouterScores | None = None  # the old policy's experts and router scores (router shift)
+
+
+def forward_gives_pi_old(cfg: Config) -> bool:
+    """Whether a step's update forward computes pi_old itself, so the old-log-prob pass is skipped
+    (train.old_logprob_pass='auto'): one update per step, on the weights the rollout's pi_old is defined by, and
+    nothing the pass alone records (R2's routing, the flip tracker's reference, pi_ref, the router shift's scores)
+    or fixes before the forwards (a decoupled rollout correction's rejection, in the loss's denominator); no
+    routing noise, which only the update's forward gets. In bypass mode the engine's log-probs are pi_old."""
+    a, tc = cfg.algorithm, cfg.train
+    loss = a.policy_loss()
+    corr = a.rollout_correction(loss)
+    return (tc.old_logprob_pass == "auto" and tc.minibatches == 1 and not corr.active and not corr.bypass
+            and not a.track_flips and a.routing_replay != "r2" and a.kl_beta == 0
+            and not (loss.needs_router_shift or a.router_shift) and tc.routing_noise == 0)
 
 
 @dataclass
@@ -82,6 +97,7 @@ class StepContext:
     update_batches: object = field(init=False)
     logprob_batches: object = field(init=False)
     fused: bool = field(init=False)  # train.loss_impl == "fused": hidden states -> loss in one kernel
+    forward_is_pi_old: bool = field(init=False)  # the step's one update forward gives pi_old (no pass needed)
     _noise_at: tuple[int, int] = field(init=False, default=(-1, 0))  # (optimizer step, forwards noised in it)
 
     def __post_init__(self):
@@ -92,6 +108,7 @@ class StepContext:
         self.update_batches = micro_batches(tc, self.trainer_group)
         self.logprob_batches = micro_batches(tc, self.trainer_group, logprob_pass=True)
         self.fused = tc.loss_impl == "fused"
+        self.forward_is_pi_old = forward_gives_pi_old(self.cfg)
 
     def routing_noise(self) -> RoutingNoise | None:
         """The routing noise of the next pi_theta forward (train.routing_noise), or None when off. Its draws come
@@ -196,9 +213,11 @@ def needs_old_pass(ctx: StepContext) -> bool:
 def pi_old_pass(ctx: StepContext, pb: PaddedRollout) -> tuple[OldPass, dict[str, float]]:
     """(OldPass with the pi_old the correction names, engine-vs-training log-prob metrics): the old-log-prob pass,
     whose pi_old the engine's log-probs replace in bypass mode, where the pass is skipped when nothing else needs
-    it (no metrics then)."""
+    it (no metrics then). Skipped too where the update's forward computes pi_old itself (OldPass(None))."""
     if not needs_old_pass(ctx):
         return OldPass(pb.engine_logprobs), {}
+    if ctx.forward_is_pi_old:  # update_minibatch reports the engine-vs-training metrics from its forward
+        return OldPass(None), {}
     old = old_logprob_pass(ctx, pb)
     diff = rollout_probs_diff(pb.engine_logprobs, old.old_logp, pb.response_mask)
     return dataclasses.replace(old, old_logp=ctx.correction.pi_old(old.old_logp, pb.engine_logprobs)), diff
@@ -216,7 +235,7 @@ def global_count(mask_BT: torch.Tensor, mode: str, ctx: StepContext) -> torch.Te
 class LossRows:
     """The loss's inputs for rows of a minibatch, token-aligned (b, T), in the minibatch's row order."""
 
-    old_logp: torch.Tensor  # pi_old
+    old_logp: torch.Tensor | None  # pi_old; None: the log-probs the loss is given, detached
     advantages: torch.Tensor  # (b,)
     mask: torch.Tensor  # bool: response tokens the loss keeps (rejected ones already out in decoupled mode)
     ref_logp: torch.Tensor | None = None  # pi_ref (KL term)
@@ -237,7 +256,7 @@ def minibatch_rows(ctx: StepContext, pb: PaddedRollout, old: OldPass, adv_B, idx
     ref = old.ref_logp[idx][:, :T] if ctx.loss.beta > 0 and old.ref_logp is not None else None
     if ctx.loss.beta > 0 and ref is None:
         raise RuntimeError("algorithm.kl_beta > 0 but the step has no reference log-probs")
-    rows = LossRows(old.old_logp[idx][:, :T], adv_B[idx], mask, ref)
+    rows = LossRows(None if old.old_logp is None else old.old_logp[idx][:, :T], adv_B[idx], mask, ref)
     if not corr.active:
         return rows, {}
     engine = pb.engine_logprobs[idx][:, :T]
@@ -259,7 +278,8 @@ def rows_loss(ctx: StepContext, rows: LossRows, logp_bT: torch.Tensor, denom,
     if rows.engine_logp is not None:
         c = ctx.correction(logp_bT, rows.engine_logp, mask)
         mask, corr_m = c.mask, c.metrics
-    loss, m = ctx.loss(logp_bT, rows.old_logp, rows.advantages, mask, loss_denominator=denom, ref_logp=rows.ref_logp,
+    old_logp = logp_bT.detach() if rows.old_logp is None else rows.old_logp
+    loss, m = ctx.loss(logp_bT, old_logp, rows.advantages, mask, loss_denominator=denom, ref_logp=rows.ref_logp,
                        router_shift_weight=rows.router_shift_weight, rollout_is_weight=rows.rollout_is_weight,
                        check_finite=check_finite)
     return loss, {**m, **corr_m}
@@ -375,6 +395,8 @@ def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, idx: torch.Tenso
     if moved is not None:  # this rank's share of the slots routing noise moved
         extra["moe/routing_noise_moved"] = moved[0] / moved[1].clamp(min=1)
     out = minibatch_metrics(ctx, rows, logp, gamma, response, denom, corr_m, extra)
+    if old.old_logp is None:  # what pi_old_pass reports from its pass, from this forward
+        out.update(rollout_probs_diff(pb.engine_logprobs[idx][:, :T], logp, response))
     out["grad_norm"] = ctx.optim.step()  # DP reduction, megatron's clipping, Adam on fp32 main params, LR schedule
     if ctx.tracker is not None:
         ctx.tracker.updated()  # the next minibatch's forwards are one more update away from pi_old

@@ -26,6 +26,7 @@ training phase's speed relative to its kernels; 1.0 means the RL machinery adds 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -41,37 +42,72 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))  # scripts/_rl_bench: TRL's settings for a moe-gspo config
 
 
+def rl_step(run, step: int, profile: dict | None = None) -> tuple[dict, object]:
+    """(phase seconds, padded batch) of RL step `step` as the training loop runs it. With `profile` (a dict), each
+    phase runs under torch.profiler and profile[phase] gets its costliest operators and the update's named ranges
+    (moe_gspo/update/...): the phase times then include the profiler's overhead."""
+    from moe_gspo.train.step import record_engine_routing, update_minibatch
+
+    def phase(name):
+        if profile is None:
+            return contextlib.nullcontext()
+        return profiled(profile, name)
+
+    t = {}
+    t0 = time.perf_counter()
+    with phase("rollout"):
+        batch, examples, texts = run.rollout(step)
+        adv, valid, _ = run.score(batch, examples, texts, step)
+        pb = run.pad(batch, valid)
+        record_engine_routing(run.ctx, pb)
+    t["rollout"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    with phase("logprob"):
+        old, _ = run.old_logprobs(pb)
+    t["logprob"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    with phase("train"):
+        for idx in run.minibatches(step):
+            update_minibatch(run.ctx, pb, old, adv.to(pb.input_ids.device), idx)
+    t["train"] = time.perf_counter() - t2
+    t3 = time.perf_counter()
+    with phase("sync"):
+        run.rollouts.publish(run.policy.weights())
+        run.replay.clear()
+    t["sync"] = time.perf_counter() - t3
+    t["step"] = time.perf_counter() - t0
+    t["tokens"] = int(pb.attention_mask.sum())
+    t["responses"] = int(pb.input_ids.shape[0])
+    return t, pb
+
+
+@contextlib.contextmanager
+def profiled(out: dict, name: str, top: int = 12):
+    """Run the block under torch.profiler (CPU); out[name] = its wall seconds, named ranges and costliest ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_gspo.train.metrics import costliest
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        yield
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    busy, ops = costliest(events, top)
+    ranges = {e.key: e.cpu_time_total / 1e3 for e in events if e.key.startswith("moe_gspo/update/")}
+    out[name] = {"wall_ms": wall * 1e3, "ops_ms": busy, "ranges_ms": ranges, "ops": ops}
+
+
 def rl_steps(cfg, run_dir: Path, steps: int):
     """(per-step phase seconds, the last step's padded batch, the Run) of `steps` RL steps."""
     from moe_gspo.train.loop import Run, preflight
-    from moe_gspo.train.step import record_engine_routing, update_minibatch
 
     tok, task = preflight(cfg, None, None)
     run = Run.setup(cfg, run_dir=run_dir, task=task, engine=None, init_state=None, resume=False, label="bench",
                     tok=tok)
     phases, kept = [], None
     for step in range(steps):
-        t = {}
-        t0 = time.perf_counter()
-        batch, examples, texts = run.rollout(step)
-        adv, valid, _ = run.score(batch, examples, texts, step)
-        pb = run.pad(batch, valid)
-        record_engine_routing(run.ctx, pb)
-        t["rollout"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        old, _ = run.old_logprobs(pb)
-        t["logprob"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        for idx in run.minibatches(step):
-            update_minibatch(run.ctx, pb, old, adv.to(pb.input_ids.device), idx)
-        t["train"] = time.perf_counter() - t2
-        t3 = time.perf_counter()
-        run.rollouts.publish(run.policy.weights())
-        run.replay.clear()
-        t["sync"] = time.perf_counter() - t3
-        t["step"] = time.perf_counter() - t0
-        t["tokens"] = int(pb.attention_mask.sum())
-        t["responses"] = int(pb.input_ids.shape[0])
+        t, pb = rl_step(run, step)
         phases.append(t)
         print(f"step {step + 1}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                               for k, v in t.items()), flush=True)
@@ -171,6 +207,17 @@ def trl_steps(cfg, steps: int) -> list[dict]:
     return out
 
 
+def print_profile(profile: dict) -> None:
+    """Each profiled phase: wall time, the update's named ranges, the costliest operators by self CPU time."""
+    for name in ("rollout", "logprob", "train", "sync"):
+        p = profile[name]
+        print(f"\nprofiled {name}: {p['wall_ms'] / 1e3:.2f} s wall (profiler overhead included)")
+        for key, ms in sorted(p["ranges_ms"].items(), key=lambda kv: -kv[1]):
+            print(f"  {key:40s} {ms / 1e3:8.2f} s")
+        for op in p["ops"]:
+            print(f"  {op['name'][:60]:60s} {op['calls']:7d} {op['ms'] / 1e3:8.2f} s {op['share']:6.1%}")
+
+
 def main(argv=None) -> int:
     from moe_gspo.config import load_config
 
@@ -182,6 +229,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="a.b=v", help="config overrides")
     p.add_argument("--json", default=None)
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer on the same checkpoint and prompts")
+    p.add_argument("--profile", action="store_true",
+                   help="then one more RL step, each phase under torch.profiler (kept out of the timings)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -212,6 +261,12 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             optim.step()
             rows["optimizer step"].append(time.perf_counter() - t0)
+        profile = None
+        if args.profile:
+            profile = {}
+            t, _ = rl_step(run, args.steps, profile)
+            profile["step_s"] = t
+            print_profile(profile)
         run.close()
     if torch.distributed.is_initialized():  # TRL's accelerate would take the trainer's process group for its own
         from megatron.core import parallel_state
@@ -228,7 +283,7 @@ def main(argv=None) -> int:
               "cpu": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "steps": phases, "phase_median": phase,
               "isolated": rows, "isolated_median": med, "micro_batch_size": micro,
               "responses": phases[-1]["responses"], "tokens": phases[-1]["tokens"],
-              "peak_rss_gib_rl_steps": peak_rl,
+              "peak_rss_gib_rl_steps": peak_rl, "profile": profile,
               "training_phase_vs_isolated": isolated / same_rows,
               "policy_vs_transformers_fwd_bwd": med["transformers fwd+bwd"] / med["policy fwd+bwd"]}
     print(f"\n{result['responses']} responses, {result['tokens']} tokens a step, micro-batches of {micro} rows, "

@@ -155,6 +155,9 @@ def test_tracker_hand_built_rates_and_churn():
     assert m["moe/flip_rate/layer_0"] == pytest.approx(2 / 6)  # token 2: {0,3} -> {1,2}
     assert m["moe/flip_rate/layer_1"] == pytest.approx(1 / 6)  # token 0: {0,1} -> {0,2}
     assert m["moe/flip_rate"] == pytest.approx(3 / 12)
+    # by set: layer 0 token 2 changed (its token 1 only reordered), layer 1 token 0 changed: 1 of 3 pairs each
+    assert m["moe/set_flip_rate/layer_0"] == m["moe/set_flip_rate/layer_1"] == pytest.approx(1 / 3)
+    assert m["moe/set_flip_rate"] == pytest.approx(2 / 6)
     # reference slots per expert over both layers: e0 4, e1 4, e2 2, e3 2
     assert m["moe/churn_out/expert_0"] == pytest.approx(1 / 4)  # layer 0 token 2
     assert m["moe/churn_out/expert_1"] == pytest.approx(1 / 4)  # layer 1 token 0
@@ -183,6 +186,9 @@ def test_tracker_splits_the_drift_by_updates_since_the_reference():
     m = tr.metrics()
     assert (m["moe/flip_rate/after_0"], m["moe/flip_rate/after_1"], m["moe/flip_rate/after_2"]) == (0, 0.25, 1)
     assert m["moe/flip_rate"] == pytest.approx(5 / 12)
+    # by set: depth 1 changed token 0's set only (1 of 2), depth 2 both
+    assert [m[f"moe/set_flip_rate/after_{j}"] for j in range(3)] == [0, 0.5, 1]
+    assert m["moe/set_flip_rate"] == pytest.approx(3 / 6)
     tr.clear()
     tr.set_reference([6], ref)
     tr.observe([6], ref.clone())  # a new rollout batch starts again at depth 0
@@ -270,9 +276,11 @@ def test_tracker_counts_match_python_sets_whatever_the_token_slicing(monkeypatch
     ref, new = random_topk(B * T, L, k, E, g), random_topk(B * T, L, k, E, g)
     mask = torch.rand(B * T, generator=g) < 0.8
     gained, lost, load = torch.zeros(L, E), torch.zeros(L, E), torch.zeros(L, E)
+    changed = torch.zeros(L, dtype=torch.long)
     for n in mask.nonzero().squeeze(1).tolist():  # python sets: the definition
         for layer in range(L):
             a, b = set(ref[n, layer].tolist()), set(new[n, layer].tolist())
+            changed[layer] += a != b
             for e in b - a:
                 gained[layer, e] += 1
             for e in a - b:
@@ -288,6 +296,10 @@ def test_tracker_counts_match_python_sets_whatever_the_token_slicing(monkeypatch
         c = tr.counts()
         assert torch.equal(c["churn_in"].float(), gained) and torch.equal(c["churn_out"].float(), lost)
         assert torch.equal(c["load"].float(), load) and torch.equal(c["tokens"], torch.full((L,), int(mask.sum())))
+        assert torch.equal(c["set_flips"], changed)
         results.append(tr.metrics())
     assert results[0] == results[1] == results[2]
     assert results[0]["moe/flip_rate"] == pytest.approx(float(gained.sum() / load.sum()))
+    assert 0 < results[0]["moe/set_flip_rate"] == pytest.approx(float(changed.sum()) / (L * int(mask.sum())))
+    for layer in range(L):
+        assert results[0][f"moe/set_flip_rate/layer_{layer}"] == pytest.approx(float(changed[layer]) / int(mask.sum()))

@@ -12,9 +12,14 @@ Uses only routing that the trainer's forwards already produce (no extra forward)
 the routing's device with no host synchronization; metrics() synchronizes once. A flip is a top-k slot whose
 expert is not in the other routing's top-k set of the same token (order inside the top-k ignored).
 
-Metrics (fractions):
+Metrics (fractions). Flips are counted two ways: by routed slot (the tracker's primary rate) and by routing set,
+a (token, layer) pair whose set of k experts changed at all. With slots flipping independently at rate p, a set
+changes with probability 1 - (1 - p)^k (8.5% of sets at p = 1.1%, k = 8), so the set rate reads up to k times the
+slot rate:
     moe/flip_rate                 flipped slots / observed slots, all layers
     moe/flip_rate/layer_{i}       the same for MoE layer i
+    moe/set_flip_rate             (token, layer) pairs whose expert set changed / observed pairs, all layers
+    moe/set_flip_rate/layer_{i}   the same for MoE layer i
     moe/churn_in/expert_{e}       slots expert e gained / slots it held in the reference (all layers, same tokens)
     moe/churn_out/expert_{e}      slots expert e lost / slots it held in the reference
     moe/rollout_train_mismatch    engine routing vs training old routing, flipped slots / compared slots
@@ -26,6 +31,7 @@ Metrics (fractions):
                                   reference (updated() counts them since the last clear()): after_1 is the flip
                                   rate per update itself, where moe/flip_rate is the mean drift over every depth
                                   the step observed (0 to minibatches - 1)
+    moe/set_flip_rate/after_{j}   changed sets / observed (token, layer) pairs at update depth j
 
 Routers with a load-balancing expert bias (train.router_bias_update_rate > 0) change their routing two ways per
 update: through the weights (the gradient) and through the bias (moved toward balance at each optimizer step,
@@ -70,7 +76,7 @@ class ExpertFlipTracker:
     minibatch of its samples (shuffled or not) is a single index_select. Each routing becomes a one-hot set
     (N, L, E) (a handful of whole-tensor ops, whatever k is); all counts go into one (3, L, E) tensor: experts
     gained, experts lost, reference load. Flips per layer are the gained counts summed over experts, observed
-    tokens the load over k."""
+    tokens the load over k; changed sets per layer go into a (L,) count beside them."""
 
     def __init__(self, num_layers: int, num_experts: int):
         if num_layers <= 0 or num_experts <= 0:
@@ -149,7 +155,7 @@ class ExpertFlipTracker:
             valid &= self._mask(mask_N, new, where).view(N, 1, 1)
         E = self.num_experts
         acc = self._accumulators(new.device, k)
-        before = acc["counts"][::2].sum((1, 2)) if churn else None  # (gained, load) so far
+        before = self._depth_counts(acc) if churn else None  # (gained slots, load, changed sets, pairs) so far
         step = max(1, _SET_ELEMS // (L * E))  # bounds the one-hot workspace on long micro-batches
         for n0 in range(0, N, step):
             sl = slice(n0, min(N, n0 + step))
@@ -160,7 +166,13 @@ class ExpertFlipTracker:
                 acc["gradient"] += (slots_not_in(bias_ref[sl], old[sl]) & v).sum((0, 2))
                 acc["split_slots"] += v[..., 0].sum(0) * k
         if churn:
-            acc["depth"][:, min(self.updates, _DEPTHS - 1)] += acc["counts"][::2].sum((1, 2)) - before
+            acc["depth"][:, min(self.updates, _DEPTHS - 1)] += self._depth_counts(acc) - before
+
+    @staticmethod
+    def _depth_counts(acc) -> torch.Tensor:
+        """(flipped slots, observed slots, changed sets, observed (token, layer) pairs) accumulated so far."""
+        slots = acc["counts"][::2].sum((1, 2))
+        return torch.cat([slots, acc["set_flips"].sum()[None], slots[1:] // acc["k"]])
 
     def _count(self, new, old, valid, acc, churn: bool) -> None:
         """Add one token slice's set differences to the accumulators: (n, L, k) new / old, (n, L, 1) valid."""
@@ -179,14 +191,17 @@ class ExpertFlipTracker:
             acc["mismatch_token_count"] += compared.any(-1).sum()
             return
         acc["counts"] += torch.cat([diff, sets[1:]]).sum(1)  # (gained, lost, load) per (layer, expert)
+        acc["set_flips"] += diff[0].any(-1).sum(0)  # (L,): tokens whose set gained an expert (so lost one too)
 
     # ---------------------------------------------------------------- results
     def counts(self) -> dict[str, torch.Tensor] | None:
-        """Raw accumulators: flips (L,), tokens (L,), churn_in/churn_out/load (L, E), mismatch, mismatch_slots."""
+        """Raw accumulators: flips (L,), set_flips (L,), tokens (L,), churn_in/churn_out/load (L, E), mismatch,
+        mismatch_slots."""
         if self._acc is None:
             return None
         c, k = self._acc["counts"], self._acc["k"]
-        return {"flips": c[0].sum(1), "tokens": c[2].sum(1) // k, "churn_in": c[0], "churn_out": c[1],
+        return {"flips": c[0].sum(1), "set_flips": self._acc["set_flips"], "tokens": c[2].sum(1) // k,
+                "churn_in": c[0], "churn_out": c[1],
                 "load": c[2], "mismatch": self._acc["mismatch"], "mismatch_slots": self._acc["mismatch_slots"]}
 
     def metrics(self) -> dict[str, float]:
@@ -201,10 +216,10 @@ class ExpertFlipTracker:
                  torch.stack([acc["mismatch_tokens"], acc["mismatch_token_count"], acc["mismatch"],
                               acc["mismatch_slots"]]),
                  c[2].view(-1), torch.stack([acc["bias"], acc["gradient"], acc["split_slots"]]).view(-1),
-                 acc["depth"].view(-1)]
+                 acc["depth"].view(-1), acc["set_flips"]]
         flat = torch.cat(parts).tolist()
         ends = list(itertools.accumulate(p.numel() for p in parts))
-        layer3, expert3, mism, load_LE, split, depth = (flat[a:b] for a, b in zip([0, *ends[:-1]], ends))
+        layer3, expert3, mism, load_LE, split, depth, set_l = (flat[a:b] for a, b in zip([0, *ends[:-1]], ends))
         flips, load_l = layer3[:L], layer3[2 * L:]
         gained_e, lost_e, load_e = expert3[:E], expert3[E:2 * E], expert3[2 * E:]
         mismatch_tokens, token_count, mismatch, mismatch_slots = mism
@@ -217,7 +232,11 @@ class ExpertFlipTracker:
             out.update({f"moe/churn_out/expert_{e}": g / max(n, 1) for e, (g, n) in enumerate(zip(lost_e, load_e))})
             out["moe/flip_tokens"] = sum(load_l) / k / L
             out.update({f"moe/flip_rate/after_{j}": f / n for j, (f, n) in
-                        enumerate(zip(depth[:_DEPTHS], depth[_DEPTHS:])) if n > 0})
+                        enumerate(zip(depth[:_DEPTHS], depth[_DEPTHS:2 * _DEPTHS])) if n > 0})
+            out["moe/set_flip_rate"] = sum(set_l) * k / sum(load_l)
+            out.update({f"moe/set_flip_rate/layer_{i}": f * k / max(n, 1) for i, (f, n) in enumerate(zip(set_l, load_l))})
+            out.update({f"moe/set_flip_rate/after_{j}": f / n for j, (f, n) in
+                        enumerate(zip(depth[2 * _DEPTHS:3 * _DEPTHS], depth[3 * _DEPTHS:])) if n > 0})
             out.update(load_metrics(torch.tensor(load_LE, dtype=torch.float64).view(L, E)))
         if mismatch_slots > 0:
             out["moe/rollout_train_mismatch"] = mismatch / mismatch_slots
@@ -237,7 +256,9 @@ class ExpertFlipTracker:
                          "mismatch": torch.zeros((), **z), "mismatch_slots": torch.zeros((), **z),
                          "mismatch_tokens": torch.zeros((), **z), "mismatch_token_count": torch.zeros((), **z),
                          **{key: torch.zeros(self.num_layers, **z) for key in ("bias", "gradient", "split_slots")},
-                         "depth": torch.zeros(2, _DEPTHS, **z)}  # (flipped, observed) slots per update depth
+                         "set_flips": torch.zeros(self.num_layers, **z),  # changed expert sets per layer
+                         # (flipped, observed) slots and (changed, observed) sets per update depth
+                         "depth": torch.zeros(4, _DEPTHS, **z)}
         return self._acc
 
     def _check(self, idx: torch.Tensor, batch: int, where: str) -> torch.Tensor:

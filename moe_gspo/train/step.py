@@ -333,21 +333,23 @@ def micro_step(ctx: StepContext, m: MicroInputs) -> MicroOut:
     noise = ctx.routing_noise() if src is None else None  # replayed routing is used as it is
     cap = RoutingCapture(replay=src, score_at=old_src, bias_split=ctx.tracker is not None, noise=noise)
     temperature = cfg.rollout.temperature
-    if ctx.fused:
-        packed = {} if mb.lengths is None else {"lengths": mb.lengths, "pack_to": mb.pack_to}
-        hidden = policy(ids_bT, routing=cap, return_hidden=True, **packed)  # (b, T, H)
-    else:
-        logp, ent = batch_logprobs(policy, ids_bT, cap, cfg.train.logprob_impl, temperature, lengths=lengths,
-                                   pack_to=mb.pack_to)
+    with _range("forward"):
+        if ctx.fused:
+            packed = {} if mb.lengths is None else {"lengths": mb.lengths, "pack_to": mb.pack_to}
+            hidden = policy(ids_bT, routing=cap, return_hidden=True, **packed)  # (b, T, H)
+        else:
+            logp, ent = batch_logprobs(policy, ids_bT, cap, cfg.train.logprob_impl, temperature, lengths=lengths,
+                                       pack_to=mb.pack_to)
     gamma = None
     if old_src is not None:  # the shift needs this forward's router scores
         gamma = _router_shift_ratio(old_router, cap, old_src, rows.mask.shape)
         rows = dataclasses.replace(rows, router_shift_weight=router_shift_weight(gamma, cfg.algorithm.router_shift_floor))
-    if ctx.fused:
-        loss, logp, ent = hidden_loss(policy, hidden, ids_bT, functools.partial(_rows_part, ctx, rows, denom),
-                                      temperature, lengths=lengths)
-    else:
-        loss = rows_loss(ctx, rows, logp, denom, check_finite=False)[0]
+    with _range("lm_head_and_loss"):
+        if ctx.fused:
+            loss, logp, ent = hidden_loss(policy, hidden, ids_bT, functools.partial(_rows_part, ctx, rows, denom),
+                                          temperature, lengths=lengths)
+        else:
+            loss = rows_loss(ctx, rows, logp, denom, check_finite=False)[0]
     if src is not None:
         src.check_complete()
     return MicroOut(loss, logp.detach(), ent.detach(), gamma, cap)
@@ -378,10 +380,12 @@ def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, idx: torch.Tenso
     for mb in ctx.update_batches.plan(lengths):
         sl = mb.rows
         out = micro_step(ctx, whole.cut(mb))
-        out.loss.backward()
+        with _range("backward"):
+            out.loss.backward()
         if ctx.tracker is not None:
-            ctx.tracker.observe(sids[sl], out.capture.live_stacked(), routing_mask(response[sl]).reshape(-1),
-                                bias_ref=out.capture.bias_ref_stacked())
+            with _range("flip_tracker"):
+                ctx.tracker.observe(sids[sl], out.capture.live_stacked(), routing_mask(response[sl]).reshape(-1),
+                                    bias_ref=out.capture.bias_ref_stacked())
         if out.capture.noise is not None:
             counts = moved_slots(out.capture, routing_mask(response[sl]).reshape(-1))
             moved = counts if moved is None else moved + counts
@@ -397,10 +401,16 @@ def update_minibatch(ctx: StepContext, pb, old: OldPass, adv_B, idx: torch.Tenso
     out = minibatch_metrics(ctx, rows, logp, gamma, response, denom, corr_m, extra)
     if old.old_logp is None:  # what pi_old_pass reports from its pass, from this forward
         out.update(rollout_probs_diff(pb.engine_logprobs[idx][:, :T], logp, response))
-    out["grad_norm"] = ctx.optim.step()  # DP reduction, megatron's clipping, Adam on fp32 main params, LR schedule
+    with _range("optimizer"):
+        out["grad_norm"] = ctx.optim.step()  # DP reduction, megatron's clipping, Adam on fp32 main params, LR schedule
     if ctx.tracker is not None:
         ctx.tracker.updated()  # the next minibatch's forwards are one more update away from pi_old
     return out
+
+
+def _range(name: str):
+    """A named range of the update (moe_gspo/update/<name>) in a torch.profiler trace (logging.profile_step)."""
+    return torch.profiler.record_function(f"moe_gspo/update/{name}")
 
 
 def moved_slots(capture: RoutingCapture, mask_N: torch.Tensor) -> torch.Tensor:

@@ -140,11 +140,12 @@ def fwd_bwd(forward, params, batches) -> float:
     return dt
 
 
-def trl_steps(cfg, steps: int) -> list[dict]:
+def trl_steps(cfg, steps: int, vllm: bool = False) -> list[dict]:
     """TRL's GRPOTrainer on the same checkpoint, the same prompts (the ones moe-gspo's loop draws for steps
     0..steps-1, chat messages through the checkpoint's template), the same reward and batch shape
     (scripts/_rl_bench/trl_side.py maps the settings); per-step seconds: the whole step, generation with scoring,
-    the old-log-prob pass, and the rest (training)."""
+    the old-log-prob pass, and the rest (training). vllm: TRL generates with vLLM in its own process (its
+    "colocate" mode) instead of model.generate."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -176,7 +177,10 @@ def trl_steps(cfg, steps: int) -> list[dict]:
                 marks.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as d:
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**trl_kwargs(cfg, "grpo", d)),
+        kwargs = trl_kwargs(cfg, "grpo", d)
+        if vllm:
+            kwargs.update(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=2048)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**kwargs),
                               train_dataset=dataset, processing_class=tok, callbacks=[Boundaries()])
         gen, logps = trainer._generate_and_score_completions, trainer._get_per_token_logps_and_entropies
 
@@ -218,6 +222,18 @@ def print_profile(profile: dict) -> None:
             print(f"  {op['name'][:60]:60s} {op['calls']:7d} {op['ms'] / 1e3:8.2f} s {op['share']:6.1%}")
 
 
+def trl_in_own_process(argv, args) -> list[dict]:
+    """TRL's steps in a fresh process (`--trl-side-only`): the trainer's process, its engine and its memory are
+    gone by then, so neither side's memory or threads weigh on the other."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "trl.json"
+        cmd = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv), "--trl-side-only", str(out)]
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())
+
+
 def main(argv=None) -> int:
     from moe_gspo.config import load_config
 
@@ -229,6 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="a.b=v", help="config overrides")
     p.add_argument("--json", default=None)
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer on the same checkpoint and prompts")
+    p.add_argument("--trl-vllm", action="store_true", help="TRL generates with vLLM (colocate) instead of generate")
+    p.add_argument("--trl-side-only", metavar="JSON", help=argparse.SUPPRESS)  # the TRL side's own process
     p.add_argument("--profile", action="store_true",
                    help="then one more RL step, each phase under torch.profiler (kept out of the timings)")
     args = p.parse_args(argv)
@@ -237,6 +255,9 @@ def main(argv=None) -> int:
     over = ["train.eval_every=0", "train.eval_before=false", "train.checkpoint_every=0", "logging.progress=false",
             "logging.tensorboard=false", f"train.steps={args.steps}", *args.set]
     cfg = load_config(args.config, over)
+    if args.trl_side_only:
+        Path(args.trl_side_only).write_text(json.dumps(trl_steps(cfg, args.steps, vllm=args.trl_vllm)))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         phases, pb, run = rl_steps(cfg, Path(tmp) / "run", args.steps)
         peak_rl = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux reports KiB)
@@ -268,12 +289,7 @@ def main(argv=None) -> int:
             profile["step_s"] = t
             print_profile(profile)
         run.close()
-    if torch.distributed.is_initialized():  # TRL's accelerate would take the trainer's process group for its own
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
-    trl = trl_steps(cfg, args.steps) if args.trl else None
+    trl = trl_in_own_process(argv, args) if args.trl else None
     med = {k: statistics.median(v[1:]) for k, v in rows.items()}
     measured = phases[1:] or phases  # the first step pays for first-touch allocations and the engine's warmup
     phase = {k: statistics.median(s[k] for s in measured) for k in ("rollout", "logprob", "train", "sync", "step")}

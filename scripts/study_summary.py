@@ -10,14 +10,18 @@
     python scripts/study_summary.py precision --bf16 runs/granularity --fp16 runs/precision_fp16 \
         --bf16-r3 runs/precision_bf16_r3 [--steps 6]
     python scripts/study_summary.py load runs/study_router_volatility
+    python scripts/study_summary.py steps runs/study_router_volatility_s100 [--first 1] [--last 10]
     python scripts/study_summary.py power --effect 0.15 --m 3 [--collapse 0.5 0.1] [--sd 0.2] \
         docs/results/regime/runs docs/results/vllm/runs
 
 volatility: a volatility study's table (one row per point of its depth, lr and minibatch sweeps), as the study's
 own study_table.csv computes it, from study.json and the runs' metrics.
 granularity: per expert layout and depth, the flip rate after one update (twice the step mean: the study runs 2
-minibatches per rollout batch) with its 95% t-interval over seeds, each run's last-third / first-third layer ratio,
-the engine mismatch, and the 16- over 4-layer ratio paired by seed (geometric mean).
+minibatches per rollout batch) with its 95% t-interval over seeds, by routed slot and, for runs that logged it, by
+(token, layer) pair whose expert set changed, their ratio paired by run, and the set rate independent slot flips
+would give (1 - (1 - p)^k); each run's last-third / first-third layer ratio, the engine mismatch, and the 16- over
+4-layer ratio paired by seed (geometric mean).
+steps: a compare directory's mean training reward per step over seeds, per variant, for steps --first..--last.
 paired: a `moe-gspo compare` directory's variants against its baseline (grpo), per variant: the final reward with
 its 95% t-interval, the paired difference with its per-comparison 95% interval, p-value and the interval widened
 for the number of comparisons (Bonferroni), runs above the baseline, collapses (recovered) with Fisher's exact p
@@ -66,6 +70,7 @@ from moe_gspo.report.stats import (fisher_exact, fisher_power, paired_p, paired_
 FLIP, MISMATCH, PDIFF = "moe/flip_rate", "moe/rollout_train_mismatch", "rollout_probs_diff_mean"
 MOVED = "moe/routing_noise_moved"  # train.routing_noise's share of moved slots
 AFTER_1 = "moe/flip_rate/after_1"  # the flip rate of the forwards one optimizer update after pi_old
+SET_FLIP = "moe/set_flip_rate"  # (token, layer) pairs whose expert set changed (runs from before it: absent)
 POINT = re.compile(r"L(\d+)_lr[^_]+_mb(\d+)(?:_E(\d+)k(\d+))?$")
 
 
@@ -113,16 +118,23 @@ def granularity(study: Path, out_json: Path | None) -> None:
             layers = [mean(rs, f"{FLIP}/layer_{i}") or 0.0 for i in range(depth)]
             n = depth // 3
             first = np.mean(layers[:n]) if n else 0.0
+            sets = mean(rs, SET_FLIP)
             vals.append({"per_update": 2 * (mean(rs, FLIP) or 0.0), "mismatch": mean(rs, MISMATCH),
+                         "sets_per_update": None if sets is None else 2 * sets,
                          "third_ratio": float(np.mean(layers[-n:]) / first) if first > 0 else None,
                          "reward": mean(rs, "reward/mean")})
         per[(e, k, depth)] = vals
-    print("| experts | top-k | layers | after one update % | last / first third | engine mismatch % | reward |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| experts | top-k | layers | slots flipped after one update % | sets changed after one update % | "
+          "sets / slots | 1 - (1 - slots)^k % | last / first third | engine mismatch % | reward |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (e, k, d), vals in sorted(per.items()):
         col = lambda key: [v[key] for v in vals]  # noqa: E731
-        print(f"| {e} | {k} | {d} | {cell(col('per_update'))} | {cell(col('third_ratio'), 1.0)} | "
-              f"{cell(col('mismatch'))} | {np.mean([x for x in col('reward') if x is not None]):.2f} |")
+        sets = [v["sets_per_update"] for v in vals]
+        ratio = ratio_cell([(b, a) for a, b in zip(col("per_update"), sets) if b is not None])
+        independent = [1 - (1 - x) ** k for x in col("per_update")]  # sets if a token's k slots flipped independently
+        print(f"| {e} | {k} | {d} | {cell(col('per_update'))} | {cell(sets)} | {ratio} | {cell(independent)} | "
+              f"{cell(col('third_ratio'), 1.0)} | {cell(col('mismatch'))} | "
+              f"{np.mean([x for x in col('reward') if x is not None]):.2f} |")
     depths = sorted({d for _, _, d in per})
     if len(depths) == 2:
         lo, hi = depths
@@ -418,7 +430,19 @@ def power(dirs: list[Path], effect: float, m: int, sd: float | None, collapse: l
 EXPORT_KEYS = ("step", "reward/mean", "accuracy", "groups/with_variance", "response_length/mean", FLIP, MISMATCH,
                PDIFF, "rollout_probs_diff_max", "pg_clipfrac", "ppo_kl", "grad_norm", "ratio_max", "entropy",
                "moe/flip_tokens", "router_lr", "moe/load_max_over_mean", "moe/load_entropy")
-EXPORT_PREFIXES = (FLIP + "/layer_", "moe/load/layer_", "moe/load_max_over_mean/layer_", "moe/load_entropy/layer_")
+EXPORT_PREFIXES = (FLIP + "/layer_", FLIP + "/after_", SET_FLIP, "moe/load/layer_", "moe/load_max_over_mean/layer_", "moe/load_entropy/layer_")
+
+
+def steps(out: Path, first: int, last: int) -> None:
+    variants = sorted(d.name for d in out.iterdir() if d.is_dir() and any(d.glob("seed_*/metrics.jsonl")))
+    print("| variant | seeds | " + " | ".join(f"step {s}" for s in range(first, last + 1)) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in range(first, last + 1)) + " |")
+    for v in variants:
+        runs = [records(r) for r in sorted((out / v).glob("seed_*"))]
+        by_step = {s: [r["reward/mean"] for rs in runs for r in rs if r.get("step") == s and "reward/mean" in r]
+                   for s in range(first, last + 1)}
+        print(f"| {v} | {len(runs)} | " + " | ".join(f"{np.mean(x):.3f}" if x else "-" for x in by_step.values())
+              + " |")
 
 
 def export(out: Path, dest: Path) -> None:
@@ -463,6 +487,10 @@ def main() -> None:
     cr.add_argument("out", type=Path)
     ld = sub.add_parser("load")
     ld.add_argument("compare_dir", type=Path)
+    st = sub.add_parser("steps")
+    st.add_argument("compare_dir", type=Path)
+    st.add_argument("--first", type=int, default=1)
+    st.add_argument("--last", type=int, default=10)
     pw = sub.add_parser("power")
     pw.add_argument("compare_dirs", type=Path, nargs="*", help="committed compare directories to measure the SD on")
     pw.add_argument("--effect", type=float, required=True, help="the true mean difference in final reward to detect")
@@ -491,6 +519,8 @@ def main() -> None:
         load(a.compare_dir)
     elif a.what == "power":
         power(a.compare_dirs, a.effect, a.m, a.sd, a.collapse)
+    elif a.what == "steps":
+        steps(a.compare_dir, a.first, a.last)
     elif a.what == "export":
         export(a.compare_dir, a.dest)
     else:

@@ -210,6 +210,30 @@ def test_study_summary_contrasts_recomputes_the_committed_vllm_study():
     assert got["family_size"] == 3 and got["collapsed"]["gspo"] == 0
 
 
+def test_study_summary_steps_gives_each_variants_mean_reward_per_step():
+    """scripts/study_summary.py steps on committed raw data (docs/results/router_volatility_s100/runs): each cell is
+    the mean over the variant's seeds of that step's reward/mean."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    runs = ROOT / "docs/results/router_volatility_s100/runs"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/study_summary.py"), "steps", str(runs), "--first", "2",
+                          "--last", "4"], capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ") for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| variant") and "---" not in line}
+    assert set(rows) == {"grpo", "grpo_r2", "grpo_r3", "grpo_s1", "gspo"}
+    for variant in ("gspo", "grpo_s1"):
+        seeds = sorted((runs / variant).glob("seed_*"))
+        for col, step in enumerate((2, 3, 4)):
+            vals = [r["reward/mean"] for d in seeds for r in map(json.loads, (d / "metrics.jsonl").read_text()
+                                                                  .splitlines()) if r["step"] == step]
+            assert rows[variant][1] == str(len(seeds)) and len(vals) == len(seeds)
+            assert float(rows[variant][2 + col]) == pytest.approx(np.mean(vals), abs=5e-4)
+
+
 def test_study_summary_regime_recomputes_the_committed_offpolicy_depth_study():
     """scripts/study_summary.py regime on committed raw data (docs/results/offpolicy_depth/runs): a run's clip
     fraction and flip rate are means over its steps where some group had reward variance, its ratio_max the largest

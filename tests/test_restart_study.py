@@ -29,3 +29,28 @@ def test_restart_points_are_before_the_collapse(tmp_path):
     # seed 2 falls at step 3, too early to restart 5 steps before; seeds 0 and 3 never collapse (3 never peaks at
     # 0.1)
     assert points == {1: (18, 0.5)}
+
+
+def test_recovery_is_counted_by_the_registered_rule_and_the_stricter_reading_apart(tmp_path, capsys):
+    """A restart whose final reward (last 10 steps) reaches half the pre-collapse peak, with no collapse after the
+    restart, recovered: the registered rule. Its last smoothed reward below that level only changes the second,
+    stricter column."""
+    def write(d, y):
+        d.mkdir(parents=True)
+        d.joinpath("metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "reward/mean": v}) + "\n"
+                                                      for i, v in enumerate(y)))
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    write(src / "grpo" / "seed_1", [0.5] * 20 + [0.0] * 20)
+    (src / "compare.json").write_text(json.dumps({"variants": {"grpo": []}, "seeds": [1]}))
+    # after the restart (step 18) a peak of 0.3 and an end at 0.24: no collapse by the rule (0.24 is above half of
+    # 0.3), final reward 0.27 >= 0.25 (half the source's 0.5), last smoothed 0.24 < 0.25
+    write(out / "late_dip" / "seed_1", [0.5] * 18 + [0.3] * 17 + [0.24] * 5)
+    write(out / "flat" / "seed_1", [0.5] * 40)
+    write(out / "none" / "seed_1", [0.5] * 18 + [0.0] * 22)
+    _script().summary(src, "grpo", out, before=5)
+    rows = {line.split(" | ")[0].strip("| "): line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "| all |" in line}
+    assert rows["late_dip"].endswith("| 1/1 | 0/1 |")
+    assert rows["flat"].endswith("| 1/1 | 1/1 |")
+    assert rows["none"].endswith("| 0/1 | 0/1 |")

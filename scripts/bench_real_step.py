@@ -14,8 +14,9 @@ that batch's rows, cut into the trainer's micro-batches, are then timed in the s
   same loss: the reference the policy's forward+backward is held to;
 - "optimizer step": the trainer's optimizer step alone (megatron's Adam over all parameters, with clipping).
 
---trl then runs TRL's GRPOTrainer (model.generate, fp32, AdamW) on the same checkpoint, prompts, reward and batch
-shape (scripts/_rl_bench/trl_side.py's mapping) and reports both sides' phases and the step-time ratio.
+--trl first runs TRL's GRPOTrainer in a process of its own (model.generate, fp32, AdamW) on the same checkpoint,
+prompts, reward and batch shape (scripts/_rl_bench/trl_side.py's mapping), and the report gives both sides' phases
+and the step-time ratio.
 
 The ratio `isolated / training phase` (isolated = policy fwd+bwd + optimizer step, times the minibatches; the
 training phase of the last step, whose rows they are) is the
@@ -223,8 +224,8 @@ def print_profile(profile: dict) -> None:
 
 
 def trl_in_own_process(argv, args) -> list[dict]:
-    """TRL's steps in a fresh process (`--trl-side-only`): the trainer's process, its engine and its memory are
-    gone by then, so neither side's memory or threads weigh on the other."""
+    """TRL's steps in a fresh process (`--trl-side-only`), so that neither side's memory or threads weigh on the
+    other."""
     import subprocess
 
     with tempfile.TemporaryDirectory() as d:
@@ -258,6 +259,9 @@ def main(argv=None) -> int:
     if args.trl_side_only:
         Path(args.trl_side_only).write_text(json.dumps(trl_steps(cfg, args.steps, vllm=args.trl_vllm)))
         return 0
+    # TRL's side first, in its own process, while this one holds nothing large: the trainer's side below keeps
+    # its policy, optimizer state and engine until the end, and two 10-20 GB processes do not fit in 24 GB
+    trl = trl_in_own_process(argv, args) if args.trl else None
     with tempfile.TemporaryDirectory() as tmp:
         phases, pb, run = rl_steps(cfg, Path(tmp) / "run", args.steps)
         peak_rl = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux reports KiB)
@@ -289,7 +293,6 @@ def main(argv=None) -> int:
             profile["step_s"] = t
             print_profile(profile)
         run.close()
-    trl = trl_in_own_process(argv, args) if args.trl else None
     med = {k: statistics.median(v[1:]) for k, v in rows.items()}
     measured = phases[1:] or phases  # the first step pays for first-touch allocations and the engine's warmup
     phase = {k: statistics.median(s[k] for s in measured) for k in ("rollout", "logprob", "train", "sync", "step")}

@@ -21,7 +21,9 @@ REL, ABS = 1e-5, 1e-7  # far above run-to-run rounding on one machine (0), far b
 # diagnostics added after curves were stored (they change nothing the run computes): a stored curve may lack them,
 # and is compared on the keys it has; a curve written since holds them and is compared on them too
 ADDED_SINCE = {"moe/rollout_train_token_mismatch"}
-ADDED_SINCE_PREFIXES = ("moe/flip_rate/after_",)  # the flip rate by updates since pi_old, one key per depth
+# the flip rate by updates since pi_old (one key per depth), and the flip rate by expert set (overall, per layer, per
+# depth)
+ADDED_SINCE_PREFIXES = ("moe/flip_rate/after_", "moe/set_flip_rate")
 
 
 def _first_departure(rows, stored) -> str | None:

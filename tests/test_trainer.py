@@ -184,9 +184,15 @@ def test_profile_step_writes_that_steps_phases_and_operators_and_a_trace(tmp_pat
     assert sorted(p.name for p in tmp_path.glob("profile_step_*")) == ["profile_step_2.json.gz",
                                                                        "profile_step_2.txt"]
     text = (tmp_path / "profile_step_2.txt").read_text()
-    phases = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("moe_gspo/")}
+    ranges = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("moe_gspo/")}
+    phases = {k: v for k, v in ranges.items() if not k.startswith("moe_gspo/update/")}
+    update = {k: v for k, v in ranges.items() if k.startswith("moe_gspo/update/")}
     assert set(phases) == {f"moe_gspo/{p}" for p in ("step", "rollout", "logprob", "train", "sync")}, text
     assert phases["moe_gspo/step"] >= phases["moe_gspo/train"] + phases["moe_gspo/rollout"] > 0
+    # the update's own ranges, inside the training phase
+    assert set(update) == {f"moe_gspo/update/{p}" for p in ("forward", "lm_head_and_loss", "backward", "optimizer",
+                                                              "flip_tracker")}, text
+    assert 0 < sum(update.values()) <= phases["moe_gspo/train"]
     assert "aten::mm" in text
     events = json.loads(gzip.decompress((tmp_path / "profile_step_2.json.gz").read_bytes()))["traceEvents"]
     assert {"moe_gspo/train", "moe_gspo/rollout"} <= {e.get("name") for e in events}

@@ -145,8 +145,8 @@ def trl_steps(cfg, steps: int, vllm: bool = False) -> list[dict]:
     """TRL's GRPOTrainer on the same checkpoint, the same prompts (the ones moe-gspo's loop draws for steps
     0..steps-1, chat messages through the checkpoint's template), the same reward and batch shape
     (scripts/_rl_bench/trl_side.py maps the settings); per-step seconds: the whole step, generation with scoring,
-    the old-log-prob pass, and the rest (training). vllm: TRL generates with vLLM in its own process (its
-    "colocate" mode) instead of model.generate."""
+    the old-log-prob pass, and the rest (training). vllm: TRL generates with vLLM inside its trainer's process
+    (its "colocate" mode) instead of model.generate."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -223,7 +223,7 @@ def print_profile(profile: dict) -> None:
             print(f"  {op['name'][:60]:60s} {op['calls']:7d} {op['ms'] / 1e3:8.2f} s {op['share']:6.1%}")
 
 
-def trl_in_own_process(argv, args) -> list[dict]:
+def trl_in_own_process(argv) -> list[dict]:
     """TRL's steps in a fresh process (`--trl-side-only`), so that neither side's memory or threads weigh on the
     other."""
     import subprocess
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
         return 0
     # TRL's side first, in its own process, while this one holds nothing large: the trainer's side below keeps
     # its policy, optimizer state and engine until the end, and two 10-20 GB processes do not fit in 24 GB
-    trl = trl_in_own_process(argv, args) if args.trl else None
+    trl = trl_in_own_process(argv) if args.trl else None
     with tempfile.TemporaryDirectory() as tmp:
         phases, pb, run = rl_steps(cfg, Path(tmp) / "run", args.steps)
         peak_rl = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux reports KiB)

@@ -79,8 +79,8 @@ def summary(src: Path, variant: str, out: Path, before: int) -> None:
     points = restart_points(src, variant, before)
     print(f"{out}: restarts of {src}/{variant}'s collapsed runs, {before} steps before the collapse began; recovered = "
           f"final reward (last {st.final_window} steps) >= {st.collapse_fraction:g} x the pre-collapse peak and no "
-          "collapse after the restart (the registered rule); 'and last smoothed' also asks the last smoothed reward to be "
-          "at that level (not registered)")
+          "collapse after the restart (the registered rule); 'and last smoothed' also asks the last smoothed reward "
+          "to be at that level (not registered)")
     print("| arm | seed | restart step | pre-collapse peak (smoothed) | final reward | recovered | and last smoothed |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for arm in sorted(p.name for p in out.iterdir() if p.is_dir()):

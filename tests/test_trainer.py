@@ -537,4 +537,5 @@ def test_one_update_per_step_takes_pi_old_from_its_own_forward_and_trains_as_the
         assert a["rollout_probs_diff_max"] < 1e-4 and b["rollout_probs_diff_max"] < 1e-4  # fp32 engine and trainer
         for k in ("pg_loss", "grad_norm", "entropy", "reward/mean", "rollout_probs_diff_mean"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), k
-    assert min(a["grad_norm"] for a in auto) > 1e-3  # the gradient is the policy gradient, not the 0 of a constant ratio
+    # the gradient is the policy gradient, not the 0 of a constant ratio
+    assert min(a["grad_norm"] for a in auto) > 1e-3

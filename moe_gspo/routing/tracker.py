@@ -234,7 +234,8 @@ class ExpertFlipTracker:
             out.update({f"moe/flip_rate/after_{j}": f / n for j, (f, n) in
                         enumerate(zip(depth[:_DEPTHS], depth[_DEPTHS:2 * _DEPTHS])) if n > 0})
             out["moe/set_flip_rate"] = sum(set_l) * k / sum(load_l)
-            out.update({f"moe/set_flip_rate/layer_{i}": f * k / max(n, 1) for i, (f, n) in enumerate(zip(set_l, load_l))})
+            out.update({f"moe/set_flip_rate/layer_{i}": f * k / max(n, 1)
+                        for i, (f, n) in enumerate(zip(set_l, load_l))})
             out.update({f"moe/set_flip_rate/after_{j}": f / n for j, (f, n) in
                         enumerate(zip(depth[2 * _DEPTHS:3 * _DEPTHS], depth[3 * _DEPTHS:])) if n > 0})
             out.update(load_metrics(torch.tensor(load_LE, dtype=torch.float64).view(L, E)))

@@ -176,6 +176,14 @@ def test_overlong_rows_are_dropped_at_load_when_asked(tmp_path, capsys):
     (["rollout.answer_field=a..b"], "rollout.answer_field"),
     (["rollout.reward=nope.py:f"], "no such file nope.py"),
     (["rollout.reward=rewards.txt:f"], "'path/to/file.py:function'"),
+    (["rollout.reward=[exact, nope.py:f]"], "rollout.reward[1]='nope.py:f': no such file nope.py"),
+    (["rollout.reward=[]"], "rollout.reward=[] names no reward function"),
+    (["rollout.reward=[exact, exact]", "rollout.reward_weights=[1.0]"],
+     "rollout.reward_weights=[1.0] has 1 weights for 2 reward functions"),
+    (["rollout.reward=exact", "rollout.reward_weights=[.nan]"], "rollout.reward_weights=[nan] must be finite"),
+    (["rollout.task=dataset", f"rollout.dataset_path={TRL}", "rollout.answer_field=null",
+      "rollout.reward=[examples/rewards/trl_length_reward.py:reward, gsm8k]"],
+     "the built-in reward 'gsm8k' compares with one"),
     (["rollout.chat_template=never"], "rollout.chat_template='never' is not one of"),
     (["rollout.eval_samples=0"], "rollout.eval_samples=0 must be > 0"),
     (["train.eval_every=2", "rollout.task=dataset", "rollout.task_args=", f"rollout.dataset_path={TRL}"],
@@ -294,3 +302,22 @@ def test_prompts_only_data_with_a_reward_that_needs_no_answer(tmp_path):
     m = train(load_config(TINY, over + ["rollout.reward=examples/rewards/trl_length_reward.py:reward"]),
               run_dir=tmp_path / "run")
     assert m["reward/std"] > 0  # the lengths differ: the reward read the completions and nothing else
+
+
+def test_several_weighted_rewards_train_and_log_each_function(tmp_path):
+    """rollout.reward as a list with rollout.reward_weights (TRL's reward_funcs/reward_weights) trains; the step
+    logs each function's mean and its count of Nones beside the weighted reward."""
+    from moe_gspo.train.loop import train
+
+    rm = tmp_path / "rm.py"
+    rm.write_text("def short(prompts, completions, **kwargs):\n"
+                  "    return [None if len(c) % 2 else -0.1 * len(c) for c in completions]\n")
+    over = ["model.hidden_size=32", "train.steps=1", "train.cold_start_steps=0", "rollout.prompts_per_step=2",
+            "rollout.group_size=4", "train.minibatches=1", "logging.progress=false", "logging.tensorboard=false",
+            f"rollout.reward=[exact, {rm}:short]", "rollout.reward_weights=[1.0, 0.5]"]
+    m = train(load_config(TINY, over), run_dir=tmp_path / "run")
+    assert {"reward/exact/mean", "reward/short/mean", "reward/short/none"} <= set(m)
+    assert m["reward/exact/none"] == 0 and m["reward/skipped"] == 0  # exact scores every sample
+    scored = 8 - m["reward/short/none"]  # 2 prompts x 4 responses, every one scored by exact
+    short = m["reward/short/mean"] * scored / 8 if scored else 0.0
+    assert m["reward/mean"] == pytest.approx(m["reward/exact/mean"] + 0.5 * short, abs=1e-6)

@@ -344,3 +344,39 @@ def test_the_example_reward_files_load_and_score():
     assert r == pytest.approx([1.0 - 5e-4, 1.0 - 11e-4])
     r = score_responses(trl, ["so 172", "x" * 5000], exs).rewards.tolist()
     assert r == pytest.approx([-6e-4, -0.1])
+
+
+
+MIXED = """
+import math
+
+def parity(prompts, completions, **kwargs):
+    return [None if len(c) % 2 else 1.0 for c in completions]
+
+def nan_on_x(response, example):
+    return math.nan if response == "x" else 0.25
+"""
+
+
+def test_several_rewards_sum_with_weights_over_the_functions_that_scored_each_sample(tmp_path):
+    """TRL's reward_funcs/reward_weights: each sample's reward is sum_i w_i r_i over the functions that returned a
+    number for it; None skips that function for that sample; no function scoring it, or one failing on it (NaN),
+    leaves the sample without a reward (rollout.bad_reward decides); each function's mean and Nones are logged."""
+    from moe_gspo.rewards import WeightedRewards, load_rewards
+
+    path = write(tmp_path, "mixed_rm.py", MIXED)
+    fn = load_rewards(["exact", path + ":parity", path + ":nan_on_x"], [2.0, 0.5, -1.0])
+    assert isinstance(fn, WeightedRewards) and fn.names == ["exact", "parity", "nan_on_x"]
+    exs = [Example("q", "42"), Example("q", "8"), Example("q", "x")]
+    res = score_responses(fn, ["42", "7", "x"], exs, warn=False)
+    # "42": 2*1 + 0.5*1 - 0.25 = 2.25; "7": 2*0 + (parity: None, odd length) - 0.25 = -0.25; "x": nan_on_x failed
+    assert res.rewards[:2].tolist() == [2.25, -0.25] and math.isnan(res.rewards[2])
+    assert res.valid.tolist() == [True, True, False]
+    assert res.errors[:2] == [None, None] and res.errors[2] == "nan_on_x: reward function nan_on_x returned nan"
+    assert res.components == {"reward/exact/mean": pytest.approx(2 / 3), "reward/exact/none": 0.0,
+                              "reward/parity/mean": 1.0, "reward/parity/none": 2.0,
+                              "reward/nan_on_x/mean": 0.25, "reward/nan_on_x/none": 0.0}
+    only = score_responses(load_rewards([path + ":parity", path + ":parity"]), ["ab", "abc"], exs[:2], warn=False)
+    assert only.rewards[0] == 2.0 and only.valid.tolist() == [True, False]
+    assert only.errors[1] == "none of the reward functions parity_0, parity_1 scored it (each returned None)"
+    assert load_rewards("exact") is load_reward("exact")  # one function: itself, with no weights to apply

@@ -66,3 +66,20 @@ def names_a_module(file: str) -> bool:
     from pathlib import Path
 
     return not file.endswith(".py") and not Path(file).exists() and all(p.isidentifier() for p in file.split("."))
+
+
+def check_reward_spec(reward: str, where: str) -> None:
+    """A reward of one's own ('file.py:function' or 'package.module:function') names a file that exists or an
+    installed module, checked without importing it; a built-in name is checked when the reward is loaded."""
+    import importlib.util
+    from pathlib import Path
+
+    if ":" not in reward or reward.startswith(":"):
+        return
+    file = reward.rsplit(":", 1)[0]
+    module = names_a_module(file) and importlib.util.find_spec(file.split(".")[0]) is not None
+    if not file.endswith(".py") and not module:
+        raise ConfigError(f"{where}={reward!r}: a reward of your own is 'path/to/file.py:function' "
+                          "(or 'package.module:function' of an installed module)")
+    if not module and not Path(file).is_file():
+        raise ConfigError(f"{where}={reward!r}: no such file {file} (relative to {Path.cwd()})")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from moe_gspo.config.algorithm import AlgorithmConfig
-from moe_gspo.config.checks import ConfigError, choice, names_a_module, positive
+from moe_gspo.config.checks import ConfigError, check_reward_spec, choice, positive
 from moe_gspo.config.hf_config import model_config_from_hf
 from moe_gspo.config.model import ModelConfig, ParallelConfig, architecture_changes
 
@@ -53,12 +54,16 @@ class RolloutConfig:
     message and templated too) or 'none' (no template: chat-message prompts are refused)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3's."""
-    reward: str | None = None
+    reward: str | list[str] | None = None
     """The reward: a built-in name ('math', 'exact', 'gsm8k', 'boxed', 'last_number', 'countdown'),
     'path/to/file.py:function' or 'package.module:function' (an installed module's, e.g. TRL's
     'trl.rewards:accuracy_reward'): a function with verl's signature (data_source, solution_str, ground_truth,
     extra_info) or TRL's (prompts, completions, **columns); None: the task's own (exact or countdown for the
-    built-in tasks, 'math' for a data set)."""
+    built-in tasks, 'math' for a data set). A list of them (TRL's reward_funcs): a sample's reward is the weighted
+    sum of those that scored it (a function returning None does not score that sample), each logged as
+    reward/<name>/mean."""
+    reward_weights: list[float] | None = None
+    """One weight per function of a rollout.reward list (TRL's reward_weights); None: 1 each."""
     prompts_per_step: int = 8
     """Prompts per rollout batch."""
     group_size: int = 8
@@ -185,28 +190,27 @@ class RolloutConfig:
             if stray:
                 raise ConfigError(f"{', '.join(stray)} read a data set, but rollout.task={self.task!r} is a built-in "
                                   "task; set rollout.task=dataset")
-        if self.answer_field is None and self.task in self.DATASET_TASKS and (self.reward is None or
-                                                                            ":" not in self.reward):
-            raise ConfigError(f"rollout.answer_field=null (prompts only) needs a reward of your own that reads no "
-                              f"answer; the built-in reward {self.reward or 'math'!r} compares with one")
+        rewards = [self.reward] if isinstance(self.reward, str) else list(self.reward or [])
+        if isinstance(self.reward, list) and not rewards:
+            raise ConfigError("rollout.reward=[] names no reward function; leave it unset for the task's own")
+        if self.reward_weights is not None:
+            if len(self.reward_weights) != len(rewards):
+                raise ConfigError(f"rollout.reward_weights={self.reward_weights} has {len(self.reward_weights)} "
+                                  f"weights for {len(rewards)} reward functions in rollout.reward")
+            if not all(math.isfinite(w) for w in self.reward_weights):
+                raise ConfigError(f"rollout.reward_weights={self.reward_weights} must be finite numbers")
+        builtin = [r for r in rewards or [None] if r is None or ":" not in r]
+        if self.answer_field is None and self.task in self.DATASET_TASKS and builtin:
+            raise ConfigError(f"rollout.answer_field=null (prompts only) needs rewards of your own that read no "
+                              f"answer; the built-in reward {builtin[0] or 'math'!r} compares with one")
         for name in ("prompt_field", "answer_field"):
             if name == "answer_field" and self.answer_field is None:
                 continue
             if not getattr(self, name) or any(not p for p in getattr(self, name).split(".")):
                 raise ConfigError(f"rollout.{name}={getattr(self, name)!r} must name a column (a.b for a field "
                                   "inside one)")
-        if self.reward is not None and ":" in self.reward and not self.reward.startswith(":"):
-            file = self.reward.rsplit(":", 1)[0]
-            module = names_a_module(file)
-            if module:
-                import importlib.util
-
-                module = importlib.util.find_spec(file.split(".")[0]) is not None  # an installed package, not imported
-            if not file.endswith(".py") and not module:
-                raise ConfigError(f"rollout.reward={self.reward!r}: a reward of your own is 'path/to/file.py:function' "
-                                  "(or 'package.module:function' of an installed module)")
-            if not module and not Path(file).is_file():
-                raise ConfigError(f"rollout.reward={self.reward!r}: no such file {file} (relative to {Path.cwd()})")
+        for i, reward in enumerate(rewards):
+            check_reward_spec(reward, "rollout.reward" + (f"[{i}]" if isinstance(self.reward, list) else ""))
 
 
 @dataclass

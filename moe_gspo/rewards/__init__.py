@@ -16,17 +16,18 @@ The built-ins, each `fn(response, example) -> float` comparing with example.answ
 load_reward (moe_gspo.rewards.user) also takes `path/to/file.py:function`: a function written for verl
 (data_source, solution_str, ground_truth, extra_info), for TRL (prompts, completions, **kwargs) or for this
 package (response, example). An exception raised in it stops the run with RewardFunctionError, naming the sample.
+load_rewards takes a list of either, with weights: each sample's reward is the weighted sum of those that scored it.
 """
 
 from __future__ import annotations
 
 from moe_gspo.rewards.builtin import REWARD_FNS, get_reward_fn
 from moe_gspo.rewards.math_verifier import math_verify_reward
-from moe_gspo.rewards.score import RewardResult, score_responses
+from moe_gspo.rewards.score import RewardResult, WeightedRewards, score_responses
 from moe_gspo.rewards.synthetic import countdown, countdown_value, exact_match
 from moe_gspo.rewards.text import boxed_reward, gsm8k_reward
-from moe_gspo.rewards.user import RewardFunctionError, UserReward, load_reward
+from moe_gspo.rewards.user import RewardFunctionError, UserReward, load_reward, load_rewards
 
-__all__ = ["REWARD_FNS", "RewardFunctionError", "RewardResult", "UserReward", "boxed_reward", "countdown",
-           "countdown_value", "exact_match", "get_reward_fn", "gsm8k_reward", "load_reward", "math_verify_reward",
-           "score_responses"]
+__all__ = ["REWARD_FNS", "RewardFunctionError", "RewardResult", "UserReward", "WeightedRewards", "boxed_reward",
+           "countdown", "countdown_value", "exact_match", "get_reward_fn", "gsm8k_reward", "load_reward",
+           "load_rewards", "math_verify_reward", "score_responses"]

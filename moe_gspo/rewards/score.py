@@ -5,10 +5,17 @@
     result.valid        # (N,) bool
     result.errors       # list[str | None]: "ZeroDivisionError: ..." for the failed samples
     result.metrics()    # {"reward/mean": ..., "reward/errors": 2.0, ...}
+    result = score_responses(WeightedRewards([f, g], [1.0, 0.5], ["math", "format"]), texts, examples)
+    result.components   # {"reward/math/mean": ..., "reward/format/none": 3.0, ...}
 
 A per-sample function `fn(response, example)` is called once per sample; an object with `batched = True` (a user's
 function, moe_gspo.rewards.user) is called once, as `fn.score_batch(responses, examples)`, and returns one reward or
 None per sample. A UserError (a user's reward function that raised) is not a failed sample: it stops the run.
+
+Several reward functions (WeightedRewards, TRL's reward_funcs and reward_weights) give each sample the weighted sum
+of the functions that scored it. A function returning None for a sample does not score it (TRL's convention: a
+reward that applies only to some rows); a sample no function scored, or one a function failed on (an exception, NaN
+or inf), has no reward.
 
 A failed sample must be excluded by the caller (for example masked out of its group's advantage); its reward is
 NaN precisely so that forgetting to do so shows up instead of training on a made-up score.
@@ -19,7 +26,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +38,8 @@ class RewardResult:
     rewards: torch.Tensor  # (N,) float32, NaN where the reward function raised or returned a non-number
     valid: torch.Tensor  # (N,) bool
     errors: list[str | None]  # per sample: None, or why it has no reward ("<ExceptionType>: message")
+    absent: torch.Tensor | None = None  # (N,) bool: the function returned None (did not score the sample)
+    components: dict[str, float] = field(default_factory=dict)  # several functions: each one's mean and Nones
 
     @property
     def num_errors(self) -> int:
@@ -48,9 +57,14 @@ class RewardResult:
 def _score_each(reward_fn: Callable, responses: Sequence[str], examples: Sequence):
     """(rewards, errors): reward_fn(response, example) per sample; an exception or non-number fails that sample."""
     rewards, errors = [], []
+    name = getattr(reward_fn, "__name__", repr(reward_fn))
     for text, ex in zip(responses, examples):
         try:
             r = reward_fn(text, ex)
+            if r is None:
+                rewards.append(float("nan"))
+                errors.append(f"reward function {name} returned None")
+                continue
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
                 raise TypeError(f"reward function returned {r!r}, not a finite number")
             rewards.append(float(r))
@@ -75,16 +89,60 @@ def _score_batched(reward_fn, responses: Sequence[str], examples: Sequence):
     return rewards, errors
 
 
-def score_responses(reward_fn: Callable, responses: Sequence[str], examples: Sequence,
-                    warn: bool = True) -> RewardResult:
-    """Score every sample with `reward_fn` (per sample, or in one call when it is batched); an exception or
-    non-finite value marks that sample failed, except a UserError, which propagates."""
-    if len(responses) != len(examples):
-        raise ValueError(f"{len(responses)} responses but {len(examples)} examples")
+class WeightedRewards:
+    """Several reward functions scored together; a sample's reward is sum_i weight_i * reward_i over the functions
+    that scored it (score_responses)."""
+
+    def __init__(self, fns: Sequence[Callable], weights: Sequence[float], names: Sequence[str]):
+        if not len(fns) == len(weights) == len(names) or not fns:
+            raise ValueError(f"{len(fns)} reward functions, {len(weights)} weights, {len(names)} names")
+        self.fns, self.weights, self.names = list(fns), [float(w) for w in weights], list(names)
+        self.__name__ = "+".join(self.names)
+
+
+def _score_one(reward_fn, responses: Sequence[str], examples: Sequence) -> RewardResult:
     score = _score_batched if getattr(reward_fn, "batched", False) else _score_each
     rewards, errors = score(reward_fn, responses, examples)
-    result = RewardResult(torch.tensor(rewards, dtype=torch.float32),
-                          torch.tensor([e is None for e in errors], dtype=torch.bool), errors)
+    absent = [e is not None and e.endswith(" returned None") for e in errors]
+    return RewardResult(torch.tensor(rewards, dtype=torch.float32),
+                        torch.tensor([e is None for e in errors], dtype=torch.bool), errors,
+                        torch.tensor(absent, dtype=torch.bool))
+
+
+def _combine(rewards: WeightedRewards, parts: list[RewardResult]) -> RewardResult:
+    """The weighted sum over the functions that scored each sample; a failure in any function, or no function
+    scoring it, leaves the sample without a reward."""
+    scored = torch.stack([p.valid for p in parts])  # (F, N)
+    failed = torch.stack([~p.valid & ~p.absent for p in parts])  # (F, N): raised, NaN or inf
+    w = torch.tensor(rewards.weights, dtype=torch.float32)[:, None]
+    total = (w * torch.where(scored, torch.stack([p.rewards for p in parts]), 0.0)).sum(0)
+    valid = scored.any(0) & ~failed.any(0)
+    errors: list[str | None] = []
+    for i in range(total.numel()):
+        bad = [f"{name}: {p.errors[i]}" for name, p, f in zip(rewards.names, parts, failed[:, i]) if f]
+        errors.append(bad[0] if bad else None if valid[i] else
+                      f"none of the reward functions {', '.join(rewards.names)} scored it (each returned None)")
+    components = {}
+    for name, p in zip(rewards.names, parts):
+        ok = p.rewards[p.valid]
+        components[f"reward/{name}/mean"] = float(ok.mean()) if ok.numel() else float("nan")
+        components[f"reward/{name}/none"] = float(p.absent.sum())
+    return RewardResult(torch.where(valid, total, float("nan")), valid, errors, ~scored.any(0) & ~failed.any(0),
+                        components)
+
+
+def score_responses(reward_fn: Callable, responses: Sequence[str], examples: Sequence,
+                    warn: bool = True) -> RewardResult:
+    """Score every sample with `reward_fn` (per sample, or in one call when it is batched; each function of a
+    WeightedRewards); an exception or non-finite value marks that sample failed, except a UserError, which
+    propagates."""
+    if len(responses) != len(examples):
+        raise ValueError(f"{len(responses)} responses but {len(examples)} examples")
+    if isinstance(reward_fn, WeightedRewards):
+        result = _combine(reward_fn, [_score_one(f, responses, examples) for f in reward_fn.fns])
+    else:
+        result = _score_one(reward_fn, responses, examples)
+    errors = result.errors
     if warn and result.num_errors:
         first = next(i for i, e in enumerate(errors) if e is not None)
         name = getattr(reward_fn, "__name__", repr(reward_fn))

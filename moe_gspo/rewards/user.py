@@ -351,3 +351,17 @@ def load_reward(spec: str, field: str = "rollout.reward"):
     if not callable(fn):
         raise ConfigError(f"{field}: {name} in reward file {file} is {_describe(fn)}, not a function")
     return _wrap(fn, name, file, path, field)
+
+
+def load_rewards(spec: str | list[str], weights: list[float] | None = None, field: str = "rollout.reward"):
+    """One reward function, or several (a list, TRL's reward_funcs) as a WeightedRewards with `weights` (TRL's
+    reward_weights; None: 1 each). Each function's metrics go under its name: the built-in's, or the function's
+    (numbered when two share one)."""
+    from moe_gspo.rewards.score import WeightedRewards
+
+    if isinstance(spec, str):
+        return load_reward(spec, field)
+    fns = [load_reward(s, f"{field}[{i}]") for i, s in enumerate(spec)]
+    names = [s if s.rpartition(":")[1] == "" else s.rpartition(":")[2] for s in spec]
+    names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+    return WeightedRewards(fns, weights if weights is not None else [1.0] * len(fns), names)

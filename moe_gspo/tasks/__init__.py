@@ -48,13 +48,13 @@ def task_from_config(rollout_cfg) -> Task:
     """The task a `RolloutConfig` names: a built-in task with its rollout.task_args knobs, or a data set with its
     columns; its reward is rollout.reward when set (a built-in name or a user's file.py:function)."""
     from moe_gspo.config import ConfigError, RolloutConfig
-    from moe_gspo.rewards import load_reward
+    from moe_gspo.rewards import load_rewards
 
     rc = rollout_cfg
     if rc.task in RolloutConfig.DATASET_TASKS:  # RolloutConfig has checked that dataset_path is set
         return get_task(rc.task, path=rc.dataset_path, prompt_field=rc.prompt_field, answer_field=rc.answer_field,
                         demonstration_field=rc.demonstration_field, reward=rc.reward or "math",
-                        eval_path=rc.eval_dataset_path)
+                        reward_weights=rc.reward_weights, eval_path=rc.eval_dataset_path)
     kwargs = parse_task_args(rc.task_args) if rc.task_args else {}
     try:
         task = get_task(rc.task, **kwargs)
@@ -63,7 +63,7 @@ def task_from_config(rollout_cfg) -> Task:
     except KeyError as e:
         raise ConfigError(f"rollout.task: {e.args[0] if e.args else e}") from None
     if rc.reward is not None:
-        task.reward_fn = load_reward(rc.reward)
+        task.reward_fn = load_rewards(rc.reward, rc.reward_weights)
     return task
 
 

@@ -159,22 +159,23 @@ def load_examples(path: str | Path, prompt_field: str = "prompt", answer_field: 
 
 
 class DatasetTask(Task):
-    """A task whose prompts come from a file; its reward a built-in name ('math' by default) or a user's
-    function (moe_gspo.rewards.load_reward). With an eval file, the "test" split draws from it."""
+    """A task whose prompts come from a file; its reward a built-in name ('math' by default), a user's
+    function, or a weighted list of them (moe_gspo.rewards.load_rewards). With an eval file, the "test" split draws from it."""
 
     name = "dataset"
 
     def __init__(self, path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer",
-                 demonstration_field: str | None = None, reward: str = "math", fmt: str | None = None,
-                 heldout_fraction: float = 0.0, eval_path: str | Path | None = None):
-        from moe_gspo.rewards import load_reward
+                 demonstration_field: str | None = None, reward: str | list[str] = "math", fmt: str | None = None,
+                 heldout_fraction: float = 0.0, eval_path: str | Path | None = None,
+                 reward_weights: list[float] | None = None):
+        from moe_gspo.rewards import load_rewards
 
         self.wheres: list[str] = []  # each row's file and line (or row), for errors found after loading
         self.eval_wheres: list[str] = []
         self.rows = load_examples(path, prompt_field, answer_field, demonstration_field, fmt, self.wheres)
         self.eval_rows = (load_examples(eval_path, prompt_field, answer_field, demonstration_field,
                                         wheres=self.eval_wheres) if eval_path is not None else [])
-        self.reward_fn = load_reward(reward)
+        self.reward_fn = load_rewards(reward, reward_weights)
         self.heldout_fraction = heldout_fraction
         self.has_demonstrations = any(ex.demonstration is not None for ex in self.rows)
 

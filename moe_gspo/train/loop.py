@@ -285,6 +285,7 @@ class Run:
              "groups/with_variance": float(np.mean(spread)),
              "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
              "response/truncated": float(np.mean([f == "length" for f in batch.finish_reasons]))}
+        m.update(res.components)  # several reward functions: each one's mean and count of Nones
         if rc.overlong_buffer:
             m["reward/overlong_penalty"] = float(penalty[valid].mean()) if valid.any() else 0.0
         return adv, valid, m

@@ -539,3 +539,52 @@ def test_one_update_per_step_takes_pi_old_from_its_own_forward_and_trains_as_the
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), k
     # the gradient is the policy gradient, not the 0 of a constant ratio
     assert min(a["grad_norm"] for a in auto) > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_the_entropy_bonus_is_the_gradient_of_the_aggregated_entropy(tmp_path, monkeypatch, mode):
+    """algorithm.entropy_coeff = c subtracts c * agg(entropy) from the loss (verl's entropy_coeff). With a constant
+    reward GRPO's advantages, and so its policy gradient, are 0, so each update's gradient is -c * grad agg(H): its
+    norm, recomputed here by autograd on the eager logits' entropy over the minibatch's response tokens, equals the
+    logged grad_norm, and the update raises the entropy of the rows it trained on."""
+    import moe_gspo.train.loop as trainer
+    from moe_gspo.tasks import task_from_config
+    from moe_gspo.train.logprob import batch_logprobs
+
+    c, seen = 0.5, []
+    real = trainer.update_minibatch
+
+    def entropy(ctx, pb, idx):
+        ids, mask = pb.input_ids[idx], pb.response_mask[idx]
+        ent = batch_logprobs(ctx.policy, ids, None, "eager", ctx.cfg.rollout.temperature)[1]
+        if mode == "token-mean":
+            return (ent * mask).sum() / mask.sum()
+        return ((ent * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / mask.any(-1).sum()
+
+    def recording(ctx, pb, old, adv, idx):
+        params = [p for p in ctx.policy.parameters() if p.requires_grad]
+        before = entropy(ctx, pb, idx)
+        grads = torch.autograd.grad(-c * before, params, allow_unused=True)
+        want = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+        m = real(ctx, pb, old, adv, idx)
+        with torch.no_grad():
+            after = entropy(ctx, pb, idx)
+        seen.append((m["grad_norm"], want, float(before.detach()), float(after)))
+        return m
+
+    monkeypatch.setattr(trainer, "update_minibatch", recording)
+    cfg = tiny_cfg(f"algorithm.entropy_coeff={c}", "algorithm.loss=grpo", f"algorithm.loss_agg_mode={mode}",
+                   "algorithm.track_flips=false", "train.cold_start_steps=0", "train.grad_clip=0")
+    task = _ConstantTask(task_from_config(cfg.rollout))
+    trainer.train(cfg, run_dir=tmp_path / "ent", task=task)
+    assert len(seen) == cfg.train.steps * cfg.train.minibatches
+    for logged, want, before, after in seen:
+        assert want > 1e-3 and logged == pytest.approx(want, rel=1e-4)
+        assert after > before
+
+
+class _ConstantTask(_ParityTask):
+    """Every response scores 1: no group has reward variance, so no policy gradient."""
+
+    def reward_fn(self, response, ex):
+        return 1.0

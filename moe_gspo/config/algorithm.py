@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -29,6 +30,11 @@ class AlgorithmConfig:
     clip_high: float | None = None
     """Upper clip epsilon; None takes the loss's paper default (grpo 0.27, gspo 4e-4; gmpo and rspo: 0.4 on the
     log-ratio; cispo 0.28; sapo 0.28 for its band diagnostic)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus (verl's actor.entropy_coeff): the loss subtracts entropy_coeff times the policy's token
+    entropy on the response tokens, aggregated like the policy loss (its loss_agg_mode and denominator); 0: none.
+    Nonzero, the update takes the log-probs-then-loss path for the LM head (8THV instead of the fused 6THV),
+    whose kernel carries the entropy's gradient."""
     kl_beta: float = 0.0
     """Coefficient of the KL penalty to the frozen reference policy (the weights RL starts from) added to the
     loss; 0 (the paper's setting) builds no reference policy."""
@@ -78,6 +84,8 @@ class AlgorithmConfig:
     def __post_init__(self):
         choice(self, "routing_replay", ("off", "r2", "r3"))
         choice(self, "router_score_dtype", ("float16", "bfloat16", "float32"))
+        if not math.isfinite(self.entropy_coeff):
+            raise ConfigError(f"algorithm.entropy_coeff={self.entropy_coeff} must be a finite number")
         if not 0 < self.router_shift_floor <= 1:
             raise ConfigError(f"algorithm.router_shift_floor={self.router_shift_floor} must be in (0, 1]")
         loss = self.policy_loss()  # the loss checks its own clip range, aggregation, KL and options

@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from moe_gspo.config import Config
-from moe_gspo.losses import (PolicyLoss, RolloutCorrection, loss_denominator, router_shift_metrics, router_shift_ratio,
-                             router_shift_weight)
+from moe_gspo.losses import (PolicyLoss, RolloutCorrection, agg_loss, loss_denominator, router_shift_metrics,
+                             router_shift_ratio, router_shift_weight)
 from moe_gspo.model.policy import MoEPolicy
 from moe_gspo.model.router import RoutingNoise
 from moe_gspo.model.routing_capture import RoutingCapture
@@ -96,7 +96,7 @@ class StepContext:
     router_shift: bool = field(init=False)  # importance ratios get the router-shift weight
     update_batches: object = field(init=False)
     logprob_batches: object = field(init=False)
-    fused: bool = field(init=False)  # train.loss_impl == "fused": hidden states -> loss in one kernel
+    fused: bool = field(init=False)  # hidden states -> loss in one kernel (train.loss_impl, no entropy bonus)
     forward_is_pi_old: bool = field(init=False)  # the step's one update forward gives pi_old (no pass needed)
     _noise_at: tuple[int, int] = field(init=False, default=(-1, 0))  # (optimizer step, forwards noised in it)
 
@@ -107,7 +107,7 @@ class StepContext:
         self.router_shift = self.loss.needs_router_shift or a.router_shift
         self.update_batches = micro_batches(tc, self.trainer_group)
         self.logprob_batches = micro_batches(tc, self.trainer_group, logprob_pass=True)
-        self.fused = tc.loss_impl == "fused"
+        self.fused = tc.loss_impl == "fused" and a.entropy_coeff == 0  # the fused kernel's entropy has no gradient
         self.forward_is_pi_old = forward_gives_pi_old(self.cfg)
 
     def routing_noise(self) -> RoutingNoise | None:
@@ -266,13 +266,14 @@ def minibatch_rows(ctx: StepContext, pb: PaddedRollout, old: OldPass, adv_B, idx
     return dataclasses.replace(rows, mask=c.mask, rollout_is_weight=c.weight), c.metrics
 
 
-def rows_loss(ctx: StepContext, rows: LossRows, logp_bT: torch.Tensor, denom,
-              check_finite: bool = True) -> tuple[torch.Tensor, dict]:
+def rows_loss(ctx: StepContext, rows: LossRows, logp_bT: torch.Tensor, denom, check_finite: bool = True,
+              entropy_bT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) of the configured loss on rows with log-probs logp_bT; in bypass mode the rejection
     compares the current (detached) log-probs with the engine's first. With the global denominator the parts of
     any split of the rows add up to the loss of the whole. check_finite=False skips the loss's finiteness check
     of its inputs (a host sync): the micro-batches skip it, and the minibatch's metrics check all its rows once,
-    before the optimizer step."""
+    before the optimizer step. entropy_bT (b, T), with algorithm.entropy_coeff: the entropy bonus is subtracted,
+    aggregated over the loss's own mask, mode and denominator (verl's agg_loss of the entropy)."""
     corr_m = {}
     mask = rows.mask
     if rows.engine_logp is not None:
@@ -282,6 +283,9 @@ def rows_loss(ctx: StepContext, rows: LossRows, logp_bT: torch.Tensor, denom,
     loss, m = ctx.loss(logp_bT, old_logp, rows.advantages, mask, loss_denominator=denom, ref_logp=rows.ref_logp,
                        router_shift_weight=rows.router_shift_weight, rollout_is_weight=rows.rollout_is_weight,
                        check_finite=check_finite)
+    coeff = ctx.cfg.algorithm.entropy_coeff
+    if coeff and entropy_bT is not None:
+        loss = loss - coeff * agg_loss(entropy_bT, mask, ctx.loss.loss_agg_mode, denom)
     return loss, {**m, **corr_m}
 
 
@@ -349,7 +353,7 @@ def micro_step(ctx: StepContext, m: MicroInputs) -> MicroOut:
             loss, logp, ent = hidden_loss(policy, hidden, ids_bT, functools.partial(_rows_part, ctx, rows, denom),
                                           temperature, lengths=lengths)
         else:
-            loss = rows_loss(ctx, rows, logp, denom, check_finite=False)[0]
+            loss = rows_loss(ctx, rows, logp, denom, check_finite=False, entropy_bT=ent)[0]
     if src is not None:
         src.check_complete()
     return MicroOut(loss, logp.detach(), ent.detach(), gamma, cap)

@@ -57,9 +57,9 @@ def rl_step(run, step: int, profile: dict | None = None) -> tuple[dict, object]:
     t = {}
     t0 = time.perf_counter()
     with phase("rollout"):
-        batch, examples, texts = run.rollout(step)
-        adv, valid, _ = run.score(batch, examples, texts, step)
-        pb = run.pad(batch, valid)
+        scored, _ = run.sample(step)
+        adv, valid, _ = run.score(scored)
+        pb = run.pad(scored.batch, valid)
         record_engine_routing(run.ctx, pb)
     t["rollout"] = time.perf_counter() - t0
     t1 = time.perf_counter()

@@ -315,13 +315,13 @@ def test_gspo_with_engine_logprobs_trains_on_the_engines_logprobs_as_pi_old(tmp_
     monkeypatch.setattr(step, "old_logprob_pass", lambda *a, **k: passes.append(real_pass(*a, **k)) or passes[-1])
     monkeypatch.setattr(trainer, "update_minibatch", lambda ctx, pb, old, *a: updates.append((pb, old.old_logp)) or
                         real_update(ctx, pb, old, *a))
-    monkeypatch.setattr(trainer.Run, "rollout", lambda self, st: rollouts.append(real_rollout(self, st)) or
+    monkeypatch.setattr(trainer.Run, "rollout", lambda self, st, *a: rollouts.append(real_rollout(self, st, *a)) or
                         rollouts[-1])
     cfg = tiny_cfg("train.steps=1", "algorithm.loss=gspo", "algorithm.use_engine_logprobs=true",
                    f"algorithm.track_flips={str(track_flips).lower()}", "rollout.engine_dtype=bfloat16")
     m = trainer.train(cfg, run_dir=tmp_path)
     assert "pg_clipfrac" in m and len(updates) == cfg.train.minibatches and len(rollouts) == 1
-    batch = rollouts[0][0]
+    batch = rollouts[0].batch
     for pb, pi_old in updates:
         for b, (p, lp) in enumerate(zip(batch.prompt_ids, batch.logprobs)):  # what the engine sampled with
             assert torch.equal(pi_old[b, len(p):len(p) + len(lp)], lp.float())

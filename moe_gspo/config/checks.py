@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class UserError(Exception):
     """Something the user gave is wrong: a config value, a data row, a path, a size, a world size. The message
@@ -83,3 +85,45 @@ def check_reward_spec(reward: str, where: str) -> None:
                           "(or 'package.module:function' of an installed module)")
     if not module and not Path(file).is_file():
         raise ConfigError(f"{where}={reward!r}: no such file {file} (relative to {Path.cwd()})")
+
+
+def check_rollout_data(rc) -> None:
+    """A RolloutConfig's data fields that contradict its task, and a reward file that cannot exist, fail at config
+    load (the reward's code itself is imported when the task is built)."""
+    from pathlib import Path
+
+    if rc.task in rc.DATASET_TASKS:
+        if not rc.dataset_path:
+            raise ConfigError(f"rollout.task={rc.task!r} needs rollout.dataset_path")
+        if rc.task_args:
+            raise ConfigError(f"rollout.task_args={rc.task_args!r} holds a built-in task's knobs; a data set's "
+                              "columns are rollout.prompt_field, rollout.answer_field and "
+                              "rollout.demonstration_field")
+    else:
+        stray = [f"rollout.{k}" for k, default in (("dataset_path", None), ("prompt_field", "prompt"),
+                                                   ("answer_field", "answer"), ("demonstration_field", None),
+                                                   ("eval_dataset_path", None)) if getattr(rc, k) != default]
+        if stray:
+            raise ConfigError(f"{', '.join(stray)} read a data set, but rollout.task={rc.task!r} is a built-in "
+                              "task; set rollout.task=dataset")
+    rewards = [rc.reward] if isinstance(rc.reward, str) else list(rc.reward or [])
+    if isinstance(rc.reward, list) and not rewards:
+        raise ConfigError("rollout.reward=[] names no reward function; leave it unset for the task's own")
+    if rc.reward_weights is not None:
+        if len(rc.reward_weights) != len(rewards):
+            raise ConfigError(f"rollout.reward_weights={rc.reward_weights} has {len(rc.reward_weights)} "
+                              f"weights for {len(rewards)} reward functions in rollout.reward")
+        if not all(math.isfinite(w) for w in rc.reward_weights):
+            raise ConfigError(f"rollout.reward_weights={rc.reward_weights} must be finite numbers")
+    builtin = [r for r in rewards or [None] if r is None or ":" not in r]
+    if rc.answer_field is None and rc.task in rc.DATASET_TASKS and builtin:
+        raise ConfigError(f"rollout.answer_field=null (prompts only) needs rewards of your own that read no "
+                          f"answer; the built-in reward {builtin[0] or 'math'!r} compares with one")
+    for name in ("prompt_field", "answer_field"):
+        if name == "answer_field" and rc.answer_field is None:
+            continue
+        if not getattr(rc, name) or any(not p for p in getattr(rc, name).split(".")):
+            raise ConfigError(f"rollout.{name}={getattr(rc, name)!r} must name a column (a.b for a field "
+                              "inside one)")
+    for i, reward in enumerate(rewards):
+        check_reward_spec(reward, "rollout.reward" + (f"[{i}]" if isinstance(rc.reward, list) else ""))

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from moe_gspo.config.algorithm import AlgorithmConfig
-from moe_gspo.config.checks import ConfigError, check_reward_spec, choice, positive
+from moe_gspo.config.checks import ConfigError, check_rollout_data, choice, positive
 from moe_gspo.config.hf_config import model_config_from_hf
 from moe_gspo.config.model import ModelConfig, ParallelConfig, architecture_changes
 
@@ -126,6 +125,13 @@ class RolloutConfig:
     mask_truncated: bool = False
     """Leave responses cut off at rollout.max_new_tokens out of the loss (TRL's mask_truncated_completions); they
     still count in their group's advantages."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups): drop the groups whose rewards are all equal and
+    sample more prompts until the step has rollout.prompts_per_step groups with reward variance, or the rounds run
+    out (then dropped groups complete the batch, logged as dynamic_sampling/filler_groups). Colocated engines."""
+    dynamic_sampling_max_rounds: int = 10
+    """Rounds of sampling a step may take with rollout.dynamic_sampling, the first included (verl's
+    max_num_gen_batches); each samples rollout.prompts_per_step prompts."""
     overlong_prompts: str = "error"
     """A data set row whose templated prompt leaves no room for rollout.max_new_tokens within the context, found
     when the data load (every train and eval row is encoded then, as verl's filter_overlong_prompts does): 'error'
@@ -136,7 +142,7 @@ class RolloutConfig:
         if self.eval_prompts < 0:
             raise ConfigError(f"rollout.eval_prompts={self.eval_prompts} must be >= 0 (0: every eval prompt)")
         choice(self, "chat_template", ("auto", "always", "none"))
-        self._check_data()
+        check_rollout_data(self)
         choice(self, "bad_reward", ("error", "skip"))
         choice(self, "overlong_prompts", ("error", "drop"))
         if not 0 <= self.overlong_buffer <= self.max_new_tokens:
@@ -159,6 +165,10 @@ class RolloutConfig:
                                   f"{self.engine_ranks}: the engine ranks form engines of rollout.engine_tp ranks")
         elif self.engine_ranks:
             raise ConfigError(f"rollout.engine_ranks={self.engine_ranks} needs rollout.placement=separate")
+        positive(self, "dynamic_sampling_max_rounds")
+        if self.dynamic_sampling and self.placement == "separate":
+            raise ConfigError("rollout.dynamic_sampling=true needs rollout.placement=colocated: engines on ranks of "
+                              "their own sample a step's batch before its rewards are known")
         if not self.bridge_timeout_s > 0:
             raise ConfigError(f"rollout.bridge_timeout_s={self.bridge_timeout_s} must be > 0")
         if self.sync_bucket_bytes < 0:
@@ -168,49 +178,7 @@ class RolloutConfig:
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature={self.temperature} must be > 0")
 
-
     DATASET_TASKS: ClassVar[tuple[str, ...]] = ("dataset", "jsonl", "parquet")
-
-    def _check_data(self) -> None:
-        """Data fields that contradict the task, and a reward file that cannot exist, fail at config load (the
-        reward's code itself is imported when the task is built)."""
-        from pathlib import Path
-
-        if self.task in self.DATASET_TASKS:
-            if not self.dataset_path:
-                raise ConfigError(f"rollout.task={self.task!r} needs rollout.dataset_path")
-            if self.task_args:
-                raise ConfigError(f"rollout.task_args={self.task_args!r} holds a built-in task's knobs; a data set's "
-                                  "columns are rollout.prompt_field, rollout.answer_field and "
-                                  "rollout.demonstration_field")
-        else:
-            stray = [f"rollout.{k}" for k, default in (("dataset_path", None), ("prompt_field", "prompt"),
-                                                       ("answer_field", "answer"), ("demonstration_field", None),
-                                                       ("eval_dataset_path", None)) if getattr(self, k) != default]
-            if stray:
-                raise ConfigError(f"{', '.join(stray)} read a data set, but rollout.task={self.task!r} is a built-in "
-                                  "task; set rollout.task=dataset")
-        rewards = [self.reward] if isinstance(self.reward, str) else list(self.reward or [])
-        if isinstance(self.reward, list) and not rewards:
-            raise ConfigError("rollout.reward=[] names no reward function; leave it unset for the task's own")
-        if self.reward_weights is not None:
-            if len(self.reward_weights) != len(rewards):
-                raise ConfigError(f"rollout.reward_weights={self.reward_weights} has {len(self.reward_weights)} "
-                                  f"weights for {len(rewards)} reward functions in rollout.reward")
-            if not all(math.isfinite(w) for w in self.reward_weights):
-                raise ConfigError(f"rollout.reward_weights={self.reward_weights} must be finite numbers")
-        builtin = [r for r in rewards or [None] if r is None or ":" not in r]
-        if self.answer_field is None and self.task in self.DATASET_TASKS and builtin:
-            raise ConfigError(f"rollout.answer_field=null (prompts only) needs rewards of your own that read no "
-                              f"answer; the built-in reward {builtin[0] or 'math'!r} compares with one")
-        for name in ("prompt_field", "answer_field"):
-            if name == "answer_field" and self.answer_field is None:
-                continue
-            if not getattr(self, name) or any(not p for p in getattr(self, name).split(".")):
-                raise ConfigError(f"rollout.{name}={getattr(self, name)!r} must name a column (a.b for a field "
-                                  "inside one)")
-        for i, reward in enumerate(rewards):
-            check_reward_spec(reward, "rollout.reward" + (f"[{i}]" if isinstance(self.reward, list) else ""))
 
 
 @dataclass

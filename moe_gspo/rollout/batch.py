@@ -84,6 +84,24 @@ class RolloutBatch:
     def has_routing(self) -> bool:
         return self.routed_experts is not None
 
+    def select(self, rows: list[int]) -> RolloutBatch:
+        """The responses at positions `rows`, in that order (sample and group ids kept)."""
+        pick = (lambda xs: None if xs is None else [xs[i] for i in rows])
+        idx = torch.tensor(rows, dtype=torch.long)
+        return RolloutBatch(pick(self.prompt_ids), pick(self.response_ids), pick(self.logprobs),
+                            pick(self.finish_reasons), self.sample_ids[idx], self.group_ids[idx],
+                            pick(self.routed_experts), pick(self.prompt_routed_experts))
+
+    @staticmethod
+    def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+        """The responses of `batches` one after the other (sample and group ids kept: renumber them to tell
+        batches apart)."""
+        join = (lambda name: None if getattr(batches[0], name) is None else
+                [x for b in batches for x in getattr(b, name)])
+        return RolloutBatch(join("prompt_ids"), join("response_ids"), join("logprobs"), join("finish_reasons"),
+                            torch.cat([b.sample_ids for b in batches]), torch.cat([b.group_ids for b in batches]),
+                            join("routed_experts"), join("prompt_routed_experts"))
+
     def to_padded(self, pad_id: int = 0, max_len: int | None = None) -> PaddedRollout:
         """Right-padded training tensors (see PaddedRollout); max_len (>= the longest sequence) fixes T."""
         lengths = [p.numel() + r.numel() for p, r in zip(self.prompt_ids, self.response_ids)]

@@ -160,12 +160,19 @@ def handle_bad_rewards(rewards: torch.Tensor, errors: list, examples: list[Examp
     return valid
 
 
-def step_prompts(cfg: Config, task: Task, tok, layout: Layout, step: int, dp_rank: int):
+def step_prompts(cfg: Config, task: Task, tok, layout: Layout, step: int, dp_rank: int, refill: int = 0):
     """(examples, prompt ids, SamplingParams) of data-parallel rank dp_rank at this step: a function of the seed,
-    the step and dp_rank only, so any rank (an engine replica, an engine rank) can build the prompts it samples."""
-    examples = step_examples(task, cfg.train.seed, step, dp_rank, layout.prompts_local, layout.dp)
+    the step and dp_rank only, so any rank (an engine replica, an engine rank) can build the prompts it samples.
+    refill r > 0: the prompts of dynamic sampling's r-th extra round of the step, drawn from a stream of their own
+    (seeded by the run's seed and r), so that the step's own prompts stay those of a run without it."""
+    seed = cfg.train.seed if refill == 0 else hash_seed(cfg.train.seed, REFILL, refill)
+    examples = step_examples(task, seed, step, dp_rank, layout.prompts_local, layout.dp)
     prompts = encode_prompts(examples, tok, cfg.rollout, cfg.model.max_position_embeddings)
-    return examples, prompts, sampling_params(cfg, tok, hash_seed(cfg.train.seed, step, dp_rank, 1) % 2**31)
+    draw = (cfg.train.seed, step, dp_rank, 1) + ((REFILL, refill) if refill else ())
+    return examples, prompts, sampling_params(cfg, tok, hash_seed(*draw) % 2**31)
+
+
+REFILL = 0x5EF111  # mixed into the seeds of dynamic sampling's extra rounds
 
 
 def check_prompts(cfg: Config, task: Task, tok) -> None:

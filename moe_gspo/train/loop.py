@@ -35,6 +35,7 @@ from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.tasks import CharTokenizer, Task, task_from_config
 from moe_gspo.train import data, disk_space
 from moe_gspo.train.checkpoint import TMP, Checkpoints
+from moe_gspo.train.dynamic_sampling import Scored, fill_groups
 from moe_gspo.train.evaluate import check_eval_set, evaluate
 from moe_gspo.train.metrics import (MetricMean, MetricsWriter, Progress, StepTimer, WandbRun, reduce_across_ranks,
                                     step_profile)
@@ -108,9 +109,10 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     profiled = cfg.logging.profile_step == step + 1 and run.writer.active  # trainer rank 0
     with step_profile(run.dir, step + 1, profiled), t("step"):
         with t("rollout"):  # separate placement: waiting for the batch the engine ranks sampled
-            batch, examples, texts = run.rollout(step)  # prompts x G responses, engine log-probs + routing
+            scored, sampling_m = run.sample(step)  # prompts x G responses (engine log-probs, routing), rewards
             run.rollouts.sleep()  # rollout.engine_sleep: the engine's GPU memory goes to the trainer until the sync
-            adv, valid, reward_m = run.score(batch, examples, texts, step)  # rewards -> group advantages
+            adv, valid, reward_m = run.score(scored)  # group advantages
+            batch = scored.batch
             pb = run.pad(batch, valid)  # (B, T) training tensors on the policy's device
             record_engine_routing(run.ctx, pb)  # R3: the engine's routing into the replay cache
             adv = adv.to(pb.input_ids.device)
@@ -124,7 +126,8 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
             run.rollouts.publish(run.policy.weights())
             run.replay.clear()
     evals = run.evaluate(step)  # train.eval_every: the updated policy on held-out prompts
-    m = run.log(step, {**reward_m, **train_m.result(), **diff, **run.flip_metrics(), **run.engine_metrics()},
+    m = run.log(step, {**reward_m, **sampling_m, **train_m.result(), **diff, **run.flip_metrics(),
+                       **run.engine_metrics()},
                 tokens=int(pb.attention_mask.sum()), extra=evals)
     if profiled:
         _say(run.info, f"profile of step {step + 1} (its times include the profiler's overhead): "
@@ -245,33 +248,44 @@ class Run:
                    ckpts, StepTimer(), start, held_out)
 
     # ---------------------------------------------------------------- the steps of the loop
-    def prompts(self, step: int, dp_rank: int):
-        """data.step_prompts of this run."""
-        return data.step_prompts(self.cfg, self.task, self.tok, self.layout, step, dp_rank)
-
-    def rollout(self, step: int):
+    def rollout(self, step: int, refill: int = 0) -> Scored:
+        """The step's responses and their rewards (refill r > 0: dynamic sampling's r-th extra round); a bad
+        reward raises or is dropped per rollout.bad_reward."""
         cfg = self.cfg
-        examples = self.prompts(step, self.info.dp_rank)[0]
-        batch, self.rollout_metrics = self.rollouts.batch(step, lambda d: self.prompts(step, d)[1:],
-                                                          cfg.rollout.group_size)
+        rc = cfg.rollout
+        examples = data.step_prompts(cfg, self.task, self.tok, self.layout, step, self.info.dp_rank, refill)[0]
+        prompts_of = (lambda d: data.step_prompts(cfg, self.task, self.tok, self.layout, step, d, refill)[1:])
+        if refill:
+            batch = self.rollouts.generate(prompts_of, rc.group_size)
+        else:
+            batch, self.rollout_metrics = self.rollouts.batch(step, prompts_of, rc.group_size)
         # sample ids from the step, not the engine's counter, so that a resumed run names samples identically
-        n = len(batch)
-        batch = dataclasses.replace(batch, sample_ids=torch.arange(step * n, (step + 1) * n))
+        batch = _numbered(batch, step)
         data.check_responses(batch, step)
-        per_response = [examples[i // cfg.rollout.group_size] for i in range(n)]
+        per_response = [examples[i // rc.group_size] for i in range(len(batch))]
         texts = [self.tok.decode(r.tolist()) for r in batch.response_ids]
-        return batch, per_response, texts
-
-    def score(self, batch, examples, texts, step):
-        """(advantages (N,), valid (N,) bool, reward metrics); bad rewards raise or are skipped per config."""
-        res = score_responses(self.task.reward_fn, texts, examples, warn=False)
-        valid = data.handle_bad_rewards(res.rewards, res.errors, examples, texts, batch.sample_ids,
-                                        self.cfg.rollout.bad_reward, step)
-        r = res.rewards
-        rc = self.cfg.rollout
+        res = score_responses(self.task.reward_fn, texts, per_response, warn=False)
+        valid = data.handle_bad_rewards(res.rewards, res.errors, per_response, texts, batch.sample_ids,
+                                        rc.bad_reward, step)
         penalty = overlong_penalty(batch.response_lengths.float(), rc.max_new_tokens, rc.overlong_buffer,
                                    rc.overlong_penalty)
-        r = r + penalty.to(r.dtype)
+        return Scored(batch, per_response, texts, res, valid, penalty.to(res.rewards.dtype))
+
+    def sample(self, step: int) -> tuple[Scored, dict[str, float]]:
+        """The batch the step trains on: the rollout, or with rollout.dynamic_sampling its groups with reward
+        variance, refilled from extra rounds (moe_gspo.train.dynamic_sampling)."""
+        rc = self.cfg.rollout
+        scored = self.rollout(step)
+        if not rc.dynamic_sampling:
+            return scored, {}
+        scored, m = fill_groups(scored, lambda r: self.rollout(step, r), self.layout.prompts_local, rc.group_size,
+                                rc.dynamic_sampling_max_rounds, self.ctx.trainer_group)
+        return dataclasses.replace(scored, batch=_numbered(scored.batch, step)), m
+
+    def score(self, s: Scored) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """(advantages (N,), valid (N,) bool, reward metrics) of a scored batch."""
+        batch, res, valid, r = s.batch, s.rewards, s.valid, s.shaped
+        rc = self.cfg.rollout
         adv = torch.zeros_like(r)
         if valid.any():
             adv[valid] = get_advantage_estimator(self.cfg.algorithm.advantage)(r[valid], batch.group_ids[valid])
@@ -287,7 +301,7 @@ class Run:
              "response/truncated": float(np.mean([f == "length" for f in batch.finish_reasons]))}
         m.update(res.components)  # several reward functions: each one's mean and count of Nones
         if rc.overlong_buffer:
-            m["reward/overlong_penalty"] = float(penalty[valid].mean()) if valid.any() else 0.0
+            m["reward/overlong_penalty"] = float(s.penalty[valid].mean()) if valid.any() else 0.0
         return adv, valid, m
 
     def pad(self, batch, valid):
@@ -368,6 +382,12 @@ class Run:
         self.writer.close()
         release_ddp(self.ctx.optim.ddp)
         self.rollouts.close()
+
+
+def _numbered(batch, step: int):
+    """The batch with sample ids step * N, ..., step * N + N - 1."""
+    n = len(batch)
+    return dataclasses.replace(batch, sample_ids=torch.arange(step * n, (step + 1) * n))
 
 
 def _write_config(run_dir: Path, cfg: Config) -> None:

@@ -24,17 +24,17 @@ def run_moe_gspo(spec: dict) -> dict:
     starts, steps_out, probe, prompts, updates = [], [], None, [], [0]
     rollout, pad, log, update = loop.Run.rollout, loop.Run.pad, loop.Run.log, loop.update_minibatch
 
-    def timed_rollout(self, step):
+    def timed_rollout(self, step, refill=0):
         nonlocal probe
         if step == 0:  # before any update: the weights as loaded
             with torch.no_grad():
                 ids = probe_ids(cfg)
                 probe = token_logprobs(self.policy(ids), ids)
         starts.append(time.perf_counter())
-        batch, examples, texts = rollout(self, step)
+        scored = rollout(self, step, refill)
         if step == 0:
-            prompts.extend(p.tolist() for p in batch.prompt_ids[::cfg.rollout.group_size])
-        return batch, examples, texts
+            prompts.extend(p.tolist() for p in scored.batch.prompt_ids[::cfg.rollout.group_size])
+        return scored
 
     def counted_pad(self, batch, valid):
         pb = pad(self, batch, valid)

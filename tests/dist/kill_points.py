@@ -33,10 +33,10 @@ def arm(point: str) -> None:
     if point == "rollout":
         rollout = loop.Run.rollout
 
-        def killed_rollout(self, step):
+        def killed_rollout(self, step, refill=0):
             if step + 1 == KILL_STEP:
                 _die()
-            return rollout(self, step)
+            return rollout(self, step, refill)
 
         loop.Run.rollout = killed_rollout
     elif point == "update":

@@ -154,6 +154,7 @@ def test_trl_data_and_reward(ckpt, tmp_path, capfd):
         text = tok.apply_chat_template(line["messages"], tokenize=False, add_generation_prompt=True,
                                        enable_thinking=False)
         assert tok.decode(line["prompt_ids"]) == text and text.endswith("<|im_start|>assistant\n<think></think>")
+        assert line["prompt_text"] == text  # the text the model saw, template markers included
 
 
 EVAL_REWARD = '''

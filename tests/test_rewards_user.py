@@ -232,8 +232,8 @@ def test_a_raising_function_stops_the_run_naming_file_function_sample_with_the_u
     assert isinstance(err, UserError)
     msg = str(err)
     assert "\n" not in msg
-    assert msg == (f"reward function score in {path} raised on sample 2 (prompt 'Problem 2: what is the ratio of "
-                   f"the two lengths given in the...', response 'ccc'): ZeroDivisionError: division by zero")
+    assert msg == (f"reward function score in {path} raised on sample 3 of 4 (prompt 'Problem 2: what is the ratio "
+                   f"of the two lengths given in the...', response 'ccc'): ZeroDivisionError: division by zero")
     detail = err.detail
     assert detail.startswith("Traceback (most recent call last):\n")
     assert detail.rstrip().endswith("ZeroDivisionError: division by zero")
@@ -250,7 +250,7 @@ def test_a_batched_function_that_raises_names_the_sample_it_fails_on(tmp_path):
     with pytest.raises(RewardFunctionError) as info:
         score_responses(fn, ["fine", "fine", "boom", "fine"], exs)
     msg = str(info.value)
-    assert msg == (f"reward function fails_on_boom in {path} raised on sample 2 (prompt 'prompt 2', response "
+    assert msg == (f"reward function fails_on_boom in {path} raised on sample 3 of 4 (prompt 'prompt 2', response "
                    f"'boom'): ValueError: cannot score 'boom'")
     assert "in _check" in info.value.detail and "moe_gspo" not in info.value.detail
 
@@ -264,7 +264,7 @@ def test_a_return_value_that_is_no_reward_stops_the_run(tmp_path, name, returned
     fn = load_reward(f"{path}:{name}")
     with pytest.raises(RewardFunctionError) as info:
         score_responses(fn, ["first", "second"], [Example("What is 2+2?", "4")] * 2)
-    assert str(info.value) == (f"reward function {name} in {path} returned {returned} on sample 0 (prompt "
+    assert str(info.value) == (f"reward function {name} in {path} returned {returned} on sample 1 of 2 (prompt "
                                f"'What is 2+2?', response 'first'); expected a number (or None for no reward)")
     assert info.value.detail is None
 
@@ -275,7 +275,7 @@ def test_a_batched_return_of_the_wrong_length_or_type_stops_the_run(tmp_path):
     with pytest.raises(RewardFunctionError, match=r"wrong_length in .*trl_rm.py returned list \[1.0\] \(1 values\) "
                                                   r"for a batch of 3 responses; expected a list of 3 numbers"):
         score_responses(load_reward(path + ":wrong_length"), ["a", "b", "c"], exs)
-    with pytest.raises(RewardFunctionError, match=r"returns_text in .*returned str 'good' on sample 0"):
+    with pytest.raises(RewardFunctionError, match=r"returns_text in .*returned str 'good' on sample 1 of 3"):
         score_responses(load_reward(path + ":returns_text"), ["a", "b", "c"], exs)
 
 

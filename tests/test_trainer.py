@@ -92,8 +92,10 @@ def test_nan_reward_errors_naming_the_sample_or_is_skipped_and_counted(tmp_path)
     from moe_gspo.train.loop import train
 
     cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0")
-    with pytest.raises(UserError, match=r"non-finite reward for sample 0 \(prompt"):
+    with pytest.raises(UserError, match=r"^step 1: non-finite reward for sample 1 of 16 \(prompt as the model saw it "
+                                        r"'<bos>.*', response") as info:  # the tokenizer's bos: the ids, as text
         train(cfg, run_dir=tmp_path / "e", task=_NaNTask(task_from_config(cfg.rollout)))
+    assert "\n" not in str(info.value)
     cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0", "rollout.bad_reward=skip")
     task = _NaNTask(task_from_config(cfg.rollout))
     m = train(cfg, run_dir=tmp_path / "s", task=task)
@@ -206,7 +208,8 @@ def test_empty_response_and_too_long_prompt_are_clear_errors(tmp_path):
     from moe_gspo.train.loop import train
 
     cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0")
-    with pytest.raises(ValueError, match="empty response for sample 2"):
+    with pytest.raises(ValueError, match=r"step 1: rollout engine returned an empty response for sample 3 of 16 "
+                                         r"\(group 1\)"):
         train(cfg, run_dir=tmp_path / "a", engine=_EmptyingEngine(HFEngine(tokenizer=CharTokenizer())))
     cfg = tiny_cfg("train.steps=1", "train.cold_start_steps=0", "model.max_position_embeddings=8")
     with pytest.raises(ValueError, match="exceeds the context model.max_position_embeddings=8"):

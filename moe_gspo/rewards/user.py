@@ -130,7 +130,7 @@ class UserReward:
         return {k: v for k, v in kwargs.items() if k in self.signature.parameters}
 
     def _sample(self, i: int, texts, examples) -> str:
-        return f"sample {i} (prompt {_cut(examples[i].prompt)!r}, response {_cut(texts[i])!r})"
+        return f"sample {i + 1} of {len(texts)} (prompt {_cut(examples[i].prompt)!r}, response {_cut(texts[i])!r})"
 
     def _raised(self, e: Exception, where: str) -> RewardFunctionError:
         return RewardFunctionError(f"reward function {self.__name__} in {self.file} raised on {where}: "

@@ -116,8 +116,10 @@ class HFTokenizer:
         ids = self.tok.encode(text, add_special_tokens=False)
         return ([self.bos_id] if bos and self.has_bos else []) + ids + ([self.eos_id] if eos else [])
 
-    def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids, skip_special: bool = True) -> str:
+        """The text of `ids`; skip_special=False keeps the special tokens (a chat template's markers, as the
+        model saw them)."""
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> list[int]:
         """The ids of `messages` rendered by the tokenizer's chat template, the assistant's turn opened (the text is

@@ -7,6 +7,7 @@ sampler state, and `data_position` in a checkpoint is just the next step.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -138,24 +139,26 @@ def sampling_params(cfg: Config, tok, seed: int):
 
 
 def check_responses(batch, step: int) -> None:
-    """An empty response (no token at all, not even eos) is an engine error: name the sample."""
+    """An empty response (no token at all, not even eos) is an engine error: name the sample (step as the metrics
+    count it, the sample's place in the step's batch)."""
     for i, r in enumerate(batch.response_ids):
         if r.numel() == 0:
-            raise ValueError(f"step {step}: rollout engine returned an empty response for sample "
-                             f"{int(batch.sample_ids[i])} (response {i} of group {int(batch.group_ids[i])})")
+            raise ValueError(f"step {step + 1}: rollout engine returned an empty response for sample {i + 1} of "
+                             f"{len(batch)} (group {int(batch.group_ids[i]) + 1})")
 
 
-def handle_bad_rewards(rewards: torch.Tensor, errors: list, examples: list[Example], texts: list[str],
-                       sample_ids: torch.Tensor, mode: str, step: int) -> torch.Tensor:
-    """(N,) bool valid. mode 'error' raises naming the first bad sample; 'skip' returns the mask to drop them."""
+def handle_bad_rewards(rewards: torch.Tensor, errors: list, seen: Callable[[int], str], texts: list[str],
+                       mode: str, step: int) -> torch.Tensor:
+    """(N,) bool valid. mode 'error' raises naming the first bad sample (step as the metrics count it, the
+    sample's place in the batch, the prompt as the model saw it: seen(i)); 'skip' returns the mask to drop them."""
     valid = torch.isfinite(rewards)
     if bool(valid.all()):
         return valid
     i = int((~valid).nonzero()[0])
     why = errors[i] if errors and errors[i] else f"reward {float(rewards[i])}"
     if mode == "error":
-        raise UserError(f"step {step}: non-finite reward for sample {int(sample_ids[i])} (prompt "
-                        f"{examples[i].prompt!r}, response {texts[i]!r}): {why}; {int((~valid).sum())} bad in this "
+        raise UserError(f"step {step + 1}: non-finite reward for sample {i + 1} of {len(texts)} (prompt as the model "
+                        f"saw it {seen(i)!r}, response {texts[i]!r}): {why}; {int((~valid).sum())} bad in this "
                         f"batch. Set rollout.bad_reward=skip to drop such samples instead.")
     return valid
 

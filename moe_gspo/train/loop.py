@@ -29,7 +29,7 @@ from moe_gspo.parallel.state import ParallelInfo, max_over_ranks, trainer_group
 from moe_gspo.rollout import engine_from_config
 from moe_gspo.rollout.placement import EnginePlacement
 from moe_gspo.train.rollouts import ColocatedRollouts, Rollouts
-from moe_gspo.rewards import score_responses
+from moe_gspo.rewards import RewardFunctionError, score_responses
 from moe_gspo.rewards.text import overlong_penalty
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.tasks import CharTokenizer, Task, task_from_config
@@ -264,9 +264,12 @@ class Run:
         data.check_responses(batch, step)
         per_response = [examples[i // rc.group_size] for i in range(len(batch))]
         texts = [self.tok.decode(r.tolist()) for r in batch.response_ids]
-        res = score_responses(self.task.reward_fn, texts, per_response, warn=False)
-        valid = data.handle_bad_rewards(res.rewards, res.errors, per_response, texts, batch.sample_ids,
-                                        rc.bad_reward, step)
+        try:
+            res = score_responses(self.task.reward_fn, texts, per_response, warn=False)
+        except RewardFunctionError as e:
+            raise RewardFunctionError(f"step {step + 1}: {e}", detail=e.detail) from None
+        seen = (lambda i: self.tok.decode(batch.prompt_ids[i].tolist(), skip_special=False))
+        valid = data.handle_bad_rewards(res.rewards, res.errors, seen, texts, rc.bad_reward, step)
         penalty = overlong_penalty(batch.response_lengths.float(), rc.max_new_tokens, rc.overlong_buffer,
                                    rc.overlong_penalty)
         return Scored(batch, per_response, texts, res, valid, penalty.to(res.rewards.dtype))

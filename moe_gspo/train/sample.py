@@ -4,7 +4,8 @@
     moe-gspo rollout --from runs/train_tiny_cpu --out rollout.jsonl       # a trained run's newest checkpoint
 
 Takes the same data, chat-template and reward settings as `moe-gspo train` (rollout.*). Writes one JSON line per
-response (prompt, chat messages when the prompt is a conversation, prompt ids as the engine saw them, response text
+response (prompt, chat messages when the prompt is a conversation, the prompt's text and ids as the engine saw
+them (chat template and special tokens included), response text
 and ids, log-probs, reward or reward error, finish reason, routed-experts shape); returns the reward metrics and the engine-vs-training log-prob difference
 (rollout_probs_diff_*). `run_rollout` is the body `rollout_command` (the CLI's) and the tests call.
 """
@@ -93,6 +94,7 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
             line = {
                 "sample_id": int(batch.sample_ids[i]), "group_id": int(batch.group_ids[i]),
                 "prompt": ex.prompt, **({"messages": ex.messages} if ex.messages is not None else {}),
+                "prompt_text": tok.decode(batch.prompt_ids[i].tolist(), skip_special=False),  # as the model saw it
                 "answer": ex.answer, "response": texts[i],
                 "prompt_ids": batch.prompt_ids[i].tolist(), "response_ids": batch.response_ids[i].tolist(),
                 "logprobs": [round(x, 6) for x in batch.logprobs[i].tolist()],

@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     from moe_gspo.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(ROOT / "configs/real_smollm2_cpu.yaml"))
+    p.add_argument("--config", default="configs/real_smollm2_cpu.yaml", help="relative to the checkout")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -255,6 +255,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     over = ["train.eval_every=0", "train.eval_before=false", "train.checkpoint_every=0", "logging.progress=false",
             "logging.tensorboard=false", f"train.steps={args.steps}", *args.set]
+    if not Path(args.config).is_absolute() and not Path(args.config).exists():
+        args.config = str(ROOT / args.config)  # run from elsewhere: the checkout's own config
     cfg = load_config(args.config, over)
     if args.trl_side_only:
         Path(args.trl_side_only).write_text(json.dumps(trl_steps(cfg, args.steps, vllm=args.trl_vllm)))
@@ -298,7 +300,9 @@ def main(argv=None) -> int:
     phase = {k: statistics.median(s[k] for s in measured) for k in ("rollout", "logprob", "train", "sync", "step")}
     isolated = med["policy fwd+bwd"] + cfg.train.minibatches * med["optimizer step"]
     same_rows = phases[-1]["train"]  # the training phase of the step whose rows the isolated rows ran on
-    result = {"config": args.config, "overrides": over, "threads": torch.get_num_threads(),
+    config = Path(args.config).resolve()
+    config = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)  # no machine's paths
+    result = {"config": config, "overrides": over, "threads": torch.get_num_threads(),
               "cpu": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "steps": phases, "phase_median": phase,
               "isolated": rows, "isolated_median": med, "micro_batch_size": micro,
               "responses": phases[-1]["responses"], "tokens": phases[-1]["tokens"],

@@ -56,6 +56,10 @@ if [ -z "${DRY:-}" ]; then  # DRY prints each stage's command without installing
         { echo "pip install -e . failed"; exit 1; }
 fi
 
+relative_paths() {  # the logs name files relative to the checkout ($OUT for the output folder): no machine's paths
+    sed -u -e "s#$OUT/#\$OUT/#g" -e "s#$PWD/##g"
+}
+
 stage() {  # stage NAME COMMAND...: run, log to OUT/NAME.log, remember the exit code
     local name=$1; shift
     local t0=$SECONDS limit="TIMEOUT_$name"
@@ -64,7 +68,7 @@ stage() {  # stage NAME COMMAND...: run, log to OUT/NAME.log, remember the exit 
         RESULT[$name]="0 0"
         return
     fi
-    timeout "${!limit:-${STAGE_TIMEOUT:-0}}" "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout "${!limit:-${STAGE_TIMEOUT:-0}}" "$@" 2>&1 | relative_paths | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     RESULT[$name]="$rc $((SECONDS - t0))"
     [ "$rc" = 0 ] || status=1

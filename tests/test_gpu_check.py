@@ -89,3 +89,16 @@ def test_a_bad_argument_in_a_stage_command_is_caught(monkeypatch):
         parse_only("scripts/bench_step.py", ["--device", "cuda", "--dtpye", "bfloat16"], monkeypatch)
     with pytest.raises(SystemExit):
         parse_only("scripts/bench_rl.py", ["--device", "tpu"], monkeypatch)
+
+
+def test_stage_logs_name_paths_relative_to_the_checkout():
+    """What a stage prints goes through relative_paths before its log: the output folder reads $OUT, the checkout's
+    own files read relative, so committed logs carry no machine's paths."""
+    script = (ROOT / "scripts/gpu_check.sh").read_text()
+    body = script[script.index("relative_paths() {"):]
+    body = body[:body.index("\n}\n") + 3]
+    line = f"report: /tmp/sci/report.html, config {ROOT}/configs/gpu_single.yaml, /opt/other"
+    out = subprocess.run(["bash", "-c", f'{body}\nOUT=/tmp/sci\necho "$LINE" | relative_paths'], cwd=ROOT,
+                         env={**os.environ, "LINE": line}, capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "report: $OUT/report.html, config configs/gpu_single.yaml, /opt/other"
+    assert "| relative_paths | tee" in script  # every stage's output goes through it

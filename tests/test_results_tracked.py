@@ -32,3 +32,15 @@ def test_every_run_on_disk_under_docs_results_is_tracked():
     assert len(runs) >= 400
     missing = [str(p.relative_to(ROOT)) for p in runs if str(p.relative_to(ROOT)) not in tracked]
     assert not missing, f"{len(missing)} run(s) on disk but not in git, e.g. {missing[:3]}"
+
+
+def test_no_committed_result_names_a_machines_paths():
+    """Logs, JSON summaries and configs under docs/results name files relative to the checkout: an absolute path
+    of the machine that ran them (/work/..., /tmp/..., /home/..., /root/...) says nothing on another."""
+    machine = re.compile(r"""["'\s:=(](/(?:work|tmp|home|root|scratch|workspace|mnt)/[^\s"']+)""")
+    found = []
+    for f in sorted(_tracked()):
+        if f.endswith((".log", ".json", ".txt", ".md", ".yaml", ".csv")):
+            text = (ROOT / f).read_text(errors="replace")
+            found += [f"{f}: {m}" for m in machine.findall(" " + text)[:1]]
+    assert not found, "\n".join(found)

@@ -83,3 +83,31 @@ def test_load_policy_prints_nothing():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout == "" and r.stderr == "", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("category,message,module,shown", [
+    (UserWarning, "Apex is not installed. Falling back to Torch Norm", "megatron.core.fusions.fused_layer_norm",
+     False),
+    (UserWarning, "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its .grad ...",
+     "megatron.core.optimizer.optimizer", False),
+    (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...",
+     "torch.distributed.c10d_logger", False),
+    (FutureWarning, "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...",
+     "torch.distributed.c10d_logger", False),
+    # the same messages from anywhere else, and other warnings from those modules, are shown
+    (UserWarning, "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed.", "moe_gspo.x", True),
+    (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated.", "mycode", True),
+    (FutureWarning, "`torch.distributed.broadcast_object` is deprecated.", "torch.distributed.c10d_logger", True),
+])
+def test_only_the_warnings_a_user_cannot_act_on_are_silenced(category, message, module, shown):
+    """A multi-rank run printed megatron's and torch's notices from every rank; the filters moe_gspo's import
+    installs silence exactly those (by message, category and raising module) and nothing else. (pytest restores
+    the filters after collecting, so the test installs them itself.)"""
+    import warnings
+
+    from moe_gspo.parallel.megatron_notices import quiet_missing_backends
+
+    with warnings.catch_warnings(record=True) as seen:
+        quiet_missing_backends()
+        warnings.warn_explicit(message, category, "x.py", 1, module=module, registry={})
+    assert len(seen) == int(shown)

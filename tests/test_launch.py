@@ -139,3 +139,38 @@ def test_the_job_line_names_a_rank_only_when_the_ranks_disagree():
     assert summary_line({1: rep(1, "too long")}, [0, 1]) == "moe-gspo train: error: rank 1: too long"
     assert summary_line({2: rep(2, "b"), 1: rep(1, "a")}, [1, 2]) == "moe-gspo train: error: rank 1: a"
     assert summary_line({0: rep(0, "x")}, [0]) == "moe-gspo train: error: x"
+
+
+def test_the_slurm_example_starts_one_launcher_per_node_and_resumes_a_requeued_run(tmp_path):
+    """examples/slurm/train_multinode.sbatch under stand-ins for srun (one task per node, SLURM_NODEID set),
+    scontrol and scripts/launch.sh (which records what it was given): every node's launcher gets its node rank,
+    the first node as rendezvous, the node count, the config, run directory and overrides; a run directory with
+    checkpoints (a requeued job) adds --resume."""
+    import os
+    import stat
+    import subprocess
+
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    (work / "scripts").mkdir(parents=True)
+    bin_dir.mkdir()
+    stubs = {bin_dir / "srun": 'for n in 0 1; do SLURM_NODEID=$n "${@:2}"; done\n',
+             bin_dir / "scontrol": 'printf "gpu-a17\\ngpu-a18\\n"\n',
+             work / "scripts" / "launch.sh": 'echo "node=$NODE_RANK of=$NNODES at=$MASTER_ADDR:$MASTER_PORT '
+                                             'ranks=$NPROC_PER_NODE args=$*" >> launches.txt\n'}
+    for path, body in stubs.items():
+        path.write_text("#!/usr/bin/env bash\n" + body)
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(work),
+           "SLURM_JOB_NODELIST": "gpu-a[17-18]", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "4"}
+    script = ROOT / "examples/slurm/train_multinode.sbatch"
+    for requeued in (False, True):
+        (work / "launches.txt").unlink(missing_ok=True)
+        if requeued:
+            (work / "runs/q/checkpoints").mkdir(parents=True)
+        r = subprocess.run(["bash", str(script), "configs/q.yaml", "runs/q", "parallel.ep=8"], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        resume = " --resume" if requeued else ""
+        assert (work / "launches.txt").read_text().splitlines() == [
+            f"node={n} of=2 at=gpu-a17:29500 ranks=4 args=train --config configs/q.yaml --out runs/q{resume} "
+            "parallel.ep=8" for n in (0, 1)]

@@ -192,7 +192,9 @@ class TrainConfig:
     steps: int = 20
     """Rollout steps (RL) or optimizer steps (plain training)."""
     lr: float = 1e-3
-    """Peak Adam learning rate (megatron's optimizer, decoupled weight decay)."""
+    """Peak Adam learning rate (megatron's optimizer, decoupled weight decay). 1e-3 suits the tiny random policies
+    of the embedded configs only; pretrained models take 1e-6 to 1e-5 (docs/training.md, "Choosing lr, group
+    size and clip range")."""
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0 to train.lr (an RL step takes train.minibatches optimizer steps)."""
     lr_decay: str = "constant"

@@ -51,7 +51,7 @@ if [ -z "${DRY:-}" ]; then  # DRY prints each stage's command without installing
         "$PY" -m pip install -q --no-index --no-deps --no-compile "$WHEELS"/*.whl ||
             { echo "wheel install failed"; exit 1; }
     fi
-    # the package itself, editable (kernels/ is installed as moe_gspo.kernels), without touching its dependencies
+    # the package itself, editable, without touching its dependencies
     "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . ||
         { echo "pip install -e . failed"; exit 1; }
 fi

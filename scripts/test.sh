@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TRITON_INTERPRET=1
 # the package's and the tests' bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (as on the machine the
 # suite was timed on), every rank and subprocess the tests start would otherwise compile the sources again
-python -m compileall -q -j 0 moe_gspo kernels tests scripts > /dev/null
+python -m compileall -q -j 0 moe_gspo tests scripts > /dev/null
 # tests marked `extended` (more families for a check the suite already runs) are left out; `-m extended` after
 # this script's name runs them instead (the last -m wins)
 python -m pytest -q -p no:cacheprovider --durations=15 -m "not extended" tests "$@"

@@ -1,4 +1,4 @@
-"""Float64 references shared by the kernel tests: the formulas written out plainly, independent of kernels/."""
+"""Float64 references shared by the kernel tests: the formulas written out plainly, independent of moe_gspo/kernels/."""
 from __future__ import annotations
 
 import os

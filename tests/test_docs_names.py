@@ -40,12 +40,10 @@ NOT_FIELDS = {
 def _modules() -> dict[str, ast.Module]:
     """'moe_gspo.train.step' -> its parsed source ('moe_gspo.losses' for losses/__init__.py)."""
     out = {}
-    for top, files in (("moe_gspo", PKG.rglob("*.py")), ("moe_gspo.kernels", (ROOT / "kernels").rglob("*.py"))):
-        for f in files:
-            parts = f.relative_to(ROOT).with_suffix("").parts
-            parts = (*top.split("."), *parts[1:])  # kernels/ installs as moe_gspo.kernels
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            out[name] = ast.parse(f.read_text())
+    for f in PKG.rglob("*.py"):
+        parts = f.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = ast.parse(f.read_text())
     return out
 
 

@@ -167,10 +167,10 @@ def test_the_slurm_example_starts_one_launcher_per_node_and_resumes_a_requeued_r
         (work / "launches.txt").unlink(missing_ok=True)
         if requeued:
             (work / "runs/q/checkpoints").mkdir(parents=True)
-        r = subprocess.run(["bash", str(script), "configs/q.yaml", "runs/q", "parallel.ep=8"], env=env,
+        r = subprocess.run(["bash", str(script), "configs/tiny_cpu.yaml", "runs/q", "parallel.ep=8"], env=env,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         resume = " --resume" if requeued else ""
         assert (work / "launches.txt").read_text().splitlines() == [
-            f"node={n} of=2 at=gpu-a17:29500 ranks=4 args=train --config configs/q.yaml --out runs/q{resume} "
+            f"node={n} of=2 at=gpu-a17:29500 ranks=4 args=train --config configs/tiny_cpu.yaml --out runs/q{resume} "
             "parallel.ep=8" for n in (0, 1)]

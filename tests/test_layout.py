@@ -13,13 +13,11 @@ from helpers import ROOT
 def _module_name(f: Path) -> str:
     rel = f.relative_to(ROOT).with_suffix("")
     parts = list(rel.parts)
-    if parts[0] == "kernels":  # installed as moe_gspo.kernels
-        parts = ["moe_gspo", *parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _import_graph() -> dict[str, set[str]]:
-    files = {_module_name(f): f for f in [*(ROOT / "moe_gspo").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]}
+    files = {_module_name(f): f for f in (ROOT / "moe_gspo").rglob("*.py")}
     graph = {}
     for name, f in files.items():
         pkg = name if f.stem == "__init__" else name.rsplit(".", 1)[0]
@@ -115,7 +113,7 @@ def test_layer_check_finds_an_upward_import():
 
 
 def _text_files():
-    globs = ["*.md", "pyproject.toml", "docs/*.md", "moe_gspo/**/*.py", "kernels/*.py", "tests/**/*.py", "scripts/*",
+    globs = ["*.md", "pyproject.toml", "docs/*.md", "moe_gspo/**/*.py", "tests/**/*.py", "scripts/*",
              "configs/*.yaml", ".ci/*"]
     return [f for g in globs for f in ROOT.glob(g) if f.is_file()]
 
@@ -123,23 +121,22 @@ def _text_files():
 def test_the_repository_names_no_file_outside_itself():
     """Every repository path a file names exists in the repository, none climbs out of it (../), and every
     Markdown file named is one of the repository's own."""
-    path_re = re.compile(r"(?<![\w./-])((?:\.\./)*(?:docs|tests|scripts|configs|moe_gspo|kernels|\.ci)/[\w./-]*\w"
+    path_re = re.compile(r"(?<![\w./-])((?:\.\./)*(?:docs|tests|scripts|configs|moe_gspo|\.ci)/[\w./-]*\w"
                          r"\.(?:md|py|yaml|sh|json|toml))(?!\w)")
     md_re = re.compile(r"(?<![\w.-])([\w-]+\.md)\b")
-    installed = {"moe_gspo/kernels/__init__.py", "moe_gspo/kernels/chunked.py"}  # paths inside the built wheel
     own_md = {f.name for f in ROOT.rglob("*.md") if ".venv" not in f.parts}
     bad = []
     for f in _text_files():
         text = f.read_text()
         rel = f.relative_to(ROOT)
         bad += [f"{rel}: {p}" for p in path_re.findall(text)
-                if p.startswith("../") or not ((ROOT / p).exists() or p in installed)]
+                if p.startswith("../") or not (ROOT / p).exists()]
         bad += [f"{rel}: {m}" for m in md_re.findall(text) if m not in own_md]
     assert bad == []
 
 
 def test_no_package_file_over_500_lines():
-    long = {str(f.relative_to(ROOT)): n for f in [*(ROOT / "moe_gspo").rglob("*.py"), *(ROOT / "kernels").glob("*.py")]
+    long = {str(f.relative_to(ROOT)): n for f in (ROOT / "moe_gspo").rglob("*.py")
             if (n := len(f.read_text().splitlines())) > 500}
     assert long == {}
 
@@ -151,7 +148,7 @@ def test_cycle_finder_finds_a_cycle():
 def test_one_entry_point_and_a_small_root():
     root = sorted(p.name for p in (ROOT / "moe_gspo").glob("*.py"))
     assert root == ["__init__.py", "cli.py"]
-    mains = [str(f.relative_to(ROOT)) for f in [*(ROOT / "moe_gspo").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]
+    mains = [str(f.relative_to(ROOT)) for f in (ROOT / "moe_gspo").rglob("*.py")
              if '__name__ == "__main__"' in f.read_text()]
     assert mains == ["moe_gspo/cli.py"]
 
@@ -168,12 +165,10 @@ def test_test_modules_do_not_import_each_other():
 
 
 def test_every_package_folder_is_installed():
-    """pyproject.toml lists the packages explicitly (kernels/ installs as moe_gspo.kernels), so a new subpackage left
-    out of the list would be missing from a built wheel while an editable install still finds it."""
+    """pyproject.toml lists the packages explicitly, so a new subpackage left out of the list would be missing from a built wheel while an editable install still finds it."""
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(f.parent.relative_to(ROOT).parts) for f in (ROOT / "moe_gspo").rglob("__init__.py")}
-    found |= {"moe_gspo.kernels"} if (ROOT / "kernels" / "__init__.py").is_file() else set()
     assert found == listed, f"package folders not installed: {sorted(found - listed)}; listed without a folder: " \
                             f"{sorted(listed - found)}"

@@ -133,7 +133,7 @@ def _train(args) -> int:
     if args.print_config:
         return _print_config(cfg)
     if _rank() is not None and not launcher.under_launcher():  # torchrun's SIGTERM after another rank died: one line
-        from moe_gspo.train.run_lock import resume_hint
+        from moe_gspo.checkpoint.run_lock import resume_hint
 
         run_dir = Path(args.out or cfg.train.out_dir)
         launcher.stop_line_on_sigterm("train", _rank(), lambda: resume_hint(run_dir))
@@ -224,7 +224,7 @@ def _preflight(command: list[str]):
     UserError before any rank starts. For a `train` command, returns run_lock.resume_hint of its run directory as a
     function of the command that resumes it; else None."""
     from moe_gspo.config import load_config
-    from moe_gspo.train.run_lock import resume_hint
+    from moe_gspo.checkpoint.run_lock import resume_hint
 
     args = build_parser().parse_args(command)
     if args.command in PREFLIGHT and getattr(args, "config", None):
@@ -263,7 +263,7 @@ def _launch(args) -> int:
 
 
 def _export(args) -> int:
-    from moe_gspo.train.export import export_run, summary_lines
+    from moe_gspo.checkpoint.export import export_run, summary_lines
 
     print("\n".join(summary_lines(export_run(args.run_dir, args.out, step=args.step, overwrite=args.overwrite))))
     return 0

@@ -32,7 +32,7 @@ import numpy as np
 
 from moe_gspo.report.compare_data import read_meta
 from moe_gspo.report.stats import collapses, final_value, smooth
-from moe_gspo.train.checkpoint import Checkpoints
+from moe_gspo.checkpoint.store import Checkpoints
 
 
 def rewards(run: Path) -> list[float]:

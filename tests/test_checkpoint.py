@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_gspo.config import ConfigError
-from moe_gspo.train.checkpoint import CheckpointError, Checkpoints
+from moe_gspo.checkpoint.store import CheckpointError, Checkpoints
 
 TINY_MODEL = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
               "model.num_key_value_heads=1", "model.head_dim=16", "model.num_experts=4",
@@ -279,7 +279,7 @@ def test_no_checkpoint_and_interrupted_tmp_dir(tmp_path, trained):
 
 
 def test_bf16_checkpoint_keeps_fp32_main_params(tmp_path):
-    from moe_gspo.train.sharded_io import load_full
+    from moe_gspo.checkpoint.sharded_io import load_full
 
     ctx = _ctx("model.params_dtype=bfloat16")
     _train(ctx, 2)

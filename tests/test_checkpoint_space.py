@@ -27,8 +27,8 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async as fs_a
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moe_gspo.config import UserError
-from moe_gspo.train import checkpoint, sharded_io
-from moe_gspo.train.checkpoint import Checkpoints, OutOfSpace
+from moe_gspo.checkpoint import sharded_io, store as checkpoint
+from moe_gspo.checkpoint.store import Checkpoints, OutOfSpace
 
 # the tiny run of tests/helpers.py, saving after every step
 RUN = ["train", "--config", "configs/train_tiny_cpu.yaml", *TINY, "train.cold_start_steps=0",

@@ -49,7 +49,7 @@ def _policy_at(run, step: int):
     """The run's checkpoint `step` loaded at tp = ep = 1, the way `moe-gspo rollout --from` loads one."""
     import moe_gspo
     from moe_gspo.config import ParallelConfig, load_config
-    from moe_gspo.train.checkpoint import Checkpoints
+    from moe_gspo.checkpoint.store import Checkpoints
 
     cfg = load_config(run / "config.yaml")
     one = ParallelConfig()
@@ -179,7 +179,7 @@ def test_a_run_trained_at_ep2_on_two_ranks_exports_its_checkpoint_bit_for_bit(tm
     from safetensors.torch import load_file
 
     from moe_gspo.model.hf_io import hf_sources
-    from moe_gspo.train.sharded_io import load_full
+    from moe_gspo.checkpoint.sharded_io import load_full
 
     run = tmp_path / "run"
     run_torchrun("moe_gspo.cli", "train", "--config", ROOT / "configs/train_tiny_cpu.yaml", "--out", run, *TINY,

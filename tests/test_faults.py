@@ -16,7 +16,7 @@ import sys
 import pytest
 from helpers import ROOT, TINY, free_port
 
-HOLD = ("import sys, time; from moe_gspo.train.run_lock import RunLock; lock = RunLock.acquire(sys.argv[1]); "
+HOLD = ("import sys, time; from moe_gspo.checkpoint.run_lock import RunLock; lock = RunLock.acquire(sys.argv[1]); "
         "print('locked', flush=True); time.sleep(600)")
 TRAIN = ["train", "--config", str(ROOT / "configs/train_tiny_cpu.yaml"), *TINY, "train.steps=1",
          "train.cold_start_steps=0"]

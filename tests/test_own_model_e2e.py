@@ -67,8 +67,8 @@ def test_verl_data_and_reward_to_export(ckpt, tmp_path, capfd):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moe_gspo.model.load import init_parallel, load_policy
-    from moe_gspo.train.checkpoint import Checkpoints
-    from moe_gspo.train.export import export_run
+    from moe_gspo.checkpoint.store import Checkpoints
+    from moe_gspo.checkpoint.export import export_run
 
     log = tmp_path / "calls.jsonl"
     reward = tmp_path / "my_reward.py"

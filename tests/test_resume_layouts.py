@@ -55,7 +55,7 @@ def test_under_torchrun(tmp_path):
 def test_a_wrong_adam_step_is_caught():
     """torch's Adam advances each parameter's step tensor in place: two parameters sharing one (what megatron's
     DistributedOptimizer.load_state_dict leaves) count two steps per optimizer step."""
-    from moe_gspo.train.sharded_state import check_steps, own_steps
+    from moe_gspo.checkpoint.sharded_state import check_steps, own_steps
 
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
     adam = torch.optim.Adam(params, lr=0.1)

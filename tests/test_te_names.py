@@ -151,7 +151,7 @@ def _ctx(local, spec: str):
 def test_checkpoint_moves_between_the_specs(tmp_path, local, src, dst):
     """A sharded checkpoint (weights, fp32 main params, Adam moments) saved under one spec resumes under the
     other: both specs write the same keys (te_names.CHECKPOINT_KEYS), so every tensor lands on its twin."""
-    from moe_gspo.train.checkpoint import Checkpoints
+    from moe_gspo.checkpoint.store import Checkpoints
 
     a, b = _ctx(local, src), _ctx(local, dst)
     g = torch.Generator().manual_seed(1)

@@ -194,7 +194,7 @@ def run_comparison(config_path, out_dir, overrides=None, only=None, overwrite: b
                           f"runs and run the rest, --overwrite to replace it, or choose another --out")
     from moe_gspo.train.data import world_rank
     from moe_gspo.train.loop import writable_dir
-    from moe_gspo.train.run_lock import RunLock
+    from moe_gspo.checkpoint.run_lock import RunLock
 
     writable_dir(out, "--out directory")
     with RunLock.held(out, active=world_rank() == 0):  # one comparison per directory, as one run per run directory

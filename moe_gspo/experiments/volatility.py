@@ -285,7 +285,7 @@ def run_volatility_study(config_path, out_dir, overrides=None, overwrite: bool =
     import torch.distributed as dist
 
     from moe_gspo.report.volatility_study import write_study_report
-    from moe_gspo.train.run_lock import RunLock
+    from moe_gspo.checkpoint.run_lock import RunLock
 
     raw, study, grid = read_study_config(config_path, overrides)
     jobs = study.jobs if jobs is None else jobs

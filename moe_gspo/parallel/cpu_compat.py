@@ -21,7 +21,7 @@ megatron-core assumes CUDA in a handful of ways, each handled below:
 5. Without Apex or Transformer Engine (torch's Adam, on a GPU too), `DistributedOptimizer` loading its
    'fully_reshardable' checkpoint state copies every per-parameter state into place, "step" included, but the
    checkpoint provides no per-parameter "step" (megatron restores it from the param groups): KeyError. Inside
-   `torch_adam_state_load()`, which moe_gspo.train.checkpoint enters around the optimizer's load_state_dict only,
+   `torch_adam_state_load()`, which moe_gspo.checkpoint.store enters around the optimizer's load_state_dict only,
    `_set_main_param_and_optimizer_states` copies the states the checkpoint provides and leaves "step" as the param
    groups set it; the method is restored on exit.
 6. Without Transformer Engine, `multi_latent_attention.HAVE_TE` still reads True: its import of megatron's TE

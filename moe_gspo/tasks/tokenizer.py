@@ -126,3 +126,19 @@ class HFTokenizer:
         rendered, then encoded: the template writes its own special tokens, bos included where it has one)."""
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         return self.tok.encode(text, add_special_tokens=False)
+
+
+def build_tokenizer(cfg):
+    """The repo's character tokenizer, or the checkpoint's own when model.init_from names one that has it.
+    A model built from the config must have room for the character tokenizer's ids (ConfigError otherwise)."""
+    from pathlib import Path
+
+    from moe_gspo.config import ConfigError
+
+    if cfg.model.init_from and (Path(cfg.model.init_from) / "tokenizer_config.json").is_file():
+        return HFTokenizer(cfg.model.init_from)
+    tok = CharTokenizer()
+    if cfg.model.init_from is None and cfg.model.vocab_size < tok.num_tokens:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the character tokenizer's "
+                          f"{tok.num_tokens} ids")
+    return tok

@@ -15,21 +15,7 @@ import torch
 from moe_gspo.config import Config, ConfigError, UserError
 from moe_gspo.tasks import Example, Task
 from moe_gspo.tasks.prompts import encode_prompt
-from moe_gspo.tasks.tokenizer import CharTokenizer, HFTokenizer
-
-
-def build_tokenizer(cfg: Config):
-    """The repo's character tokenizer, or the checkpoint's own when model.init_from names one that has it.
-    A model built from the config must have room for the character tokenizer's ids (ConfigError otherwise)."""
-    from pathlib import Path
-
-    if cfg.model.init_from and (Path(cfg.model.init_from) / "tokenizer_config.json").is_file():
-        return HFTokenizer(cfg.model.init_from)
-    tok = CharTokenizer()
-    if cfg.model.init_from is None and cfg.model.vocab_size < tok.num_tokens:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the character tokenizer's "
-                          f"{tok.num_tokens} ids")
-    return tok
+from moe_gspo.tasks.tokenizer import CharTokenizer, HFTokenizer, build_tokenizer  # noqa: F401 - shared names
 
 
 @dataclass

@@ -33,13 +33,14 @@ from moe_gspo.rewards import RewardFunctionError, score_responses
 from moe_gspo.rewards.text import overlong_penalty
 from moe_gspo.routing import ExpertFlipTracker, RoutingReplayCache
 from moe_gspo.tasks import CharTokenizer, Task, task_from_config
-from moe_gspo.train import data, disk_space
-from moe_gspo.train.checkpoint import TMP, Checkpoints
+from moe_gspo.checkpoint import disk_space
+from moe_gspo.train import data
+from moe_gspo.checkpoint.store import TMP, Checkpoints
 from moe_gspo.train.dynamic_sampling import Scored, fill_groups
 from moe_gspo.train.evaluate import check_eval_set, evaluate
 from moe_gspo.train.metrics import (MetricMean, MetricsWriter, Progress, StepTimer, WandbRun, reduce_across_ranks,
                                     step_profile)
-from moe_gspo.train.run_lock import RunLock
+from moe_gspo.checkpoint.run_lock import RunLock
 from moe_gspo.train.step import (OldPass, StepContext, cold_start, pi_old_pass, record_engine_routing,
                                  update_minibatch)
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from moe_gspo.config import ConfigError
 from moe_gspo.parallel.state import comm_device
-from moe_gspo.train.disk_space import free_bytes
+from moe_gspo.checkpoint.disk_space import free_bytes
 from moe_gspo.train.host_reads import SYNC_WARNING, host_syncs  # noqa: F401 - SYNC_WARNING: tests read it here
 
 TIMING_PREFIXES = ("time/", "perf/")

@@ -25,7 +25,7 @@ def rollout_command(config: str | None, run_dir: str | None, overrides: list[str
     """Build the policy from a config, or from a run directory's config.yaml and newest checkpoint; sample."""
     from moe_gspo.model.load import init_parallel, load_policy
     from moe_gspo.config import ConfigError, load_config
-    from moe_gspo.train.checkpoint import Checkpoints
+    from moe_gspo.checkpoint.store import Checkpoints
     from moe_gspo.parallel.state import trainer_group
     from moe_gspo.train.data import check_names
 

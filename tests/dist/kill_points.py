@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from moe_gspo.config import load_config
-from moe_gspo.train import loop, optim, sharded_io
+from moe_gspo.checkpoint import sharded_io
+from moe_gspo.train import loop, optim
 
 KILL_STEP = 3  # 1-based, as metrics.jsonl numbers steps
 

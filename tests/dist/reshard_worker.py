@@ -32,9 +32,9 @@ def check_load(cfg, run: Path) -> int:
     """Load the newest checkpoint into a fresh policy + optimizer at this layout, save it again at this layout, and
     compare every global tensor of the two checkpoints. Collective."""
     import moe_gspo
-    from moe_gspo.train.checkpoint import Checkpoints
+    from moe_gspo.checkpoint.store import Checkpoints
     from moe_gspo.train.optim import Optimizer, wrap_ddp
-    from moe_gspo.train.sharded_io import load_full
+    from moe_gspo.checkpoint.sharded_io import load_full
 
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     optim = Optimizer.from_config(wrap_ddp(policy, cfg.train.distributed_optimizer), policy, cfg.train,

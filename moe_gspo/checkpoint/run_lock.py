@@ -27,7 +27,7 @@ def stopped_at(run_dir: Path) -> tuple[int, int]:
     """(the last step metrics.jsonl logged, the newest checkpoint's step) of RUN_DIR, 0 for none: where a run that
     stopped without a word stands. Reads only; the checkpoint is the newest complete directory by name (a write is
     renamed into place whole), not verified."""
-    from moe_gspo.train.checkpoint import Checkpoints
+    from moe_gspo.checkpoint.store import Checkpoints
 
     run_dir = Path(run_dir)
     logged = 0

@@ -7,7 +7,7 @@ other), atomic, verified, code-free.
     extra = ckpts.load(step, ctx)       # collective: every rank reads only the slices it holds
 
 Layout of DIR/step_00000010/:
-    shards/                  megatron-core dist_checkpointing (torch_dist format, moe_gspo.train.sharded_io):
+    shards/                  megatron-core dist_checkpointing (torch_dist format, moe_gspo.checkpoint.sharded_io):
       __<rank>_<i>.distcp    each rank's shards of the model weights (model dtype), the optimizer's fp32 main
                              parameters and Adam moments, and the frozen KL reference policy (kl_beta > 0)
       .metadata              torch DCP's global index (key -> global shape, dtype, chunks), read by a restricted
@@ -52,8 +52,8 @@ from moe_gspo.config import UserError
 from moe_gspo.model.hf_io import fsync_dir
 from moe_gspo.parallel import cpu_compat
 from moe_gspo.parallel.state import comm_device
-from moe_gspo.train import disk_space, sharded_io, sharded_state
-from moe_gspo.train.disk_space import OutOfSpace  # noqa: F401 - raised here, caught by its importers
+from moe_gspo.checkpoint import disk_space, sharded_io, sharded_state
+from moe_gspo.checkpoint.disk_space import OutOfSpace  # noqa: F401 - raised here, caught by its importers
 
 PREFIX, TMP, SHARDS = "step_", ".tmp-", "shards"
 FORMAT = "moe-gspo-checkpoint-v3"

@@ -37,8 +37,8 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, ov
     overwrite=True; otherwise UserError, as for a folder that is not a run or a step it does not hold."""
     from moe_gspo.config import ParallelConfig, load_config
     from moe_gspo.model.load import init_parallel, load_policy
-    from moe_gspo.train.checkpoint import Checkpoints
-    from moe_gspo.train.data import build_tokenizer
+    from moe_gspo.checkpoint.store import Checkpoints
+    from moe_gspo.tasks.tokenizer import build_tokenizer
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("export runs in one process, whatever layout the run trained at: start it without torchrun")
@@ -79,7 +79,7 @@ def summary_lines(path: str | Path) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------------- the parts
 def _is_hf(tok) -> bool:
-    from moe_gspo.train.data import HFTokenizer
+    from moe_gspo.tasks.tokenizer import HFTokenizer
 
     return isinstance(tok, HFTokenizer)
 

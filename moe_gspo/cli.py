@@ -65,7 +65,7 @@ def _overrides(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------------------- commands
 def _vllm_row() -> str:
     """vLLM's version and where the engine's R3 routing comes from (vLLM's capture on CUDA, router hooks on CPU)."""
-    from moe_gspo.rollout.vllm_families import vllm_info
+    from moe_gspo.rollout.vllm.families import vllm_info
 
     info = vllm_info()
     if "routing" not in info:

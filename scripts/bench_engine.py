@@ -55,7 +55,7 @@ def timed(fn, sync):
 def build_engines(names, policy, hf, cfg):
     """name -> engine; hf_static decodes the hf engine's own module (one copy of the weights for both)."""
     from moe_gspo.rollout.hf_static import StaticHFEngine
-    from moe_gspo.rollout.vllm_engine import VLLMEngine
+    from moe_gspo.rollout.vllm.engine import VLLMEngine
 
     engines = {"hf": hf}
     for name in names:
@@ -208,7 +208,7 @@ def main():
         print(f"bench_engine.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     if "vllm" in engines:
-        from moe_gspo.rollout.vllm_families import vllm_info
+        from moe_gspo.rollout.vllm.families import vllm_info
 
         result["versions"]["vllm"] = vllm_info()["version"]
         result["vllm_start_s"] = engines["vllm"].start_seconds

@@ -128,7 +128,7 @@ def test_a_shard_push_delivers_the_engine_its_slices_bitwise():
     engine's dtype; a push of another version than the engine expects is refused; and a trainer that leaves after
     the header ends the engine's wait for the pieces in one line naming it."""
     from moe_gspo.model.hf_shards import hf_shapes
-    from moe_gspo.rollout.sync.vllm_writer import engine_needs
+    from moe_gspo.rollout.vllm.writer import engine_needs
 
     shapes = hf_shapes(MC)
     g = torch.Generator().manual_seed(1)

@@ -105,8 +105,9 @@ def test_the_registered_engines_declare_what_they_run():
 # String constants equal to an engine's name that mean something else: the default engine of a config, the sglang
 # and vllm packages (their versions, whether one is installed), the tokenizer kind an export records and the folder a
 # language-model run saves to.
-OTHER_MEANINGS = {("moe_gspo/config/run.py", "hf"), ("moe_gspo/cli.py", "sglang"), ("moe_gspo/checkpoint/export.py", "hf"),
-                  ("moe_gspo/train/lm.py", "hf"), ("moe_gspo/rollout/vllm_families.py", "vllm")}
+OTHER_MEANINGS = {("moe_gspo/config/run.py", "hf"), ("moe_gspo/cli.py", "sglang"),
+                  ("moe_gspo/checkpoint/export.py", "hf"), ("moe_gspo/train/lm.py", "hf"),
+                  ("moe_gspo/rollout/vllm/families.py", "vllm")}
 
 
 def test_no_engine_name_appears_outside_its_own_module():

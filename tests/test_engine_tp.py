@@ -17,7 +17,7 @@ from moe_gspo.model.hf_io import hf_to_megatron, megatron_to_hf
 from moe_gspo.model.hf_shards import shard_state
 from moe_gspo.model.hf_shards import TrainerShards, hf_shapes
 from moe_gspo.rollout.sync.plan import SyncPlan, take
-from moe_gspo.rollout.sync.vllm_writer import engine_needs
+from moe_gspo.rollout.vllm.writer import engine_needs
 
 MC = ModelConfig(vocab_size=130, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -102,7 +102,7 @@ def test_engine_regions_tile_each_tensor():
 
 
 def test_stale_shared_memory_of_dead_jobs_is_removed(tmp_path):
-    from moe_gspo.rollout.vllm_shm import remove_stale_shm
+    from moe_gspo.rollout.vllm.shm import remove_stale_shm
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -235,7 +235,7 @@ def test_killed_engine_tp_run_resumes_past_its_shared_memory(tmp_path):
     """A run with a tensor-parallel engine killed mid-run (SIGKILL: nothing of it cleans up) leaves vLLM's shared
     memory behind; the --resume'd run starts, continues from the newest checkpoint, and removes the dead job's
     segments."""
-    from moe_gspo.rollout.vllm_shm import SHM_DIR, SHM_PREFIX
+    from moe_gspo.rollout.vllm.shm import SHM_DIR, SHM_PREFIX
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
@@ -257,7 +257,7 @@ def test_killed_engine_tp_run_resumes_past_its_shared_memory(tmp_path):
         kill_tree(proc.pid)  # torchrun starts its ranks in sessions of their own
         proc.wait()
     assert left, "the engine had no shared memory while it ran"
-    from moe_gspo.rollout.vllm_shm import _alive
+    from moe_gspo.rollout.vllm.shm import _alive
 
     rank0 = int(next(iter(left)).split("-")[1])
     deadline = time.monotonic() + 120

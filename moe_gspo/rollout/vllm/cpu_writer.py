@@ -23,7 +23,7 @@ dispatch while the engine loads), and an update:
   (vLLM's GPT-OSS, 'swigluoai' activation): w13 interleaves gate and up rows, unpadded, and their biases
   (`w13_bias` [E, 2I], interleaved the same way, `w2_bias` [E, H]) are read unpacked, so they are written in place
   as they arrive; its router (`mlp.router`, with a bias) and sinks load with the dense tensors;
-- reruns the post-load step of latent attention (moe_gspo.rollout.vllm_mla.refresh_latent_attention).
+- reruns the post-load step of latent attention (moe_gspo.rollout.vllm.mla.refresh_latent_attention).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 from moe_gspo.model.hf_io import file_keys
 from moe_gspo.rollout.sync.buckets import cast_into
-from moe_gspo.rollout.vllm_mla import refresh_latent_attention
+from moe_gspo.rollout.vllm.mla import refresh_latent_attention
 
 # a routed expert's projection under the package's names (every family's in-memory names; biases: GPT-OSS's)
 _EXPERT_KEY = re.compile(r"^model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<e>\d+)\."

@@ -23,11 +23,11 @@ router is `block_sparse_moe.gate`):
 - latent attention (DeepSeek-V3): q_b_proj (or q_proj) and kv_b_proj the rows of this rank's heads, o_proj their
   columns; q_a_proj and kv_a_proj_with_mqa whole, stacked in fused_qkv_a_proj (without query compression
   kv_a_proj_with_mqa stands alone); after a load each layer's absorbed matrices are rebuilt
-  (moe_gspo.rollout.vllm_mla);
+  (moe_gspo.rollout.vllm.mla);
 - routed experts (FusedMoE, intermediate split): w13 [E, 2*I/k, H] holds rows [j*I/k, (j+1)*I/k) of every expert's
   gate_proj, then of its up_proj; w2 [E, H, I/k] those columns of down_proj. On the CPU vLLM pads I/k to its
   kernel's alignment and prepacks both in place, so the experts of a layer are staged unpacked and prepacked once
-  the layer is complete (moe_gspo.rollout.sync.vllm_cpu._ExpertStaging), as at load;
+  the layer is complete (moe_gspo.rollout.vllm.cpu_writer._ExpertStaging), as at load;
 - GPT-OSS: its experts' w13 interleaves this rank's gate and up rows (gate 0, up 0, gate 1, ...), and so does
   w13_bias [E, 2*I/k]; w2_bias [E, H] is whole on rank 0 and zero on the others (the ranks' partial outputs are
   summed); its sinks are those of this rank's q heads, o_proj's bias whole (rank 0 adds it), the router with its
@@ -47,7 +47,7 @@ import torch
 from moe_gspo.config import ModelConfig
 from moe_gspo.model.hf_io import file_keys
 from moe_gspo.model.hf_shards import WHOLE, Region, expert_of, hf_shapes
-from moe_gspo.rollout.vllm_mla import refresh_latent_attention
+from moe_gspo.rollout.vllm.mla import refresh_latent_attention
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -138,7 +138,7 @@ class ShardWriter:
         self.e_first = j * (mc.num_experts // tp) if expert_parallel else 0  # local expert index = e - e_first
         self.nq_l, self.kv_l, _ = _heads(mc, tp, j)
         self.layers = model.model.layers
-        from moe_gspo.rollout.sync.vllm_cpu import experts_modules
+        from moe_gspo.rollout.vllm.cpu_writer import experts_modules
 
         self.experts = experts_modules(model)  # layer index -> its routed experts' module
         self.shapes = hf_shapes(mc)
@@ -196,7 +196,7 @@ class ShardWriter:
                 raise RuntimeError(f"{key}: an expert slice arrived in parts ({region}); the trainer holds experts "
                                    "whole")
             if ex[3] == "bias":
-                from moe_gspo.rollout.sync.vllm_cpu import put_expert_bias
+                from moe_gspo.rollout.vllm.cpu_writer import put_expert_bias
 
                 return put_expert_bias(self.experts[int(i)], int(ex[1]) - self.e_first, ex[2], t)
             return self._expert(int(i), int(ex[1]) - self.e_first, ex[2], t)
@@ -229,7 +229,7 @@ class ShardWriter:
     def _expert(self, layer: int, e: int, proj: str, t: torch.Tensor) -> None:
         mod = self.experts[layer]
         if self.on_cpu:
-            from moe_gspo.rollout.sync.vllm_cpu import _ExpertStaging, staging_pool
+            from moe_gspo.rollout.vllm.cpu_writer import _ExpertStaging, staging_pool
 
             st = self._staging.get(layer)
             if st is None:
@@ -240,7 +240,7 @@ class ShardWriter:
                 self.prepack_s += time.perf_counter() - t0
                 del self._staging[layer]
             return
-        from moe_gspo.rollout.sync.vllm_cpu import w13_rows
+        from moe_gspo.rollout.vllm.cpu_writer import w13_rows
 
         if proj == "down_proj":
             mod.w2_weight.data[e].copy_(t)
@@ -257,7 +257,7 @@ class ShardWriter:
                 if isinstance(getattr(mod, "w2_bias", None), torch.Tensor):
                     mod.w2_bias.data.zero_()
         if self.on_cpu:
-            from moe_gspo.rollout.sync.vllm_cpu import _redispatch_dense
+            from moe_gspo.rollout.vllm.cpu_writer import _redispatch_dense
 
             _redispatch_dense(self.model)
         refresh_latent_attention(self.model)

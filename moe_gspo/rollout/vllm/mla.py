@@ -1,5 +1,5 @@
 """What the vLLM engine needs for multi-head latent attention (DeepSeek-V3, Kimi K2, Moonlight) beyond the one weight
-path every family takes (moe_gspo.rollout.sync.vllm_cpu, sync.vllm_writer).
+path every family takes (moe_gspo.rollout.vllm.cpu_writer, .writer).
 
     patch_cpu_rotary()                 # before a CPU engine is built: only where vLLM's CPU rotary op misrotates
     load_weights_cpu(model, state, t)  # the one weight path; it then calls
@@ -25,7 +25,7 @@ is no longer installed.
 
 Head size. vLLM's CPU latent attention caches kv_lora_rank + qk_rope_head_dim values per token and runs 576 only
 (512 + 64: DeepSeek-V3's, Kimi K2's and Moonlight's); other sizes are refused before the engine is built
-(VLLMEngine.check_config, vllm_engine.check_options).
+(VLLMEngine.check_config, engine.check_options).
 """
 
 from __future__ import annotations

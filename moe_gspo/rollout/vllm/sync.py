@@ -6,9 +6,9 @@
 Which sync a rank gets depends on what it keeps and on what the source can give, never on the engine:
 - `WholeSync`, for an engine of one rank fed whole tensors (a policy of any layout: its source gathers one tensor at
   a time; a whole-tensor push; a transformers model): the source's tensors are read once, key by key, into vLLM's
-  own `load_weights` on a GPU, or moe_gspo.rollout.sync.vllm_cpu.load_weights_cpu on the CPU;
+  own `load_weights` on a GPU, or moe_gspo.rollout.vllm.cpu_writer.load_weights_cpu on the CPU;
 - `ShardedSync`, for an engine over several ranks, or any engine fed by a shard-to-shard push: the source gives this
-  rank the slices vLLM's layout keeps here (moe_gspo.rollout.sync.vllm_writer.engine_needs) through a SyncPlan built
+  rank the slices vLLM's layout keeps here (moe_gspo.rollout.vllm.writer.engine_needs) through a SyncPlan built
   once (moe_gspo.rollout.sync.plan.slice_source), and the ShardWriter puts each piece in place. The trainer's
   parameters stay where they are: no rank gathers the model.
 """
@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from moe_gspo.parallel.state import WORLD
 from moe_gspo.rollout.sync.plan import slice_source
-from moe_gspo.rollout.sync.vllm_writer import ShardWriter, engine_needs
-from moe_gspo.rollout.vllm_mla import refresh_latent_attention
+from moe_gspo.rollout.vllm.writer import ShardWriter, engine_needs
+from moe_gspo.rollout.vllm.mla import refresh_latent_attention
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -58,7 +58,7 @@ class WholeSync:
             raise ValueError(f"the policy's architecture differs from the engine's ({changed[:6]}): build a new engine")
         state = weights.whole()
         if not self.on_cuda:
-            from moe_gspo.rollout.sync.vllm_cpu import load_weights_cpu
+            from moe_gspo.rollout.vllm.cpu_writer import load_weights_cpu
 
             return load_weights_cpu(self.model, state, self.model_type)
         from moe_gspo.model.hf_io import file_items

@@ -155,14 +155,14 @@ def _print_config(cfg) -> int:
 
 def _train_lm(args) -> int:
     from moe_gspo.config import load_config
-    from moe_gspo.train.lm import train_lm
+    from moe_gspo.commands.lm import train_lm
 
     train_lm(load_config(args.config, args.overrides))
     return 0
 
 
 def _rollout(args) -> int:
-    from moe_gspo.train.sample import rollout_command
+    from moe_gspo.commands.sample import rollout_command
 
     path, metrics = rollout_command(args.config, args.run_dir, args.overrides, args.num_prompts, args.out, args.seed)
     print(" ".join(f"{k}={v:.3g}" for k, v in metrics.items()))

@@ -154,7 +154,7 @@ def test_only_the_line_reaches_stderr(argv):
 def test_a_bug_keeps_its_traceback(monkeypatch, capsys):
     """A ValueError or KeyError raised by this package's own code is a bug, not a user error: it propagates with its
     traceback instead of becoming one line."""
-    from moe_gspo.train import sample
+    from moe_gspo.commands import sample
 
     def broken(*args, **kwargs):
         raise KeyError("an internal table lacks a key")

@@ -106,7 +106,7 @@ def test_the_registered_engines_declare_what_they_run():
 # and vllm packages (their versions, whether one is installed), the tokenizer kind an export records and the folder a
 # language-model run saves to.
 OTHER_MEANINGS = {("moe_gspo/config/run.py", "hf"), ("moe_gspo/cli.py", "sglang"),
-                  ("moe_gspo/checkpoint/export.py", "hf"), ("moe_gspo/train/lm.py", "hf"),
+                  ("moe_gspo/checkpoint/export.py", "hf"), ("moe_gspo/commands/lm.py", "hf"),
                   ("moe_gspo/rollout/vllm/families.py", "vllm")}
 
 

@@ -59,7 +59,7 @@ def _policy_at(run, step: int):
 
 
 def _logits(model, ids_BT: torch.Tensor = IDS) -> torch.Tensor:
-    from moe_gspo.train.sample import policy_logits
+    from moe_gspo.commands.sample import policy_logits
 
     return policy_logits(model, ids_BT)
 

@@ -75,7 +75,7 @@ def test_no_import_cycles():
 # layer: the config reads each loss's own checks from them. The root package's public API (moe_gspo.load_policy) and
 # the CLI are the top two: no package below imports either.
 LAYERS = ["losses", "config", "kernels", "rewards", "tasks", "parallel", "model", "routing", "rollout", "checkpoint",
-          "train", "report", "experiments", "moe_gspo", "cli"]
+          "train", "commands", "report", "experiments", "moe_gspo", "cli"]
 
 
 def _package(module: str) -> str:

@@ -129,7 +129,7 @@ def test_trl_data_and_reward(ckpt, tmp_path, capfd):
     and `moe-gspo rollout` writes the templated prompt ids the engine saw."""
     from transformers import AutoTokenizer
 
-    from moe_gspo.train.sample import rollout_command
+    from moe_gspo.commands.sample import rollout_command
 
     log = tmp_path / "calls.jsonl"
     reward = tmp_path / "trl_reward.py"

@@ -13,7 +13,7 @@ LM = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.moe_intermedia
 
 
 def _train_lm(tmp_path, dtype):
-    from moe_gspo.train.lm import train_lm
+    from moe_gspo.commands.lm import train_lm
 
     cfg = load_config("configs/tiny_cpu.yaml", LM + [f"model.params_dtype={dtype}", f"train.out_dir={tmp_path / dtype}"])
     return [r["loss"] for r in train_lm(cfg, log=lambda *a: None)]
@@ -22,7 +22,7 @@ def _train_lm(tmp_path, dtype):
 def _pure_bf16(tmp_path):
     """The same run with torch AdamW on the bf16 parameters: every update is rounded to bf16."""
     import moe_gspo
-    from moe_gspo.train.lm import progression_batch
+    from moe_gspo.commands.lm import progression_batch
 
     cfg = load_config("configs/tiny_cpu.yaml", LM + ["model.params_dtype=bfloat16"])
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))

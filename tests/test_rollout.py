@@ -238,7 +238,7 @@ def test_engines_are_built_from_the_config_through_the_registry(model, prompts):
 
 def test_cli_run_rollout_writes_jsonl(model, tmp_path):
     from moe_gspo.config import load_config
-    from moe_gspo.train.sample import run_rollout
+    from moe_gspo.commands.sample import run_rollout
 
     cfg = load_config("configs/tiny_cpu.yaml", ["rollout.group_size=2", "rollout.max_new_tokens=6"])
     out = tmp_path / "r.jsonl"

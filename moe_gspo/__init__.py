@@ -23,8 +23,8 @@ def init_parallel(path_or_config, **kwargs):
 
 
 def load_policy(path_or_config, groups, **kwargs):
-    """Build the megatron-core Qwen3-MoE policy on `groups` from a HF checkpoint dir, a YAML path or a config
-    object (moe_gspo.model.load.load_policy)."""
+    """Build the megatron-core MoE policy of the config's family on `groups` from a HF checkpoint dir, a YAML path
+    or a config object (moe_gspo.model.load.load_policy)."""
     from moe_gspo.model.load import load_policy as _load
 
     return _load(path_or_config, groups, **kwargs)

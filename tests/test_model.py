@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_hf_model
+from helpers import ROOT, tiny_hf_model
 
 import moe_gspo
 from moe_gspo.config import ConfigError, ModelConfig, load_config
@@ -184,3 +184,24 @@ def test_load_policy_builds_on_the_groups_it_is_given_and_changes_no_global_stat
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     with pytest.raises(ConfigError, match="parallel.tp=2"):
         moe_gspo.load_policy(cfg, groups, parallel=dataclasses.replace(cfg.parallel, tp=2))
+
+
+def test_a_forward_sets_no_attribute_of_the_model():
+    """The hidden-state forward (the fused log-prob path's input) leaves the GPT model's attributes as they were,
+    during the call too: a layer's hook sees the same post_process flag and the same attribute set as before."""
+    import moe_gspo
+
+    groups = moe_gspo.init_parallel(ROOT / "configs/tiny_cpu.yaml")
+    policy = moe_gspo.load_policy(ROOT / "configs/tiny_cpu.yaml", groups)
+    before = dict(vars(policy.gpt))
+    seen = []
+    hook = policy.gpt.decoder.layers[0].register_forward_hook(
+        lambda *_: seen.append((policy.gpt.post_process, dict(vars(policy.gpt)) == before)))
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = policy(ids, return_hidden=True)
+        logits = policy(ids)
+    hook.remove()
+    assert seen == [(True, True), (True, True)] and dict(vars(policy.gpt)) == before
+    assert hidden.shape == (2, 6, policy.model_config.hidden_size)
+    torch.testing.assert_close(hidden @ policy.lm_head_weight().t(), logits, rtol=1e-5, atol=1e-5)

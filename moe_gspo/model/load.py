@@ -4,7 +4,7 @@
     policy = load_policy("configs/tiny_cpu.yaml", groups)  # or a Config, a ModelConfig or a HF checkpoint dir
 
 `init_parallel` initializes torch.distributed (torchrun's or a one-process group), megatron's TP/EP/DP groups and
-its per-rank RNG tracker. `load_policy` builds the megatron-core Qwen3-MoE policy on the groups it is given, its
+its per-rank RNG tracker. `load_policy` builds the megatron-core MoE policy on the groups it is given, its
 initial weights drawn from a forked RNG seeded with the config's seed (the caller's RNG state is left as it was),
 and loads (and shards) HF weights when given a checkpoint. It initializes nothing.
 """
@@ -51,7 +51,7 @@ def init_parallel(path_or_config, parallel: ParallelConfig | None = None, seed: 
 
 def load_policy(path_or_config, groups, parallel: ParallelConfig | None = None, seed: int | None = None):
     """Build the policy on `groups` (init_parallel's). `path_or_config`: Config, ModelConfig, a YAML path or a HF
-    Qwen3-MoE checkpoint dir; `parallel` overrides its layout, which must match the groups' sizes."""
+    checkpoint dir of one of the families; `parallel` overrides its layout, which must match the groups' sizes."""
     from moe_gspo.model.policy import MoEPolicy
 
     mc, pc, cfg_seed, ckpt = _resolve(path_or_config)

@@ -1,11 +1,11 @@
-"""The MoE policy: megatron-core GPTModel in the Qwen3-MoE architecture, behind a batch-first interface.
+"""The MoE policy: megatron-core GPTModel in one family's architecture (model.family), behind a batch-first interface.
 
     groups = moe_gspo.init_parallel("configs/tiny_cpu.yaml")     # megatron's ProcessGroupCollection
     policy = moe_gspo.load_policy("configs/tiny_cpu.yaml", groups)  # or a Config, or a HF checkpoint dir
     logits_BTV = policy(input_ids_BT)                             # full vocab, float32
     hidden_BTH = policy(input_ids_BT, return_hidden=True)         # after the final norm (feeds token_logprobs)
     cap = RoutingCapture(); policy(input_ids_BT, routing=cap)     # per-layer top-k experts, batch-major
-    policy.save_pretrained("out/hf")                               # HF Qwen3-MoE checkpoint
+    policy.save_pretrained("out/hf")                               # HF checkpoint of the policy's family
 
 The module itself runs on one device; TP/EP enter only through the process groups it is built with (megatron's
 ProcessGroupCollection, from moe_gspo.parallel), which it hands to megatron's GPTModel and uses for its own gathers. Under TP the policy's forward gathers the vocab-sharded logits
@@ -15,9 +15,8 @@ ProcessGroupCollection, from moe_gspo.parallel), which it hands to megatron's GP
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,14 +26,13 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
-from moe_gspo.model import hf_io, hf_shards, te_names
 from moe_gspo.model.dispatch import keep_counts_on_device
-from moe_gspo.model.experts import per_expert_state
 from moe_gspo.model.layers import RMSNorm, to_device
 from moe_gspo.model.rope import install_packed_rope, yarn_inv_freq
 from moe_gspo.model.router import MoERouter, RecomputeBoundary, RoutingContext, active_routing, routing_scope
 from moe_gspo.model.routing_capture import PackedLayout, RoutingCapture, flat_positions
 from moe_gspo.model.spec import layer_specs, transformer_config
+from moe_gspo.model.weights import PolicyWeightIO
 
 
 # The MoE dispatcher's masked_select and the expert loop's tokens_per_expert.tolist() have data-dependent sizes;
@@ -67,8 +65,22 @@ def _enter_marker(_decoder, _args, out):
     return out
 
 
-class MoEPolicy(torch.nn.Module):
-    """An MoE causal LM of one of the families (megatron-core) with batch-first inputs and explicit routing exposure."""
+_RETURN_HIDDEN: ContextVar[bool] = ContextVar("moe_gspo_return_hidden", default=False)
+
+
+class _GPT(GPTModel):
+    """megatron's GPTModel whose output step hands back the decoder's hidden states (after the final norm) instead
+    of the logits during a call that asks for them (_RETURN_HIDDEN), so a forward sets no attribute of the model."""
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        if _RETURN_HIDDEN.get():
+            return hidden_states
+        return super()._postprocess(hidden_states, *args, **kwargs)
+
+
+class MoEPolicy(PolicyWeightIO, torch.nn.Module):
+    """An MoE causal LM of one of the families (megatron-core) with batch-first inputs and explicit routing exposure;
+    its weight I/O (megatron and HF state, gathers, export) is PolicyWeightIO's (moe_gspo.model.weights)."""
 
     def __init__(self, mc: ModelConfig, pc: ParallelConfig, groups, recompute: str = "none",
                  recompute_layers: int = 1):
@@ -79,7 +91,7 @@ class MoEPolicy(torch.nn.Module):
         self.model_config, self.parallel_config, self.groups = mc, pc, groups
         self.config = transformer_config(mc, pc, recompute, recompute_layers)
         block = TransformerBlockSubmodules(layer_specs=layer_specs(mc), layer_norm=RMSNorm)
-        self.gpt = GPTModel(
+        self.gpt = _GPT(
             config=self.config, transformer_layer_spec=block, vocab_size=mc.vocab_size,
             max_sequence_length=mc.max_position_embeddings, pre_process=True, post_process=True,
             parallel_output=True, share_embeddings_and_output_weights=mc.tie_word_embeddings,
@@ -159,11 +171,11 @@ class MoEPolicy(torch.nn.Module):
         (V/tp with gather_logits=False), batch-first; routers see the inputs' routing context meanwhile."""
         with routing_scope(inp.routing):
             if return_hidden:
-                self.gpt.post_process = False  # GPTModel returns the decoder output (after the final norm)
+                token = _RETURN_HIDDEN.set(True)  # the decoder output (after the final norm), not the logits
                 try:
                     h = self.gpt(inp.ids, inp.position_ids, inp.mask, packed_seq_params=inp.packed)  # (s/tp, b, H)
                 finally:
-                    self.gpt.post_process = True
+                    _RETURN_HIDDEN.reset(token)
                 if self.tp > 1:
                     # Every TP rank gets all tokens' hidden states; their consumer (token_logprobs with the TP
                     # group) returns the full, TP-all-reduced gradient, so the backward only keeps this rank's
@@ -264,87 +276,6 @@ class MoEPolicy(torch.nn.Module):
         if self.model_config.tie_word_embeddings:
             return self.gpt.shared_embedding_or_output_weight()
         return self.gpt.output_layer.weight
-
-    def megatron_state(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters under the local spec's megatron names whatever `model.spec` builds (te_names: the
-        TE spec's names are mapped; no extra state); experts under SequentialMLP's per-expert names whatever
-        `model.experts` holds them as (grouped experts give views of their stacks)."""
-        return self.per_expert({k: v for k, v in self.gpt.state_dict().items() if "_extra_state" not in k})
-
-    def per_expert(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Tensors named and shaped like this rank's parameters -> the same under the local spec's per-expert names:
-        grouped experts' stacked weights split into per-expert views, TE-spec names mapped (te_names.to_local)."""
-        e_local = self.model_config.num_experts // self.ep
-        return te_names.to_local(per_expert_state(local, e_local, self.model_config.hidden_size))
-
-    def full_megatron_state(self) -> dict[str, torch.Tensor]:
-        """All parameters, unsharded (a collective over TP and EP when they are > 1)."""
-        return self.gather_full(self.megatron_state())
-
-    def gather_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Tensors named and shaped like this rank's parameters (weights, or optimizer state per parameter) ->
-        the unsharded tensors (a collective over TP and EP when they are > 1)."""
-        local = self.per_expert(local)
-        if self.tp == 1 and self.ep == 1:
-            return {k: v.detach() for k, v in local.items()}
-        return hf_shards.gather_state(local, self.model_config, self.groups.tp, self.groups.ep)
-
-    def shard_full(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Inverse of gather_full: this rank's TP/EP shard of unsharded tensors (no communication)."""
-        return hf_shards.shard_state(full, self.model_config, self.tp, self.tp_rank, self.ep, self.ep_rank)
-
-    def weights(self):
-        """This policy's weights as engines load them (moe_gspo.model.weights.PolicyWeights): whole HF tensors,
-        streamed, or this rank's shards."""
-        from moe_gspo.model.weights import PolicyWeights
-
-        if "_weight_source" not in self.__dict__:  # views of the parameters: one source serves every update
-            self.__dict__["_weight_source"] = PolicyWeights(self)
-        return self.__dict__["_weight_source"]
-
-    def export_hf(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        """(config.json dict, HF-named full state dict) in memory: what save_pretrained writes."""
-        return hf_io.hf_config_dict(self.model_config), hf_io.megatron_to_hf(self.full_megatron_state(),
-                                                                              self.model_config)
-
-    def stream_hf(self) -> tuple[dict, Mapping[str, torch.Tensor]]:
-        """(config.json dict, HF-named state) like export_hf, without a full copy of the model on this rank: under
-        TP or EP the state is a StreamedHFState (every rank of the group must read its keys once, in order);
-        otherwise views of this rank's weights."""
-        if self.tp == 1 and self.ep == 1:
-            return self.export_hf()
-        return hf_io.hf_config_dict(self.model_config), hf_shards.StreamedHFState(
-            self.megatron_state(), self.model_config, self.groups.tp, self.groups.ep)
-
-    def load_full_megatron_state(self, full: dict[str, torch.Tensor]) -> None:
-        local = self.shard_full(full)
-        own = self.megatron_state()
-        missing = sorted(set(own) - set(local))
-        if missing:
-            raise ValueError(f"weights missing for {missing[:5]}")
-        with torch.no_grad():
-            for k, p in own.items():
-                if p.shape != local[k].shape:
-                    raise ValueError(f"weight {k}: checkpoint shape {tuple(local[k].shape)} != model {tuple(p.shape)}")
-                p.copy_(local[k])
-
-    def frozen_copy(self) -> MoEPolicy:
-        """A second policy on the same parallel layout holding a copy of the current weights, with no gradients
-        (the KL reference). Costs one more set of this rank's weights."""
-        ref = MoEPolicy(self.model_config, self.parallel_config, self.groups)
-        ref.gpt.load_state_dict(self.gpt.state_dict())
-        ref.requires_grad_(False)
-        return ref.eval()
-
-    def load_hf_state(self, hf: dict[str, torch.Tensor]) -> None:
-        self.load_full_megatron_state(hf_io.hf_to_megatron(dict(hf), self.model_config))
-
-    def save_pretrained(self, path: str | Path, max_shard_bytes: int = 2 * 2**30) -> Path | None:
-        """Write a HF Qwen3-MoE checkpoint (config.json + safetensors), atomically, from global rank 0."""
-        config, tensors = self.export_hf()
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return None
-        return hf_io.write_hf_dir(Path(path), config, tensors, max_shard_bytes)
 
 
 @dataclass

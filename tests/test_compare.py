@@ -12,14 +12,21 @@ import pytest
 from moe_gspo.config import ConfigError
 
 
-def _fake_run(d, clip, flip, rewards, layers=2, wall=12.5):
+def _fake_run(d, clip, flip, rewards, layers=2, wall=12.5, split=None):
+    """A run of len(rewards) steps: 4 experts of equal load (top-2, 100 tokens a step), expert e losing 1% x e of
+    its slots per step; `split` (bias, gradient) adds the per-layer flip split, layer i at (i + 1) times each."""
     d.mkdir(parents=True)
+    (d / "config.yaml").write_text(json.dumps({"model": {"num_experts_per_tok": 2}}))  # JSON is YAML
     with (d / "metrics.jsonl").open("w") as f:
         for s, r in enumerate(rewards, 1):
             rec = {"step": s, "reward/mean": r, "accuracy": r, "pg_clipfrac": clip,
                    "moe/flip_rate": flip, "moe/rollout_train_mismatch": 0.01, "rollout_probs_diff_mean": 1e-3,
                    **{f"moe/flip_rate/layer_{i}": flip * (i + 1) / layers for i in range(layers)},
-                   **{f"moe/churn_out/expert_{e}": 0.01 * e for e in range(4)}}
+                   **{f"moe/churn_out/expert_{e}": 0.01 * e for e in range(4)}, "moe/flip_tokens": 100.0,
+                   **{f"moe/load/layer_{i}/expert_{e}": 0.25 for i in range(layers) for e in range(4)}}
+            for source, x in zip(("bias", "gradient"), split or ()):
+                rec.update({f"moe/flip_rate_from_{source}/layer_{i}": x * (i + 1) for i in range(layers)})
+                rec[f"moe/flip_rate_from_{source}"] = x * (layers + 1) / 2
             if s == 2:
                 rec["pg_clipfrac"] = 0.0  # a step with nothing clipped must not break the log scale
             f.write(json.dumps(rec) + "\n")
@@ -82,18 +89,20 @@ def test_report_with_seeds_intervals_verdicts_and_collapses(tmp_path):
     assert all("1.00 [1.00, 1.00]" in ln for ln in lines)  # moe/rollout_train_mismatch 0.01 in every run
 
 
-def _write_config(run_dir, **algorithm):
-    """A run's config.yaml with the fields the settings table reads."""
+def _write_config(run_dir, model=None, train=None, **algorithm):
+    """A run's config.yaml with the fields the settings table reads; `model`, `train`: fields to add or replace."""
     import yaml
 
-    cfg = {"model": {"num_hidden_layers": 8, "hidden_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
-                     "moe_intermediate_size": 128, "num_attention_heads": 4, "params_dtype": "float32"},
+    cfg = {"model": {"family": "qwen3_moe", "num_hidden_layers": 8, "hidden_size": 64, "num_experts": 8,
+                     "num_experts_per_tok": 2, "moe_intermediate_size": 128, "num_attention_heads": 4,
+                     "params_dtype": "float32", "shared_expert_intermediate_size": 0, **(model or {})},
            "rollout": {"engine": "hf", "engine_dtype": "bfloat16", "task": "column_addition",
                        "task_args": "min_digits=4,max_digits=6", "prompts_per_step": 8, "group_size": 8,
                        "max_new_tokens": 68, "temperature": 1.0},
            "train": {"steps": 30, "lr": 3e-4, "lr_decay": "constant", "lr_warmup_steps": 0, "minibatches": 8,
                      "micro_batch_size": 8, "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0,
-                     "grad_clip": 1.0, "cold_start_steps": 800, "cold_start_lr": 3e-3, "cold_start_batch_size": 32},
+                     "grad_clip": 1.0, "cold_start_steps": 800, "cold_start_lr": 3e-3, "cold_start_batch_size": 32,
+                     "router_bias_update_rate": 0.0, **(train or {})},
            "algorithm": {"loss": "grpo", "clip_low": None, "clip_high": None, "routing_replay": "off",
                          "use_engine_logprobs": False, "loss_agg_mode": "seq-mean-token-mean", "kl_beta": 0.0,
                          **algorithm}}
@@ -104,7 +113,7 @@ def test_settings_table_gives_the_clip_ranges_actually_used(tmp_path):
     """Shared settings once, the settings that differ by variant in their own columns; a clip range left to the
     loss resolves to its registered default, an explicit one is shown as set."""
     from moe_gspo.report.compare import write_compare_report
-    from moe_gspo.report.compare_data import settings_tables
+    from moe_gspo.report.compare_settings import settings_tables
 
     algos = {"grpo": {}, "grpo_r2": {"routing_replay": "r2"}, "gspo": {"loss": "gspo"},
              "gspo_wide": {"loss": "gspo", "clip_low": 0.001, "clip_high": 0.002}}
@@ -118,7 +127,7 @@ def test_settings_table_gives_the_clip_ranges_actually_used(tmp_path):
 
     shared, header, rows = settings_tables(load_variants(tmp_path, list(algos)))
     shared = dict(shared)
-    assert shared["model"].startswith("8 MoE layers, hidden 64, 8 experts (top-2)")
+    assert shared["model"].startswith("8 MoE layers, hidden 64, 8 routed experts (top-2)")
     assert shared["minibatches per rollout batch"].startswith("8 optimizer steps")
     assert shared["precision"] == "trainer float32, rollout engine hf in bfloat16"
     assert shared["seeds"] == "2 paired seeds (0, 1)"
@@ -169,14 +178,14 @@ def test_curves_smoothed_alike_with_raw_faint_and_legends_outside(tmp_path, monk
     from moe_gspo.report.compare_data import load_variants
 
     grpo = load_variants(tmp_path, ["grpo"], [0, 1, 2])[0]
-    for png, key in (("compare_reward.png", "reward/mean"), ("compare_clipfrac.png", "pg_clipfrac"),
-                     ("compare_flip_rate.png", "moe/flip_rate")):
+    for png, key, scale in (("compare_reward.png", "reward/mean", 1), ("compare_clipfrac.png", "pg_clipfrac", 1),
+                            ("compare_flip_rate.png", "moe/flip_rate", 100)):  # flip rates in percent
         ax = figs[png].axes[0]
         faint = [ln for ln in ax.lines if (ln.get_alpha() or 1.0) < 0.5]
         bold = [ln for ln in ax.lines if (ln.get_alpha() or 1.0) >= 0.5]
         assert len(faint) == len(bold) == 3, png
         _, Y = grpo.matrix(key)
-        raw = Y.mean(0)
+        raw = scale * Y.mean(0)
         np.testing.assert_allclose(np.nan_to_num(faint[0].get_ydata()), np.where(raw > 0, raw, 0), err_msg=png)
         want = smooth(raw, 4)
         np.testing.assert_allclose(np.nan_to_num(bold[0].get_ydata()), np.where(want > 0, want, 0), err_msg=png)
@@ -190,7 +199,8 @@ def test_curves_smoothed_alike_with_raw_faint_and_legends_outside(tmp_path, monk
 
 
 def test_layer_profile_and_churn_average_runs_then_seeds(tmp_path):
-    """Per layer, each run's mean over steps, then the mean over seeds with a t-band; per expert likewise."""
+    """Per layer, each run's mean over steps, then the mean over seeds with a t-band; per expert, counts pooled over
+    steps and seeds (equal loads here, so the logged ratio itself)."""
     import numpy as np
 
     from moe_gspo.report.stats import band
@@ -208,9 +218,10 @@ def test_layer_profile_and_churn_average_runs_then_seeds(tmp_path):
     assert layers == [0, 1, 2, 3]
     per_seed = np.array([[f * (i + 1) / 4 for i in range(4)] for f in (0.01, 0.02, 0.04)])
     np.testing.assert_allclose(mean, per_seed.mean(0))
-    np.testing.assert_allclose(lo, band(per_seed)[1]) and np.testing.assert_allclose(hi, band(per_seed)[2])
+    np.testing.assert_allclose(lo, np.maximum(band(per_seed)[1], 0))  # a rate's band is cut at 0
+    np.testing.assert_allclose(hi, band(per_seed)[2])
     assert np.all(np.diff(mean) > 0) and np.all(lo < mean) and np.all(mean < hi)
-    assert expert_churn(v, CHURN_OUT) == pytest.approx({e: 0.01 * e for e in range(4)})
+    assert expert_churn(v, CHURN_OUT) == (pytest.approx({e: 0.01 * e for e in range(4)}), [])
     assert layer_profile(load_variants(tmp_path, ["grpo"], [3])[0])[0] == []
 
 
@@ -241,7 +252,7 @@ def test_clip_ratio_is_paired_by_seed_over_steps_with_gradient(tmp_path):
     assert [r[5] for r in run_rows(variants, stats, {})] == ["4/6"] * 6  # steps 5 and 6 carry no gradient
     rows = {r[0]: r for r in metric_rows(variants, "grpo")}
     assert rows["grpo"][2] == "1" and rows["gspo"][2] == "100 [100, 100]"
-    assert rows["gspo"][3].startswith("0.02 [0.02, 0.02]")
+    assert rows["gspo"][3].startswith("2.00 [2.00, 2.00]")  # the flip rate, in percent
 
 
 def test_report_of_one_seed_says_there_is_no_interval(tmp_path):
@@ -379,15 +390,16 @@ def test_seeds_and_jobs_end_to_end(tmp_path, monkeypatch, capsys):
     (tmp_path / "seq" / "gspo" / "seed_2" / "wall_time.json").unlink()
     capsys.readouterr()
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    kept = json.loads((tmp_path / "seq" / "gspo" / "seed_1" / "wall_time.json").read_text())["threads"]
+    torch.set_num_threads(kept + 1)  # whatever OMP_NUM_THREADS the suite runs under
     try:
         assert main([*args, "--out", str(tmp_path / "seq"), "--jobs", "1", "--resume", "--seeds", "3"]) == 0
     finally:
         torch.set_num_threads(before)
     err = capsys.readouterr().err
     assert "keeping 3 of 3 cold start(s) and 5 of 6 runs" in err, err
-    assert "the kept runs ran with 1 thread(s) each and the 1 new one(s) run with 2" in err, err
-    assert json.loads((tmp_path / "seq" / "gspo" / "seed_2" / "wall_time.json").read_text())["threads"] == 2
+    assert f"the kept runs ran with {kept} thread(s) each and the 1 new one(s) run with {kept + 1}" in err, err
+    assert json.loads((tmp_path / "seq" / "gspo" / "seed_2" / "wall_time.json").read_text())["threads"] == kept + 1
 
     # what --resume keeps depends on the config: an RL-only change keeps the cold starts and redoes the runs; a
     # cold-start change redoes both
@@ -458,3 +470,231 @@ def test_report_shows_the_expert_load_beside_the_flip_rate(tmp_path):
         f.write_text("".join(json.dumps({k: v for k, v in json.loads(x).items() if "load" not in k}) + "\n"
                              for x in f.read_text().splitlines()))
     assert "Expert load" not in _text(write_compare_report(tmp_path, ["grpo"]))
+
+
+def _rewrite(run_dir, edit):
+    """Apply edit(record) to every record of run_dir/metrics.jsonl."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        edit(r)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def _table_after(page: str, marker: str) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the first table after `marker` in the HTML, cells unescaped."""
+    import html as html_mod
+
+    found = re.search(r"<table[^>]*>(.*?)</table>", page[page.index(marker):])
+    assert found, f"no table after {marker}"
+    t = found.group(1)
+    header = [html_mod.unescape(h) for h in re.findall(r"<th>(.*?)</th>", t)]
+    rows = [[html_mod.unescape(c) for c in re.findall(r"<td>(.*?)</td>", tr)]
+            for tr in re.findall(r"<tr>(.*?)</tr>", t.split("<tbody>")[1])]
+    return header, rows
+
+
+def test_flip_split_has_a_table_per_layer_beside_its_figure(tmp_path):
+    """Variants whose runs log the flip split get two columns each (bias, gradient) in a table right after the split
+    figure, one row per MoE layer and one over all layers, in percent: the mean over seeds of each run's mean."""
+    from moe_gspo.report.compare import write_compare_report
+
+    for s, (bias, grad) in enumerate(((0.001, 0.004), (0.003, 0.008))):
+        _fake_run(tmp_path / "dsv3" / f"seed_{s}", clip=0.01, flip=0.02, rewards=[0.3] * 4, layers=3,
+                  split=(bias, grad))
+        _fake_run(tmp_path / "grpo" / f"seed_{s}", clip=0.01, flip=0.02, rewards=[0.3] * 4, layers=3)
+    page = write_compare_report(tmp_path, ["grpo", "dsv3"]).read_text()
+    fig = page.index("compare_flip_sources.png")
+    header, rows = _table_after(page, "compare_flip_sources.png")
+    assert page.index("<table", fig) < page.index("compare_churn.png")  # the table sits beside its figure
+    assert header == ["MoE layer", "dsv3: bias %", "dsv3: gradient %"]  # grpo has no split: no columns
+    assert [r[0] for r in rows] == ["0", "1", "2", "all"]
+    for i in range(3):  # _fake_run: layer i at (i + 1) x the run's rate; the mean over the two seeds
+        assert float(rows[i][1]) == pytest.approx(100 * (i + 1) * (0.001 + 0.003) / 2, abs=5e-3)
+        assert float(rows[i][2]) == pytest.approx(100 * (i + 1) * (0.004 + 0.008) / 2, abs=5e-3)
+    assert float(rows[3][2]) == pytest.approx(100 * 2 * (0.004 + 0.008) / 2, abs=5e-3)  # overall: (L + 1) / 2
+
+
+def test_per_layer_figures_tick_whole_layers_in_the_variants_colors(tmp_path, monkeypatch):
+    """The per-layer figures tick MoE layers 0, 1, 2 only, and draw each variant in its color of the per-step
+    figures, also when the first variant logs nothing per layer; the flip split tells its sources apart by line
+    style, not by another variant's color; the churn bars use the variants' colors too."""
+    from matplotlib.colors import to_rgba
+
+    figs = _captured_figures(monkeypatch)
+    from moe_gspo.report.compare import write_compare_report
+
+    for s in (0, 1):
+        _fake_run(tmp_path / "grpo" / f"seed_{s}", clip=0.01, flip=0.02, rewards=[0.3] * 4, layers=0)
+        for name, split in (("dsv3", (0.001, 0.004)), ("dsv3_fast", (0.01, 0.004))):
+            _fake_run(tmp_path / name / f"seed_{s}", clip=0.01, flip=0.02, rewards=[0.3] * 4, layers=3, split=split)
+    write_compare_report(tmp_path, ["grpo", "dsv3", "dsv3_fast"])
+    steps = figs["compare_flip_rate.png"].axes[0]
+    color = {ln.get_label().split(" (")[0]: to_rgba(ln.get_color()) for ln in steps.lines
+             if not ln.get_label().startswith("_")}
+    assert set(color) == {"grpo", "dsv3", "dsv3_fast"} and len(set(color.values())) == 3
+    for png in ("compare_flip_layers.png", "compare_flip_sources.png"):
+        ax = figs[png].axes[0]
+        lo, hi = ax.get_xlim()
+        assert [t for t in ax.get_xticks() if lo <= t <= hi] == [0, 1, 2], png
+        lines = [ln for ln in ax.lines if not ln.get_label().startswith("_")]
+        assert lines, png
+        for ln in lines:
+            name = ln.get_label().split(",")[0]
+            assert to_rgba(ln.get_color()) == color[name], (png, ln.get_label())
+    sources = [ln for ln in figs["compare_flip_sources.png"].axes[0].lines if not ln.get_label().startswith("_")]
+    assert sorted(ln.get_label() for ln in sources) == ["dsv3, bias", "dsv3, gradient", "dsv3_fast, bias",
+                                                        "dsv3_fast, gradient"]
+    assert len({(ln.get_label().split(",")[0], ln.get_linestyle()) for ln in sources}) == 4  # sources: by style
+    for ax in figs["compare_churn.png"].axes:
+        for bars in ax.containers:
+            assert {to_rgba(b.get_facecolor()) for b in bars} == {color[bars.get_label()]}
+
+
+def test_settings_name_family_shared_experts_grouped_routing_latent_attention_and_bias_rate(tmp_path):
+    """The settings table names the model family, the shared experts (how many, or none), n_group/topk_group where
+    set, latent attention where used and the router's bias update rate, and says that dense layers and shared
+    experts are not in the flip rates."""
+    from moe_gspo.report.compare import write_compare_report
+    from moe_gspo.report.compare_data import load_variants
+    from moe_gspo.report.compare_settings import settings_tables
+
+    models = {"qwen": ({}, {}),
+              "qwen2": ({"family": "qwen2_moe", "shared_expert_intermediate_size": 512}, {}),
+              "dsv3": ({"family": "deepseek_v3", "num_hidden_layers": 4, "num_key_value_heads": 4,
+                        "first_k_dense_replace": 1, "intermediate_size": 256, "shared_expert_intermediate_size": 256,
+                        "n_group": 4, "topk_group": 2, "kv_lora_rank": 32, "q_lora_rank": 0,
+                        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16},
+                       {"router_bias_update_rate": 0.001})}
+    for name, (model, train) in models.items():
+        d = tmp_path / name / "seed_0"
+        _fake_run(d, clip=0.01, flip=0.02, rewards=[0.3] * 4)
+        _write_config(d, model, train)
+    shared, header, rows = settings_tables(load_variants(tmp_path, list(models)))
+    by = {r[0]: dict(zip(header, r)) for r in rows}
+    assert by["qwen"]["model family"] == "qwen3_moe" and by["dsv3"]["model family"] == "deepseek_v3"
+    assert by["qwen"]["shared experts"] == "none"
+    assert by["qwen2"]["shared experts"] == "1 (FFN width 512 in all, sigmoid-gated), not routed"
+    assert by["dsv3"]["shared experts"] == "2 (FFN width 256 in all), not routed"  # 256 / expert FFN 128
+    assert by["dsv3"]["grouped routing"].startswith("n_group 4, topk_group 2")
+    assert by["qwen"]["grouped routing"] == "none"
+    assert by["dsv3"]["attention"].startswith("multi-head latent attention (MLA)")
+    assert "key/value rank 32" in by["dsv3"]["attention"]
+    assert by["qwen"]["attention"].startswith("grouped-query attention")
+    assert by["dsv3"]["router bias update rate"] == "0.001 per optimizer step"
+    assert by["qwen"]["router bias update rate"] == "0 (no expert-bias update)"
+    assert by["dsv3"]["model"].startswith("4 layers (the first 1 dense)")
+    text = _text(write_compare_report(tmp_path, list(models)))
+    assert "dense layers and shared experts have no routing, so they are excluded" in text
+    # a setting no variant uses has no row
+    shared, header, _ = settings_tables(load_variants(tmp_path, ["qwen"]))
+    assert "grouped routing" not in [k for k, _ in shared] + header
+
+
+def test_expert_churn_pools_counts_so_a_tiny_denominator_cannot_dominate(tmp_path):
+    """Expert 3 holds 1 slot at step 1 and gains 40 there (a ratio of 40), and 100 slots at the other steps with 2%
+    gained: pooled, its churn is 48 / 401 slots, not the mean of the ratios (about 8). Expert 2 holds 1 slot in the
+    whole run: fewer than MIN_CHURN_SLOTS, so it is left out, and the report says so."""
+    from moe_gspo.report.compare import write_compare_report
+    from moe_gspo.report.compare_data import expert_churn, load_variants
+    from moe_gspo.report.volatility import CHURN_IN, MIN_CHURN_SLOTS
+
+    d = tmp_path / "grpo" / "seed_0"
+    _fake_run(d, clip=0.01, flip=0.02, rewards=[0.3] * 5)  # 100 tokens, top-2, 2 layers, shares 0.25
+
+    def edit(r):
+        r.update({f"moe/churn_in/expert_{e}": 0.02 for e in range(4)})
+        r.update({"moe/load/layer_0/expert_2": 0.005 if r["step"] == 1 else 0.0, "moe/load/layer_1/expert_2": 0.0})
+        if r["step"] == 1:  # held: 2 x 100 x (0.005 + 0) = 1 slot
+            r.update({"moe/load/layer_0/expert_3": 0.005, "moe/load/layer_1/expert_3": 0.0,
+                      "moe/churn_in/expert_3": 40.0})
+    _rewrite(d, edit)
+    v = load_variants(tmp_path, ["grpo"])[0]
+    churn, left_out = expert_churn(v, CHURN_IN)
+    held = [1] + [2 * 100 * (0.25 + 0.25)] * 4
+    moved = [40.0 * 1] + [0.02 * h for h in held[1:]]
+    assert churn[3] == pytest.approx(sum(moved) / sum(held))
+    assert churn[3] < 0.2 and churn[0] == pytest.approx(0.02) and churn[1] == pytest.approx(0.02)
+    assert left_out == [2] and 1 < MIN_CHURN_SLOTS
+    text = _text(write_compare_report(tmp_path, ["grpo"]))
+    assert f"fewer than {MIN_CHURN_SLOTS} slots in all are left out (a gap): grpo: expert 2." in text
+
+
+def test_rate_intervals_stay_in_their_bounds(tmp_path):
+    """Flip rates of 0.1%, 0.1% and 5% over three seeds: their t-interval reaches below 0, and every table cuts it
+    at 0 (metric table, load table, terminal summary, per-layer band); load entropies near 1 are cut at 1."""
+    import numpy as np
+
+    from moe_gspo.report.compare_data import layer_profile, load_rows, load_variants, metric_rows, summary_lines
+    from moe_gspo.report.stats import t_interval
+
+    flips = (0.001, 0.001, 0.05)
+    entropies = (0.999, 0.999, 0.9)
+    for s, (flip, ent) in enumerate(zip(flips, entropies)):
+        d = tmp_path / "grpo" / f"seed_{s}"
+        _fake_run(d, clip=0.01, flip=flip, rewards=[0.3] * 4)
+        _rewrite(d, lambda r, ent=ent: r.update({"moe/load_entropy": ent, "moe/load_max_over_mean": 1.01}))
+    (tmp_path / "compare.json").write_text(json.dumps({"variants": {"grpo": []}, "seeds": [0, 1, 2]}))
+    assert t_interval(flips).lo < 0 and t_interval(entropies).hi > 1  # what an uncut interval would say
+    v = load_variants(tmp_path, ["grpo"], [0, 1, 2])
+    lo, hi = (100 * x for x in (max(t_interval(flips).lo, 0), t_interval(flips).hi))
+    want = f"{100 * np.mean(flips):.2f} [{lo:.2f}, {hi:.2f}]"
+    assert want.endswith(f"[0.00, {hi:.2f}]")
+    assert metric_rows(v, "grpo")[0][3] == want
+    row = load_rows(v)[0]
+    assert row[1] == want and row[3].endswith(", 1]") and row[2].startswith("1.01 [1.01, 1.01]")
+    assert want in summary_lines(tmp_path)[1]
+    _, _, band_lo, band_hi = layer_profile(v[0])
+    assert band_lo.min() == 0 and np.all(band_hi <= 1)
+
+
+def test_flip_rates_are_in_percent_throughout(tmp_path, monkeypatch):
+    """Every table header that names a flip rate or the routing mismatch says %, with values 100 x the logged
+    fractions, and every figure of them has a percent axis."""
+    figs = _captured_figures(monkeypatch)
+    from moe_gspo.report.compare import write_compare_report
+
+    for s in (0, 1):
+        _fake_run(tmp_path / "grpo" / f"seed_{s}", clip=0.01, flip=0.05, rewards=[0.3] * 4, split=(0.01, 0.02))
+    page = write_compare_report(tmp_path, ["grpo"]).read_text()
+    headers = [h for h in re.findall(r"<th>(.*?)</th>", page) if re.search("flip|mismatch|: bias|: gradient", h)]
+    unit = [h for h in headers if re.search(r"%(?! t)", h)]  # a percent sign that is not 95% t's
+    assert len(headers) >= 5 and unit == headers, headers
+    header, rows = _table_after(page, "<h2>Summary</h2>")
+    assert float(rows[0][header.index("flip rate %")]) == pytest.approx(5.0)
+    assert float(rows[0][header.index("engine mismatch %")]) == pytest.approx(1.0)
+    for png in ("compare_flip_rate.png", "compare_flip_layers.png", "compare_flip_sources.png", "compare_churn.png",
+                "compare_mismatch.png", "volatility_heatmap.png"):
+        labels = [ax.get_ylabel() for ax in figs[png].axes]
+        assert any("%" in x for x in labels), (png, labels)
+    assert figs["compare_flip_rate.png"].axes[0].lines[1].get_ydata()[0] == pytest.approx(5.0)
+
+
+def test_summary_table_fits_1400_px(tmp_path):
+    """The page is 1400 px wide at most and a table scrolls sideways in its container rather than widening it; in
+    the summary, headers wrap between words and cells never wrap, and at about 9 px per character (system-ui at 16
+    px) plus 21 px of padding and border per column, five variants with long names, intervals and a dash with its
+    reason fit in 1400 px less the page's 2 x 16 px of padding."""
+    from moe_gspo.report.compare import write_compare_report
+
+    names = ["grpo", "grpo_r2", "grpo_r3", "gspo", "gspo_token"]
+    for i, name in enumerate(names):
+        for s in (0, 1, 2):
+            flat = name == "gspo_token"  # the same final reward at every seed: no spread, a dash with the reason
+            _fake_run(tmp_path / name / f"seed_{s}", clip=0.0001234 * (i + 1), flip=0.012345,
+                      rewards=[0.5 if flat else 0.123456 + 0.1 * s + 0.01 * i] * 12, wall=1234.5)
+    page = write_compare_report(tmp_path, names).read_text()
+    css = re.search(r"<style>(.*?)</style>", page, re.S).group(1)
+    assert "max-width:1400px" in css and ".scroll{max-width:100%;overflow-x:auto}" in css
+    assert "table.numeric td{white-space:nowrap}" in css and "white-space:normal" in css
+    assert page.count("<table") == page.count("<div class='scroll'><table")
+    start = page.index("<h2>Summary</h2>")
+    assert page[start:].split("<table", 1)[1].startswith(" class='numeric'")
+    header, rows = _table_after(page, "<h2>Summary</h2>")
+    assert any("no spread" in c for r in rows for c in r)
+    width = 0
+    for j, h in enumerate(header):
+        cells = [r[j] for r in rows]
+        assert all(len(c) <= 26 for c in cells), cells
+        chars = max([len(w) for w in h.split()] + [len(c) for c in cells])
+        width += 9 * chars + 21
+    assert width <= 1400 - 32, width

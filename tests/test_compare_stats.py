@@ -93,6 +93,24 @@ def test_equal_differences_at_every_seed_give_no_direction(tmp_path):
     assert "lower" not in line and "[-0.125" not in line, line
 
 
+def test_bounded_cuts_an_interval_to_the_range_of_its_quantity():
+    """Rates of 0.1%, 0.1% and 5%: the t-interval of their mean reaches below 0, which no rate can; bounded cuts it
+    at 0 and leaves the mean and the other end. An upper bound cuts the same way, None leaves a side open, and one
+    value (no interval) stays as it is."""
+    from moe_gspo.report.stats import bounded
+
+    iv = t_interval([0.001, 0.001, 0.05])
+    assert iv.lo < 0 < iv.hi < 1
+    cut = bounded(iv)
+    assert (cut.mean, cut.lo, cut.hi, cut.n) == (iv.mean, 0.0, iv.hi, 3)
+    high = t_interval([0.999, 0.999, 0.9])
+    assert high.hi > 1 and bounded(high).hi == 1.0 and bounded(high).lo == high.lo
+    assert bounded(high, None, None) == high and bounded(iv, 0.0, None).hi == iv.hi
+    assert bounded(t_interval([0.5])) == t_interval([0.5])
+    ratio = t_interval([1.0, 1.0, 1.3])
+    assert ratio.lo < 1 and bounded(ratio, 1.0, None).lo == 1.0  # the load max/mean is >= 1
+
+
 def test_band_across_seeds():
     rows = np.array([[0.0, 1.0], [2.0, 1.0], [4.0, 1.0]])
     mean, lo, hi = band(rows)

@@ -18,7 +18,9 @@ L, E = 4, 8
 
 
 def write_run(run_dir, scale: float, steps: int = 12, mismatch: bool = True):
+    """Flip rates from a formula; every expert holds 16 of a layer's 128 top-2 slots (64 tokens) at every step."""
     run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(json.dumps({"model": {"num_experts_per_tok": 2}}))  # JSON is YAML
     with open(run_dir / "metrics.jsonl", "w") as f:
         for s in range(steps):
             rec = {"step": s, "loss": 1.0 / (s + 1)}
@@ -27,6 +29,8 @@ def write_run(run_dir, scale: float, steps: int = 12, mismatch: bool = True):
             rec["moe/flip_rate"] = sum(layers) / L
             rec.update({f"moe/churn_in/expert_{e}": scale * (1 + e % 3) for e in range(E)})
             rec.update({f"moe/churn_out/expert_{e}": scale * (1 + e % 2) for e in range(E)})
+            rec.update({f"moe/load/layer_{i}/expert_{e}": 1 / E for i in range(L) for e in range(E)})
+            rec["moe/flip_tokens"] = 64.0
             if mismatch:
                 rec["moe/rollout_train_mismatch"] = scale / 2
             f.write(json.dumps(rec) + "\n")
@@ -40,14 +44,15 @@ def expected_flips(scale: float, steps: int) -> tuple[list[float], list[list[flo
 
 
 def expected_row(label: str, scale: float, steps: int, mismatch: bool) -> list:
-    """The summary row the report should show for write_run(scale, steps, mismatch), as numbers and strings."""
+    """The summary row the report should show for write_run(scale, steps, mismatch), as numbers and strings; rates
+    in percent."""
     flips, layers = expected_flips(scale, steps)
     top = max(range(steps), key=flips.__getitem__)
     layer_means = [sum(x) / steps for x in layers]
     hot = max(range(L), key=layer_means.__getitem__)
-    return [label, steps, sum(flips) / steps, flips[-1], f"{flips[top]:.3g} (step {top})",
-            f"{hot} ({layer_means[hot]:.3g})", f"1 ({2 * scale:.3g})",  # churn_out is 2*scale for odd experts
-            scale / 2 if mismatch else None]
+    return [label, steps, 100 * sum(flips) / steps, 100 * flips[-1], f"{100 * flips[top]:.3g} (step {top})",
+            f"{hot} ({100 * layer_means[hot]:.3g})", f"1 ({200 * scale:.3g})",  # churn_out is 2*scale for odd experts
+            50 * scale if mismatch else None]
 
 
 def summary_rows(text: str) -> list[list[str]]:
@@ -100,15 +105,16 @@ def test_single_run_report(tmp_path, monkeypatch):
     flips, layers = expected_flips(0.1, 12)
     lines, kw = drawn["line_plot"]
     [(label, x, y)] = lines
-    assert label == "grpo" and x.tolist() == list(range(12)) and np.allclose(y, flips)
+    assert label == "grpo" and x.tolist() == list(range(12)) and np.allclose(y, 100 * np.array(flips))
     [(label, x, y)] = kw["dashed"]
-    assert label == "grpo rollout-train mismatch" and x.tolist() == list(range(12)) and np.allclose(y, 0.05)
+    assert label == "grpo rollout-train mismatch" and x.tolist() == list(range(12)) and np.allclose(y, 5.0)
     [(label, x, ids, M)] = drawn["heatmap_panels"][0]
-    assert label == "grpo" and x.tolist() == list(range(12)) and ids == list(range(L)) and np.allclose(M, layers)
+    assert label == "grpo" and x.tolist() == list(range(12)) and ids == list(range(L))
+    assert np.allclose(M, 100 * np.array(layers))
     [(label, ids, groups)] = drawn["grouped_bars"][0]
     assert label == "grpo" and ids == list(range(E))
-    assert np.allclose(groups["gained (in)"], [0.1 * (1 + e % 3) for e in range(E)])
-    assert np.allclose(groups["lost (out)"], [0.1 * (1 + e % 2) for e in range(E)])
+    assert np.allclose(groups["gained (in)"], [10 * (1 + e % 3) for e in range(E)])
+    assert np.allclose(groups["lost (out)"], [10 * (1 + e % 2) for e in range(E)])
 
 
 def test_two_runs_cli_and_errors(tmp_path, capsys):

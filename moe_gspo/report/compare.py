@@ -8,13 +8,16 @@ is there (CompareConfig defaults otherwise; a variant directory holding metrics.
 Statistics (moe_gspo/report/stats.py): a run's final reward is the mean of its last `final_window` steps; a
 variant's is the mean over seeds with a 95% Student-t interval; each variant is compared with GRPO (or the first
 variant when GRPO is absent) by the per-seed paired difference of final rewards, with its t-interval and a verdict;
-collapses are counted per run. A run-settings table comes first (each variant's first run's config.yaml: model
-shape, task, steps, batch, lr, minibatches, the clip range the loss actually used, replay, seeds). Figures (PNG next
-to the HTML), every per-step curve drawn the same way (the mean over seeds faint, its trailing moving average bold,
-legends outside the axes): reward (and accuracy only where it differs from the reward), each variant's seeds with the
-95% t-band, clip fractions on a log scale, the expert flip rate per step, the flip rate per MoE layer (t-band across
-seeds), per-expert churn, the first seed's layer x step heatmaps, rollout-vs-train routing mismatch and probability
-difference. Reads the JSONL metrics, each run's config.yaml and compare.json.
+collapses are counted per run. A run-settings table comes first (compare_settings.py: each variant's first run's
+config.yaml: model family and shape, shared experts, grouped routing, attention, task, steps, batch, lr,
+minibatches, the router's bias update rate, the clip range the loss actually used, replay, seeds). Flip rates and
+routing mismatch are in percent everywhere, and intervals of rates are cut to [0, 100]. Figures (PNG next to the
+HTML), every per-step curve drawn the same way (the mean over seeds faint, its trailing moving average bold, legends
+outside the axes), each variant in one color throughout: reward (and accuracy only where it differs from the
+reward), each variant's seeds with the 95% t-band, clip fractions on a log scale, the expert flip rate per step, the
+flip rate per MoE layer (t-band across seeds), its split into the expert-bias update's and the gradient's flips
+(with a table), per-expert churn, the first seed's layer x step heatmaps, rollout-vs-train routing mismatch and
+probability difference. Reads the JSONL metrics, each run's config.yaml and compare.json.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from moe_gspo.report import html
 from moe_gspo.report.compare_data import (ACC, CLIP, DIFF_HEADER, LOAD_HEADER, LOAD_RATIO, METRIC_HEADER, MISMATCH,
                                           PDIFF, REWARD, RUN_HEADER, SUMMARY_HEADER, diff_rows, identical_variants,
                                           load_rows, load_variants, metric_rows, read_meta, run_rows, run_walls,
-                                          settings_tables, summary_rows, variant_stats)
+                                          summary_rows, variant_stats)
 from moe_gspo.report.compare_figures import mean_curves, seed_panels, volatility_section
+from moe_gspo.report.compare_settings import settings_tables
 from moe_gspo.report.stats import smooth
 
 
@@ -61,10 +65,16 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                      + (html.table(vheader, vrows) if len(vheader) > 1 else "")
                      + "<p class='note'>Read from each variant's first run's config.yaml. Minibatch k of a rollout "
                      "batch is trained after k−1 optimizer steps on the same batch (off-policy by k−1 "
-                     "updates).</p>")
-    parts.append("<h2>Summary</h2>" + html.table(SUMMARY_HEADER, summary_rows(variants, stats, base, walls)))
+                     "updates). Flip rates, churn, expert load and routing mismatch count the routed experts of the "
+                     "MoE layers only: dense layers and shared experts have no routing, so they are excluded.</p>")
+    parts.append("<h2>Summary</h2>" + html.table(SUMMARY_HEADER, summary_rows(variants, stats, base, walls),
+                                                      numeric=True))
     parts.append(
-        f"<p class='note'>Final reward: the mean training reward of a run's last {settings.final_window} steps; per "
+        "<p class='note'>Per variant, means over seeds: the reward at step 1, the final reward and its interval, "
+        "pg_clipfrac (its ratio to the baseline's), the flip rate and the engine mismatch (the rollout engine's "
+        "routing against the trainer's) in percent of top-k slots, the mean |p_engine \u2212 p_train| of response "
+        "tokens (each a run's mean over its steps); the wall time is summed over seeds. "
+        f"Final reward: the mean training reward of a run's last {settings.final_window} steps; per "
         "variant, the mean over seeds with its 95% Student-t interval (mean \u00b1 t<sub>0.975, n\u22121</sub> "
         "\u00b7 s / \u221an over the n seeds' final rewards). A run collapses when its "
         f"{settings.smooth_window}-step moving-average reward falls below {settings.collapse_fraction:g} of its "
@@ -86,7 +96,8 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                  + "<p class='note'>Each run's mean over its steps (the clip fraction and the flip rate over the "
                  "steps where some group had reward variance: a step without one has no gradient, so it clips "
                  "nothing and no expert moves; a run with no such step is left out); per variant, the mean over "
-                 "seeds and its 95% Student-t interval. The clip-fraction ratio is taken per seed "
+                 "seeds and its 95% Student-t interval, cut to the range the quantity cannot leave ([0, 1] for a "
+                 "fraction, [0, 100] in percent). The clip-fraction ratio is taken per seed "
                  f"against {html.esc(base)} and averaged on the log scale (geometric mean; the interval is exp of "
                  "the t-interval of the log-ratios).</p>")
     if any(len(r.series(LOAD_RATIO)[0]) for v in variants for r in v.runs):
@@ -95,8 +106,9 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                      "MoE layer, each expert's share of the routed top-k slots; max/mean is the largest share times "
                      "the number of experts E (1 = balanced), the entropy is that of the shares in nats over ln E "
                      "(1 = balanced, 0 = one expert). A run's value is its mean over steps with gradient; per "
-                     "variant, the mean over seeds with its 95% Student-t interval (the whole-model columns average "
-                     "the layers). The flip rate is repeated from the table above.</p>")
+                     "variant, the mean over seeds with its 95% Student-t interval, cut to the range of the quantity "
+                     "(max/mean >= 1, entropy in [0, 1]; the whole-model columns average the layers). The flip rate "
+                     "is repeated from the table above.</p>")
     parts.append("<h2>Runs</h2>" + html.table(RUN_HEADER, run_rows(variants, stats, walls)))
     same = identical_variants(variants, REWARD)
     if same:
@@ -143,9 +155,9 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
     parts.append(volatility_section(out, variants, w, smooth_text))
     engine = [
         (mean_curves(png("mismatch"), variants, MISMATCH, "Rollout engine vs training engine routing (old policy)",
-                     "fraction of top-k slots differing", w),
+                     "% of top-k slots differing", w, scale=100),
          f"Set-wise routing mismatch of rollout tokens between the rollout engine and the megatron training "
-         f"forward at the same weights ({smooth_text})."),
+         f"forward at the same weights, in percent of top-k slots ({smooth_text})."),
         (mean_curves(png("probs_diff"), variants, PDIFF, "Rollout vs recomputed token probabilities (log scale)",
                      "mean |p_engine - p_train|", w, log=True),
          f"Mean absolute difference of response-token probabilities, rollout engine vs training engine "

@@ -1,7 +1,11 @@
 """What a comparison's report states, as data: each variant's runs (DIR/<variant>/seed_<s>/metrics.jsonl), their
 statistics (final reward with its 95% t-interval, the paired difference against the baseline with a verdict,
-collapses; moe_gspo/report/stats.py), and the rows of the report's tables (settings, summary, differences, runs,
-clipping / volatility / mismatch). compare.py writes them as HTML, summary_lines as text for the terminal.
+collapses; moe_gspo/report/stats.py), and the rows of the report's tables (summary, differences, runs, clipping /
+volatility / mismatch, expert load, the per-layer flip split; the settings are compare_settings.py's). compare.py
+writes them as HTML, summary_lines as text for the terminal.
+
+Flip rates and routing mismatch are shown in percent everywhere. Intervals of quantities with a range they cannot
+leave (rates and fractions in [0, 1], the load max/mean >= 1) are cut to it (stats.bounded).
 """
 
 from __future__ import annotations
@@ -17,14 +21,18 @@ import numpy as np
 
 from moe_gspo.config import CompareConfig, UserError
 from moe_gspo.report.plots import Run, load_metrics
-from moe_gspo.report.stats import Interval, band, collapses, final_value, t_interval, verdict
-from moe_gspo.report.volatility import LAYER
+from moe_gspo.report.stats import Interval, band, bounded, collapses, final_value, t_interval, verdict
+from moe_gspo.report.volatility import LAYER, churn_counts, pooled_churn
 
 REWARD, ACC, CLIP, CLIP_LO, FLIP = "reward/mean", "accuracy", "pg_clipfrac", "pg_clipfrac_lower", "moe/flip_rate"
 MISMATCH, PDIFF, VARIANCE = "moe/rollout_train_mismatch", "rollout_probs_diff_mean", "groups/with_variance"
 LOAD_RATIO, LOAD_ENTROPY = "moe/load_max_over_mean", "moe/load_entropy"  # moe_gspo/routing/tracker.py
 LOAD_HEADER = ["variant", "flip rate % [95% t]", "load max/mean [95% t]", "load entropy / ln E [95% t]",
                "max/mean per layer", "entropy / ln E per layer"]
+RATE = (0.0, 1.0)
+"""The range of a rate or fraction (flip rate, mismatch, clip fraction, accuracy): intervals are cut to it."""
+SPLIT = ("bias", "gradient")
+"""The sources the tracker splits flips into: moe/flip_rate_from_<source>/layer_<i>."""
 
 
 @dataclass
@@ -124,9 +132,13 @@ def summary_rows(variants: Sequence[Variant], stats: dict[str, Stats], base: str
         rows.append([v.name, len(v.runs), max((len(r.records) for r in v.runs), default=0),
                      float(np.mean(first)) if first else None, st.final.mean, _interval_cell(st.final),
                      f"{sum(bool(e) for e in st.collapses)}/{len(st.collapses)}",
-                     clip, clip / base_clip if clip is not None and base_clip else None, v.mean_of(FLIP),
-                     v.mean_of(MISMATCH), v.mean_of(PDIFF), float(sum(wall)) if wall else None])
+                     clip, clip / base_clip if clip is not None and base_clip else None, _percent(v.mean_of(FLIP)),
+                     _percent(v.mean_of(MISMATCH)), v.mean_of(PDIFF), float(sum(wall)) if wall else None])
     return rows
+
+
+def _percent(x: float | None) -> float | None:
+    return None if x is None else 100 * x
 
 
 def _interval_cell(iv: Interval) -> str:
@@ -185,15 +197,19 @@ def _cell(iv: Interval | None, digits: int = 3) -> str:
     return f"{iv.mean:.{digits}g}" + ("" if iv.lo is None else f" [{iv.lo:.{digits}g}, {iv.hi:.{digits}g}]")
 
 
-def _iv(values) -> Interval | None:
+def _iv(values, bounds: tuple[float | None, float | None] | None = None) -> Interval | None:
+    """The t-interval of the values that are not None (None when none is), cut to `bounds` (lo, hi) when given."""
     vals = [v for v in values if v is not None]
-    return t_interval(vals) if vals else None
+    if not vals:
+        return None
+    return bounded(t_interval(vals), *bounds) if bounds else t_interval(vals)
 
 
 def metric_rows(variants: Sequence[Variant], base: str) -> list[list]:
-    """Per variant, seed-level means with 95% t-intervals over seeds (columns as in METRIC_HEADER). The clip
-    fraction of a run is its mean over steps with gradient; its ratio to the baseline is paired by seed and
-    averaged on the log scale (a geometric mean, interval exp of the t-interval of the log-ratios)."""
+    """Per variant, seed-level means with 95% t-intervals over seeds (columns as in METRIC_HEADER; flip rate and
+    mismatch in percent; intervals cut to [0, 1], [0, 100] in percent). The clip fraction of a run is its mean over
+    steps with gradient; its ratio to the baseline is paired by seed and averaged on the log scale (a geometric
+    mean, interval exp of the t-interval of the log-ratios)."""
     b = next((v for v in variants if v.name == base), None)
     base_clip = {s: run_mean(r, CLIP, True) for r, s in zip(b.runs, b.seeds)} if b else {}
     rows = []
@@ -206,10 +222,10 @@ def metric_rows(variants: Sequence[Variant], base: str) -> list[list]:
             iv = t_interval(logs)
             ratio = Interval(math.exp(iv.mean), None if iv.lo is None else math.exp(iv.lo),
                              None if iv.hi is None else math.exp(iv.hi), iv.n)
-        rows.append([v.name, _cell(_iv(clips)), _cell(ratio) if v.name != base else "1",
-                     _cell(_iv([run_mean(r, FLIP, True) for r in v.runs])),
-                     _cell(_iv([run_mean(r, MISMATCH) for r in v.runs])),
-                     _cell(_iv([run_mean(r, PDIFF) for r in v.runs]))])
+        rows.append([v.name, _cell(_iv(clips, RATE)), _cell(ratio) if v.name != base else "1",
+                     _pct(_iv([run_mean(r, FLIP, True) for r in v.runs], RATE)),
+                     _pct(_iv([run_mean(r, MISMATCH) for r in v.runs], RATE)),
+                     _cell(_iv([run_mean(r, PDIFF) for r in v.runs], RATE))])
     return rows
 
 
@@ -217,16 +233,17 @@ def load_rows(variants: Sequence[Variant]) -> list[list]:
     """Per variant (columns as in LOAD_HEADER): the flip rate beside the expert load, each a run's mean over its
     steps with gradient, then the mean over seeds with its 95% t-interval; per MoE layer the mean over seeds of the
     same run means. Load max/mean and entropy are the tracker's: the largest expert share of a layer's routed slots
-    times E, and the entropy of the shares over ln E (1 = balanced), averaged over layers."""
+    times E (>= 1), and the entropy of the shares over ln E (in [0, 1]; 1 = balanced), averaged over layers; their
+    intervals are cut to those ranges."""
     rows = []
     for v in variants:
         per_layer = []
         for key in (LOAD_RATIO, LOAD_ENTROPY):
-            layers, m, _, _ = layer_profile(v, key + "/layer_")
+            layers, m, _, _ = layer_profile(v, key + "/layer_", bounds=None)
             per_layer.append(" ".join(f"{x:.3f}" for x in m) if layers else "\u2014")
-        rows.append([v.name, _pct(_iv([run_mean(r, FLIP, True) for r in v.runs])),
-                     _cell(_iv([run_mean(r, LOAD_RATIO, True) for r in v.runs])),
-                     _cell(_iv([run_mean(r, LOAD_ENTROPY, True) for r in v.runs])), *per_layer])
+        rows.append([v.name, _pct(_iv([run_mean(r, FLIP, True) for r in v.runs], RATE)),
+                     _cell(_iv([run_mean(r, LOAD_RATIO, True) for r in v.runs], (1.0, None))),
+                     _cell(_iv([run_mean(r, LOAD_ENTROPY, True) for r in v.runs], RATE)), *per_layer])
     return rows
 
 
@@ -253,11 +270,12 @@ def gradient_steps(run: Run) -> set[float] | None:
     return set(x[y > 0].tolist()) if len(x) else None
 
 
-def layer_profile(v: Variant, prefix: str = LAYER) -> tuple[list[int], np.ndarray, np.ndarray | None,
-                                                               np.ndarray | None]:
-    """(layers, mean, lo, hi): per MoE layer, each run's mean flip rate over its steps with gradient, then the mean
-    over seeds with its 95% t-band (lo/hi None for one seed). Layers are those every such run logged; a run without
-    a step with gradient is left out."""
+def layer_profile(v: Variant, prefix: str = LAYER, bounds: tuple[float, float] | None = RATE
+                  ) -> tuple[list[int], np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(layers, mean, lo, hi): per MoE layer, each run's mean of `prefix`<layer> (the flip rate by default) over its
+    steps with gradient, then the mean over seeds with its 95% t-band (lo/hi None for one seed), cut to `bounds`
+    (default [0, 1], a rate's range; None: not cut). Layers are those every such run logged; a run without a step
+    with gradient is left out."""
     per_run = []
     for r in v.runs:
         steps, ids, M = r.matrix(prefix)
@@ -271,102 +289,51 @@ def layer_profile(v: Variant, prefix: str = LAYER) -> tuple[list[int], np.ndarra
     if not layers:
         return [], np.zeros(0), None, None
     mean, lo, hi = band(np.array([[d[i] for i in layers] for d in per_run]))
+    if bounds is not None and lo is not None:
+        lo, hi = np.clip(lo, *bounds), np.clip(hi, *bounds)
     return layers, mean, lo, hi
 
 
-def expert_churn(v: Variant, prefix: str) -> dict[int, float]:
-    """{expert: mean over steps and seeds of `prefix`<e>} (churn in or out, relative to the expert's slots in the
-    old routing, summed over layers)."""
-    vals: dict[int, list[float]] = {}
-    for r in v.runs:
-        _, ids, M = r.matrix(prefix)
-        for j, e in enumerate(ids):
-            if np.isfinite(M[j]).any():
-                vals.setdefault(e, []).append(float(np.nanmean(M[j])))
-    return {e: float(np.mean(x)) for e, x in sorted(vals.items())}
+def expert_churn(v: Variant, prefix: str) -> tuple[dict[int, float], list[int]]:
+    """({expert: churn}, experts left out): slots each expert gained (prefix CHURN_IN) or lost (CHURN_OUT), summed
+    over the MoE layers and over every run's steps with gradient, divided by the slots it held in the old routing
+    summed the same way (volatility.churn_counts, pooled_churn): each slot weighs the same, so a step where an
+    expert held a handful of slots cannot dominate. Experts that held fewer than volatility.MIN_CHURN_SLOTS slots
+    in all are left out."""
+    return pooled_churn([churn_counts(r, prefix, gradient_steps(r)) for r in v.runs])
 
 
-def run_config(run: Run) -> dict:
-    """The resolved config a run wrote (RUN_DIR/config.yaml), {} when it is missing."""
-    import yaml
-
-    p = run.dir / "config.yaml"
-    return (yaml.safe_load(p.read_text()) or {}) if p.is_file() else {}
-
-
-def clip_used(algorithm: dict) -> tuple[float, float] | None:
-    """(clip_low, clip_high) the loss ran with: the config's values, else the loss's registered default."""
-    from moe_gspo.losses import POLICY_LOSSES
-
-    cls = POLICY_LOSSES.get(algorithm.get("loss"))
-    default = None if cls is None else cls.default_clip
-    lo, hi = algorithm.get("clip_low"), algorithm.get("clip_high")
-    if default is None and (lo is None or hi is None):
-        return None
-    return (default[0] if lo is None else float(lo), default[1] if hi is None else float(hi))
-
-
-def _layers(m: dict) -> str:
-    """'L MoE layers', or 'L layers (the first k dense)'."""
-    L, k = m.get("num_hidden_layers", "?"), m.get("first_k_dense_replace") or 0
-    return f"{L} MoE layers" if not k else f"{L} layers (the first {k} dense)"
+def flip_split_rows(variants: Sequence[Variant]) -> tuple[list[str], list[list]]:
+    """(header, rows) of the per-layer flip split in percent: one row per MoE layer and a last one over all of them,
+    two columns per variant that logs the split (flips from the expert-bias update, from the gradient). A cell is the
+    mean over seeds of each run's mean over its steps with gradient; ([], []) when no variant logs the split."""
+    cols = []
+    for v in variants:
+        for source in SPLIT:
+            layers, mean, _, _ = layer_profile(v, f"moe/flip_rate_from_{source}/layer_")
+            if layers:
+                overall = _iv([run_mean(r, f"moe/flip_rate_from_{source}", True) for r in v.runs])
+                cols.append((f"{v.name}: {source} %", dict(zip(layers, mean.tolist())),
+                             None if overall is None else overall.mean))
+    if not cols:
+        return [], []
+    fmt = lambda x: "\u2014" if x is None else f"{100 * x:.2f}"  # noqa: E731
+    layers = sorted({i for _, by_layer, _ in cols for i in by_layer})
+    rows = [[str(i), *(fmt(by_layer.get(i)) for _, by_layer, _ in cols)] for i in layers]
+    rows.append(["all", *(fmt(overall) for *_, overall in cols)])
+    return ["MoE layer", *(name for name, *_ in cols)], rows
 
 
-def _settings(cfg: dict) -> dict[str, str]:
-    """The settings an RL reader needs to place a run, as table cells (SETTINGS_ROWS order)."""
-    m, r, t, a = (cfg.get(k) or {} for k in ("model", "rollout", "train", "algorithm"))
-    g = lambda d, k: d.get(k, "?")  # noqa: E731
-    return {
-        "model": f"{_layers(m)}, hidden {g(m, 'hidden_size')}, {g(m, 'num_experts')} "
-                 f"experts (top-{g(m, 'num_experts_per_tok')}), expert FFN {g(m, 'moe_intermediate_size')}, "
-                 f"{g(m, 'num_attention_heads')} attention heads",
-        "task": f"{g(r, 'task')}" + (f" ({r['task_args']})" if r.get("task_args") else ""),
-        "max response tokens": str(g(r, "max_new_tokens")),
-        "RL steps": str(g(t, "steps")),
-        "rollout batch": f"{g(r, 'prompts_per_step')} prompts x {g(r, 'group_size')} responses (group size "
-                         f"{g(r, 'group_size')}), temperature {g(r, 'temperature')}",
-        "learning rate": f"{g(t, 'lr')} ({g(t, 'lr_decay')}, {g(t, 'lr_warmup_steps')} warmup steps)",
-        "minibatches per rollout batch": f"{g(t, 'minibatches')} optimizer steps per rollout batch (micro-batch "
-                                         f"{g(t, 'micro_batch_size')})",
-        "optimizer": f"Adam ({g(t, 'adam_beta1')}, {g(t, 'adam_beta2')}), weight decay {g(t, 'weight_decay')}, "
-                     f"gradient-norm clip {g(t, 'grad_clip')}",
-        "precision": f"trainer {g(m, 'params_dtype')}, rollout engine {g(r, 'engine')} in {g(r, 'engine_dtype')}",
-        "loss": f"{g(a, 'loss')}, {g(a, 'loss_agg_mode')}, KL beta {g(a, 'kl_beta')}",
-        "clip range used (low, high)": (f"({c[0]:g}, {c[1]:g})" + ("" if a.get("clip_low") is not None and
-                                                                 a.get("clip_high") is not None else
-                                                                 " loss default")
-                                        if (c := clip_used(a)) else "?"),
-        "routing replay": str(g(a, "routing_replay")),
-        "pi_old log-probs": "rollout engine" if a.get("use_engine_logprobs") else "training engine (recomputed)",
-        "cold start": f"{g(t, 'cold_start_steps')} supervised steps, lr {g(t, 'cold_start_lr')}, batch "
-                      f"{g(t, 'cold_start_batch_size')}",
-    }
-
-
-def settings_tables(variants: Sequence[Variant]) -> tuple[list[list], list[str], list[list]]:
-    """(shared rows [setting, value], per-variant header, per-variant rows) from each variant's first run's
-    config.yaml: a setting with one value across variants goes in the shared table, the others get a column."""
-    cells = {v.name: _settings(run_config(v.runs[0])) for v in variants if v.runs}
-    if not cells:
-        return [], [], []
-    keys = list(next(iter(cells.values())))
-    differ = [k for k in keys if len({c[k] for c in cells.values()}) > 1]
-    seeds = sorted({s for v in variants for s in v.seeds if s is not None})
-    shared = [[k, next(iter(cells.values()))[k]] for k in keys if k not in differ]
-    shared.append(["seeds", f"{len(seeds)} paired seeds ({', '.join(map(str, seeds))})" if seeds else "one run"])
-    return shared, ["variant", *differ], [[name, *(c[k] for k in differ)] for name, c in cells.items()]
-
-
-SUMMARY_HEADER = ["variant", "seeds", "steps", "reward, step 1 (mean over seeds)", "final reward (mean over seeds)",
-                  "95% t-interval", "runs that collapsed", "mean pg_clipfrac", "clip fraction / baseline's",
-                  "mean flip rate", "mean rollout-train mismatch", "mean rollout_probs_diff",
-                  "wall time (s, all seeds)"]
+SUMMARY_HEADER = ["variant", "seeds", "steps", "reward, step 1", "final reward", "95% t-interval", "collapsed runs",
+                  "pg_clipfrac", "clip fraction / baseline's", "flip rate %", "engine mismatch %",
+                  "|p_engine \u2212 p_train|", "wall time, s (all seeds)"]
+"""The summary's columns; the note under the table says what each is (means over steps, then over seeds)."""
 DIFF_HEADER = ["variant", "seeds paired", "mean difference of final reward", "95% t-interval", "verdict",
                "collapsed runs vs the baseline's, Fisher's exact p"]
 RUN_HEADER = ["variant", "seed", "reward, step 1", "final reward", "collapses",
               "steps with gradient (some group with reward variance)", "wall time (s)"]
 METRIC_HEADER = ["variant", "pg_clipfrac, steps with gradient [95% t]", "clip fraction / baseline's, paired [95% t]",
-                 "flip rate, steps with gradient [95% t]", "rollout-train routing mismatch [95% t]",
+                 "flip rate %, steps with gradient [95% t]", "rollout-train routing mismatch % [95% t]",
                  "mean |p_engine \u2212 p_train| [95% t]"]
 
 
@@ -407,8 +374,9 @@ def _pct(iv: Interval | None) -> str:
 def summary_lines(out_dir: str | Path) -> list[str]:
     """The answer of the comparison in DIR as aligned text for the terminal: per variant (compare.json's), its final
     reward with the 95% t-interval over seeds, beside it the expert flip rate (steps with gradient) and the
-    engine-vs-trainer routing mismatch in percent with their intervals, the paired difference against the baseline
-    with its interval and verdict, and how many runs collapsed (the report's tables, in the same numbers)."""
+    engine-vs-trainer routing mismatch in percent with their intervals (cut to [0, 100]), the paired difference
+    against the baseline with its interval and verdict, and how many runs collapsed (the report's tables, in the
+    same numbers)."""
     out = Path(out_dir)
     meta, settings = read_meta(out)
     variants = load_variants(out, list(meta["variants"]), meta.get("seeds"))
@@ -418,8 +386,8 @@ def summary_lines(out_dir: str | Path) -> list[str]:
     rows = [header]
     for v in variants:
         st = stats[v.name]
-        flip = _pct(_iv([run_mean(r, FLIP, True) for r in v.runs]))
-        mismatch = _pct(_iv([run_mean(r, MISMATCH) for r in v.runs]))
+        flip = _pct(_iv([run_mean(r, FLIP, True) for r in v.runs], RATE))
+        mismatch = _pct(_iv([run_mean(r, MISMATCH) for r in v.runs], RATE))
         rows.append([v.name, str(len(v.runs)), _fmt(st.final), flip, mismatch,
                      "baseline" if v.name == base else _fmt(st.diff, True),
                      st.verdict or ("" if v.name == base else "no paired seeds"),

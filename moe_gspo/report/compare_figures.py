@@ -1,6 +1,9 @@
 """The comparison report's figures: per-step curves of every variant (the mean over seeds faint, its trailing moving
 average bold, legends outside the axes), each variant's seeds with the 95% t-band and collapse marks, and the
-expert-volatility section (flip rate per step and per MoE layer, per-expert churn, the first seed's heatmaps).
+expert-volatility section (flip rate per step and per MoE layer, the per-layer split into the flips of the expert
+bias and of the gradient with its table, per-expert churn, the first seed's heatmaps). A variant has one color in
+every figure (variant_colors); what is not a variant (a flip's source, the baseline's reference) is drawn by line
+style or in grey. Flip rates, mismatch and churn are in percent.
 """
 
 from __future__ import annotations
@@ -12,10 +15,18 @@ import numpy as np
 
 from moe_gspo.config import UserError
 from moe_gspo.report import html
-from moe_gspo.report.compare_data import FLIP, Variant, expert_churn, layer_profile
+from moe_gspo.report.compare_data import FLIP, SPLIT, Variant, expert_churn, flip_split_rows, layer_profile
 from moe_gspo.report.plots import DASHES, _save, band_plot, colors, grouped_bars, legend_outside, plt
 from moe_gspo.report.stats import band, smooth
-from moe_gspo.report.volatility import CHURN_IN, CHURN_OUT, write_volatility_report
+from moe_gspo.report.volatility import CHURN_IN, CHURN_OUT, MIN_CHURN_SLOTS, write_volatility_report
+
+SOURCE_STYLES = {"bias": ":", "gradient": "-"}
+"""Line style of each flip source in the split figure (the color is the variant's)."""
+
+
+def variant_colors(variants: Sequence[Variant]) -> dict[str, tuple]:
+    """{variant: its color}, the same in every figure of the report."""
+    return {v.name: c for v, c in zip(variants, colors(len(variants)))}
 
 
 def curve(v: Variant, key: str, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -27,13 +38,14 @@ def curve(v: Variant, key: str, window: int) -> tuple[np.ndarray, np.ndarray, np
 
 
 def mean_curves(path: Path, variants: Sequence[Variant], key: str, title: str, ylabel: str, window: int = 5,
-                log: bool = False) -> Path:
-    """One line per variant: the mean over seeds of `key` faint and its `window`-step moving average bold (the
-    spread over seeds is in `seed_panels`). On a log axis, values <= 0 are gaps and the steps where the raw mean
-    is 0 are counted in the legend."""
+                log: bool = False, scale: float = 1.0) -> Path:
+    """One line per variant: the mean over seeds of `key` (times `scale`: 100 for percent) faint and its
+    `window`-step moving average bold (the spread over seeds is in `seed_panels`). On a log axis, values <= 0 are
+    gaps and the steps where the raw mean is 0 are counted in the legend."""
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
-    for i, (v, c) in enumerate(zip(variants, colors(len(variants)))):
+    for i, (v, c) in enumerate(zip(variants, variant_colors(variants).values())):
         x, raw, smoothed = curve(v, key, window)
+        raw, smoothed = scale * raw, scale * smoothed
         if not len(x):
             continue
         ls = DASHES[i % len(DASHES)]
@@ -69,7 +81,7 @@ def seed_panels(path: Path, variants: Sequence[Variant], key: str, title: str, y
     lo_clip, hi_clip = (float(raw.min()), float(raw.max())) if raw.size else (-np.inf, np.inf)
     bx, BY = next((v.matrix(key) for v in variants if v.name == base), (np.array([]), np.zeros((0, 0))))
     base_mean = np.stack([smooth(row, window) for row in BY]).mean(0) if BY.size else None
-    for ax, v, c in zip(axes.ravel(), variants, colors(len(variants))):
+    for ax, v, c in zip(axes.ravel(), variants, variant_colors(variants).values()):
         x, Y = v.matrix(key)
         ax.set_title(f"{v.name} ({Y.shape[0]} seed{'s' if Y.shape[0] != 1 else ''})", fontsize=10)
         ax.grid(alpha=0.3)
@@ -119,43 +131,65 @@ def volatility_section(out: Path, variants: Sequence[Variant], window: int, smoo
                 "algorithm.track_flips on?).</p>")
     parts = ["<h2>Expert volatility</h2><p class='note'>A flip is a top-k slot whose expert differs (set-wise) "
              "between the old policy's routing of a rollout token and the live routing of the same token in a "
-             "training forward of the step.</p>"]
+             "training forward of the step. Flip rates are in percent of top-k slots throughout. Only routed "
+             "experts of MoE layers count: dense layers and shared experts have no routing.</p>"]
     f = mean_curves(png("flip_rate"), variants, FLIP, "Expert flip rate per step (all MoE layers)",
-                    "fraction of top-k slots", window)
-    parts.append(html.figure(f.name, f"Flip rate per step, averaged over the step's minibatches ({smooth_text})."))
+                    "% of top-k slots", window, scale=100)
+    parts.append(html.figure(f.name, f"Flip rate per step in percent, averaged over the step's minibatches "
+                                     f"({smooth_text})."))
+    color = variant_colors(variants)
+    pct = lambda a: None if a is None else 100 * a  # noqa: E731
     profiles = []
     for v in variants:
-        layers, mean, lo, hi = layer_profile(v)
-        if layers:  # a rate is >= 0: the band is cut there
-            profiles.append((v.name, layers, mean, None if lo is None else np.maximum(lo, 0.0), hi))
+        layers, mean, lo, hi = layer_profile(v)  # the band is cut to [0, 1]: a rate cannot leave it
+        if layers:
+            profiles.append((v.name, layers, 100 * mean, pct(lo), pct(hi)))
     if profiles:
         f = band_plot(png("flip_layers"), profiles, "Flip rate per MoE layer", "MoE layer (0 = first)",
-                      "fraction of top-k slots")
+                      "% of top-k slots", [color[name] for name, *_ in profiles])
         parts.append(html.figure(f.name, "Per MoE layer, each run's mean flip rate over its steps with gradient "
-                                         "(some group with reward variance), averaged over the seeds that have such steps; shaded "
-                                         "where two or more do: the 95% t-band across them."))
-    split = [(f"{v.name}: {source}", *layer_profile(v, f"moe/flip_rate_from_{source}/layer_"))
-             for v in variants for source in ("bias", "gradient")]
-    split = [(name, layers, mean, None if lo is None else np.maximum(lo, 0.0), hi)
-             for name, layers, mean, lo, hi in split if layers]
+                                         "(some group with reward variance) in percent, averaged over the seeds "
+                                         "that have such steps; shaded where two or more do: the 95% t-band across "
+                                         "them, cut at 0 and 100."))
+    split = [(v.name, source, *layer_profile(v, f"moe/flip_rate_from_{source}/layer_"))
+             for v in variants for source in SPLIT]
+    split = [(f"{name}, {source}", layers, 100 * mean, pct(lo), pct(hi), color[name], SOURCE_STYLES[source])
+             for name, source, layers, mean, lo, hi in split if layers]
     if split:
-        f = band_plot(png("flip_sources"), split, "Flips from the expert-bias update and from the gradient",
-                      "MoE layer (0 = first)", "fraction of top-k slots")
-        parts.append(html.figure(f.name, "Per MoE layer, the flips the expert-bias updates alone caused (the live "
-                                         "logits under the old bias against the current one) and those the weight "
-                                         "updates caused (the old bias, live logits against the old routing), each "
-                                         "run's mean over its steps with gradient, then over seeds."))
-    bars = []
+        f = band_plot(png("flip_sources"), [line[:5] for line in split],
+                      "Flips from the expert-bias update and from the gradient", "MoE layer (0 = first)",
+                      "% of top-k slots", [line[5] for line in split], [line[6] for line in split])
+        header, rows = flip_split_rows(variants)
+        parts.append(html.figure(f.name, "Per MoE layer, in percent of top-k slots, the flips the expert-bias "
+                                         "updates alone caused (dotted: the live logits under the old bias against "
+                                         "the current one) and those the weight updates caused (solid: the old "
+                                         "bias, live logits against the old routing), in each variant's color; "
+                                         "each run's mean over its steps with gradient, then over seeds.")
+                     + html.table(header, rows, numeric=True)
+                     + "<p class='note'>The same split as a table: flip rate in percent of top-k slots per MoE "
+                       "layer (0 = the first MoE layer), and over all MoE layers in the last row. Their sum can "
+                       "exceed the flip rate: a slot one source flips the other may flip back.</p>")
+    bars, left_out = [], {}
     for label, prefix in (("slots lost (out)", CHURN_OUT), ("slots gained (in)", CHURN_IN)):
         churn = {v.name: expert_churn(v, prefix) for v in variants}
-        ids = sorted({e for c in churn.values() for e in c})
-        if ids:
-            bars.append((label, ids, {name: [c.get(e, 0.0) for e in ids] for name, c in churn.items()}))
+        left_out.update({name: gone for name, (_, gone) in churn.items() if gone})
+        ids = sorted({e for c, gone in churn.values() for e in [*c, *gone]})
+        if ids:  # a variant without churn metrics has no bars; a left-out expert is a gap
+            bars.append((label, ids, {name: [100 * c.get(e, np.nan) for e in ids] for name, (c, gone) in churn.items()
+                                      if c or gone}))
     if bars:
-        f = grouped_bars(png("churn"), bars, "Per-expert churn", "expert", "slots / old-routing slots")
-        parts.append(html.figure(f.name, "Top-k slots each expert lost and gained per step, relative to the slots it "
-                                         "held in the old routing of the same tokens (summed over layers), mean over "
-                                         "steps and seeds."))
+        f = grouped_bars(png("churn"), bars, "Per-expert churn", "expert", "% of its old-routing slots",
+                         {name: {"color": c} for name, c in color.items()})
+        gone = "; ".join(f"{name}: expert {', '.join(map(str, e))}" for name, e in left_out.items())
+        parts.append(html.figure(f.name, "Top-k slots each expert lost and gained, in percent of the slots it held "
+                                         "in the old routing of the same tokens; both are summed over the MoE "
+                                         "layers, the steps with gradient and the seeds before dividing, so a step "
+                                         "where an expert held few slots weighs little. Experts that held fewer "
+                                         f"than {MIN_CHURN_SLOTS} slots in all are left out (a gap)"
+                                         + (f": {gone}." if gone else ".")))
+    elif any(r.indexed(CHURN_OUT) for v in variants for r in v.runs):
+        parts.append("<p class='note'>No per-expert churn: pooling it needs the slots each expert held, from the "
+                     "tracker's load metrics and top-k in each run's config.yaml, which these runs lack.</p>")
     firsts = [v.runs[0] for v in variants]
     try:
         vol = write_volatility_report([r.dir for r in firsts], out / "volatility.html")
@@ -163,7 +197,7 @@ def volatility_section(out: Path, variants: Sequence[Variant], window: int, smoo
         return "".join(parts)
     which = f" of seed {variants[0].seeds[0]}" if variants[0].seeds[0] is not None else ""
     if (out / f"{vol.stem}_heatmap.png").is_file():
-        parts.append(html.figure(f"{vol.stem}_heatmap.png", f"Flip rate per MoE layer (rows) and step (columns), "
-                                                            f"the runs{which}."))
+        parts.append(html.figure(f"{vol.stem}_heatmap.png", f"Flip rate per MoE layer (rows) and step (columns) in "
+                                                            f"percent, the runs{which}."))
     parts.append(f"<p class='note'>Per-run tables and figures: <a href='{vol.name}'>{vol.name}</a>.</p>")
     return "".join(parts)

@@ -64,6 +64,13 @@ class Run:
                     M[i, j] = float(v)
         return np.array([r["step"] for r in recs], dtype=float), ids, M
 
+    def config(self) -> dict:
+        """The resolved config the run wrote (RUN_DIR/config.yaml), {} when it is missing."""
+        import yaml
+
+        p = self.dir / "config.yaml"
+        return (yaml.safe_load(p.read_text()) or {}) if p.is_file() else {}
+
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
     """Records of RUN_DIR/metrics.jsonl merged per step, sorted by step. Bad lines raise naming file:line."""
@@ -95,8 +102,14 @@ def load_runs(run_dirs: Sequence[str | Path]) -> list[Run]:
 
 
 def colors(n: int) -> list:
+    """n colors by index (tab10): the color of the i-th run or variant of a figure."""
     cmap = plt.get_cmap("tab10")
     return [cmap(i % 10) for i in range(n)]
+
+
+# two parts of one run (slots gained / lost, flips from the bias / the gradient) in bar charts whose runs have
+# colors elsewhere: dark grey and hatched white, no run's color
+PARTS = ({"color": "0.25"}, {"color": "white", "edgecolor": "0.25", "hatch": "///"})
 
 
 def line_plot(path: Path, lines: Sequence[tuple], title: str, ylabel: str, xlabel: str = "step",
@@ -114,18 +127,36 @@ def line_plot(path: Path, lines: Sequence[tuple], title: str, ylabel: str, xlabe
     return _save(fig, path)
 
 
-def band_plot(path: Path, lines: Sequence[tuple], title: str, xlabel: str, ylabel: str) -> Path:
-    """One line per (label, x, mean, lo, hi) with markers, its band shaded where lo/hi are given (not None). Lines
-    get distinct dash patterns, so that equal lines stay visible on top of each other."""
+def band_plot(path: Path, lines: Sequence[tuple], title: str, xlabel: str, ylabel: str,
+              line_colors: Sequence | None = None, line_styles: Sequence | None = None) -> Path:
+    """One line per (label, x, mean, lo, hi) with markers, its band shaded where lo/hi are given (not None); x holds
+    integer ids (MoE layers), ticked at whole numbers. Colors are `line_colors` (default: by index) and dash patterns
+    `line_styles` (default: distinct per line, so that equal lines stay visible on top of each other)."""
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
-    for i, ((label, x, mean, lo, hi), c) in enumerate(zip(lines, colors(len(lines)))):
-        ax.plot(x, mean, color=c, lw=1.6, marker="o", ms=3, ls=DASHES[i % len(DASHES)], label=label)
+    cs = line_colors if line_colors is not None else colors(len(lines))
+    styles = line_styles if line_styles is not None else [DASHES[i % len(DASHES)] for i in range(len(lines))]
+    for (label, x, mean, lo, hi), c, ls in zip(lines, cs, styles):
+        ax.plot(x, mean, color=c, lw=1.6, marker="o", ms=3, ls=ls, label=label)
         if lo is not None:
             ax.fill_between(x, lo, hi, color=c, alpha=0.15, lw=0)
+    integer_ticks(ax.xaxis, sorted({int(i) for _, x, *_ in lines for i in x}))
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
     legend_outside(ax)
     return _save(fig, path)
+
+
+def integer_ticks(axis, ids: Sequence[int], positions: Sequence[float] | None = None) -> None:
+    """Ticks of `axis` at whole ids only: one per id up to 32 of them, else at most 16 integer ones. `positions`:
+    where each id is drawn (default: at the id itself)."""
+    pos = list(ids) if positions is None else list(positions)
+    if len(ids) <= 32:
+        axis.set_ticks(pos, [str(i) for i in ids])
+        return
+    axis.set_major_locator(matplotlib.ticker.MaxNLocator(16, integer=True))
+    if positions is not None:  # tick labels name the id drawn at each position
+        axis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+            lambda p, _: str(ids[int(p)]) if 0 <= int(p) < len(ids) and p == int(p) else ""))
 
 
 def legend_outside(ax, **kwargs) -> None:
@@ -151,17 +182,20 @@ def heatmap_panels(path: Path, panels: Sequence[tuple], title: str, ylabel: str,
     return _save(fig, path)
 
 
-def grouped_bars(path: Path, panels: Sequence[tuple], title: str, xlabel: str, ylabel: str) -> Path:
-    """One bar chart per (label, ids, {series name: values}), stacked vertically, series side by side."""
+def grouped_bars(path: Path, panels: Sequence[tuple], title: str, xlabel: str, ylabel: str,
+                 series_style: dict[str, dict] | None = None) -> Path:
+    """One bar chart per (label, ids, {series name: values}), stacked vertically, series side by side, drawn with
+    `series_style` {name: bar keywords, e.g. color} (default: colored by index); ids ticked at whole numbers."""
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.0 * len(panels)), squeeze=False, sharey=True)
     for ax, (label, ids, groups) in zip(axes[:, 0], panels):
         x = np.arange(len(ids))
         w = 0.8 / max(len(groups), 1)
-        for j, ((name, vals), c) in enumerate(zip(groups.items(), colors(len(groups)))):
-            ax.bar(x + (j - (len(groups) - 1) / 2) * w, vals, w, label=name, color=c)
+        styles = ([series_style[n] for n in groups] if series_style is not None else
+                  [{"color": c} for c in colors(len(groups))])
+        for j, ((name, vals), style) in enumerate(zip(groups.items(), styles)):
+            ax.bar(x + (j - (len(groups) - 1) / 2) * w, vals, w, label=name, **style)
         ax.set(title=f"{title}: {label}", xlabel=xlabel, ylabel=ylabel)
-        if len(ids) <= 32:
-            ax.set_xticks(x, [str(i) for i in ids])
+        integer_ticks(ax.xaxis, list(ids), x)
         ax.grid(alpha=0.3, axis="y")
         legend_outside(ax)
     return _save(fig, path)

@@ -2,6 +2,7 @@
 
     final = final_value(rewards, window=10)                 # mean of the last 10 logged steps of one run
     ci = t_interval([0.52, 0.57, 0.61])                     # Interval(mean, lo, hi, n): 95% Student-t interval
+    bounded(t_interval(flip_rates))                         # the same, cut to [0, 1]: a rate cannot leave it
     d = t_interval(np.subtract(gspo_finals, grpo_finals))   # paired by seed
     verdict("gspo", "grpo", d)                              # "not distinguishable at this budget" (covers 0)
     collapses(rewards, fraction=0.5, patience=10)           # [Collapse(start, peak, ...)]
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy import stats as st
@@ -77,6 +78,15 @@ def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:
         return Interval(m, None, None, 1, level)
     half = t_critical(len(x) - 1, level) * float(x.std(ddof=1)) / math.sqrt(len(x))
     return Interval(m, m - half, m + half, len(x), level)
+
+
+def bounded(iv: Interval, lo: float | None = 0.0, hi: float | None = 1.0) -> Interval:
+    """`iv` with its ends cut to [lo, hi] (None: no bound on that side), the range the quantity cannot leave: the
+    t-interval of the mean of rates in [0, 1] is symmetric and can reach below 0 or above 1 where the rates are near
+    a bound, though their mean never can. The mean is left as it is."""
+    if iv.lo is None:
+        return iv
+    return replace(iv, lo=float(np.clip(iv.lo, lo, hi)), hi=float(np.clip(iv.hi, lo, hi)))
 
 
 def fisher_exact(hits_a: int, n_a: int, hits_b: int, n_b: int) -> float:

@@ -6,7 +6,7 @@
     moe-gspo rollout (--config C | --from RUN_DIR) --out FILE.jsonl [--num-prompts N] [--seed S] [a.b=v ...]
     moe-gspo compare --config configs/compare_tiny_cpu.yaml --out DIR [--only grpo,gspo] [--seeds N] [--jobs K]
                      [--resume | --overwrite] [a.b=v ...]
-    moe-gspo study volatility --config configs/study_volatility_cpu.yaml --out DIR [--jobs K] [--overwrite]
+    moe-gspo study volatility --config configs/studies/volatility_cpu.yaml --out DIR [--jobs K] [--overwrite]
                               [a.b=v ...]
     moe-gspo report volatility RUN_DIR [RUN_DIR ...] [--out FILE.html]
     moe-gspo report compare DIR
@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     studies = st.add_subparsers(dest="kind", required=True, metavar="KIND")
     sv = studies.add_parser("volatility", help="expert flip rate vs depth, learning rate and minibatches")
     sv.add_argument("--config", required=True, help="YAML config with a `study:` section "
-                                                    "(configs/study_volatility_cpu.yaml)")
+                                                    "(configs/studies/volatility_cpu.yaml)")
     sv.add_argument("--out", required=True, help="output directory: DIR/<point>/seed_<s>/ and DIR/report.html")
     sv.add_argument("--overwrite", action="store_true", help="replace a previous study in DIR")
     sv.add_argument("--jobs", type=int, default=None,

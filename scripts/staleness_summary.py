@@ -1,5 +1,5 @@
 """The staleness study's tables (docs/findings.md, "Staleness"), from a `moe-gspo compare` directory of
-configs/study_staleness_cpu.yaml or its committed raw data.
+configs/studies/staleness_cpu.yaml or its committed raw data.
 
     python scripts/staleness_summary.py runs/study_staleness [--export docs/results/staleness/runs]
 

@@ -374,14 +374,14 @@ def test_staleness_bound_versions_killed_engine_and_resume(tmp_path):
 
 
 def test_compare_runs_separate_variants_as_torchrun_jobs(tmp_path, monkeypatch):
-    """`moe-gspo compare` with variants on separate engines (configs/study_staleness_cpu.yaml, hf engine): each run
+    """`moe-gspo compare` with variants on separate engines (configs/studies/staleness_cpu.yaml, hf engine): each run
     is a torchrun job of a trainer rank and an engine rank from the seed's one cold start; the variants differing
     only in max_staleness share it, take the same first batch, and log their lags."""
     from moe_gspo.cli import main
 
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     out = tmp_path / "cmp"
-    assert main(["compare", "--config", str(ROOT / "configs/study_staleness_cpu.yaml"), "--only",
+    assert main(["compare", "--config", str(ROOT / "configs/studies/staleness_cpu.yaml"), "--only",
                  "gspo_k0,gspo_k1", "--seeds", "1", "--out", str(out), "train.steps=3", "train.cold_start_steps=5",
                  "train.minibatches=2"]) == 0
     assert [p.name for p in (out / "cold_start").glob("*.safetensors")] == ["seed_0.safetensors"]

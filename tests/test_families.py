@@ -179,7 +179,7 @@ def test_each_family_config_draws_a_policy_that_transformers_computes_alike(name
     import moe_gspo
     from moe_gspo.config import load_config
 
-    cfg = load_config(ROOT / "configs" / f"compare_tiny_{name}.yaml")
+    cfg = load_config(ROOT / "configs" / "families" / f"{name}.yaml")
     assert cfg.model.family == name and cfg.algorithm.track_flips
     policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
     policy.save_pretrained(tmp_path / "hf")

@@ -135,7 +135,7 @@ def test_under_plain_torchrun_the_surviving_rank_says_where_the_run_stopped(tmp_
 
 
 @pytest.mark.parametrize("command", [["compare", "--config", "configs/compare_tiny_cpu.yaml"],
-                                     ["study", "volatility", "--config", "configs/study_volatility_cpu.yaml"]])
+                                     ["study", "volatility", "--config", "configs/studies/volatility_cpu.yaml"]])
 def test_a_comparison_or_study_in_a_held_directory_is_refused_in_one_line(tmp_path, capsys, monkeypatch, command):
     from moe_gspo.cli import main
 

@@ -114,7 +114,7 @@ def test_layer_check_finds_an_upward_import():
 
 def _text_files():
     globs = ["*.md", "pyproject.toml", "docs/*.md", "moe_gspo/**/*.py", "tests/**/*.py", "scripts/*",
-             "configs/*.yaml", ".ci/*"]
+             "configs/**/*.yaml", ".ci/*"]
     return [f for g in globs for f in ROOT.glob(g) if f.is_file()]
 
 

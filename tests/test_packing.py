@@ -160,7 +160,7 @@ def test_packed_rotary_equals_megatrons_for_latent_and_partial_rotary(family, mo
     from moe_gspo.config import load_config
     from moe_gspo.model import rope
 
-    c = load_config(ROOT / f"configs/compare_tiny_{family}.yaml")
+    c = load_config(ROOT / f"configs/families/{family}.yaml")
     policy = load_policy(c, init_parallel(c)).eval()
     lengths = [20, 7, 13]
     ids, _ = _batch(c.model.vocab_size, lengths, 20)

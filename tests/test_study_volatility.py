@@ -13,7 +13,7 @@ from helpers import ROOT
 
 from moe_gspo.cli import main
 
-CONFIG = str(ROOT / "configs/study_volatility_cpu.yaml")
+CONFIG = str(ROOT / "configs/studies/volatility_cpu.yaml")
 
 # A 2-point study (1 and 2 layers, the base lr and minibatches), 1 seed, 2 RL steps, width 32. The cold start and
 # lr are large enough that the groups carry reward variance and the router moves, so flip rates are not all 0.

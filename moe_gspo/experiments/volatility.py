@@ -1,9 +1,9 @@
 """`moe-gspo study volatility`: the expert flip rate as a function of depth, learning rate, off-policy degree and
 expert granularity.
 
-    moe-gspo study volatility --config configs/study_volatility_cpu.yaml --out DIR [--jobs K] [--overwrite]
+    moe-gspo study volatility --config configs/studies/volatility_cpu.yaml --out DIR [--jobs K] [--overwrite]
                               [a.b=v ...]
-    run_volatility_study("configs/study_volatility_cpu.yaml", "runs/volatility")   # -> DIR/report.html
+    run_volatility_study("configs/studies/volatility_cpu.yaml", "runs/volatility")   # -> DIR/report.html
 
 The config is an ordinary run config (the base point of the grid) plus a `study:` section (StudyConfig):
 

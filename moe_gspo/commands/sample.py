@@ -4,9 +4,9 @@
     moe-gspo rollout --from runs/train_tiny_cpu --out rollout.jsonl       # a trained run's newest checkpoint
 
 Takes the same data, chat-template and reward settings as `moe-gspo train` (rollout.*). Writes one JSON line per
-response (prompt, chat messages when the prompt is a conversation, the prompt's text and ids as the engine saw
-them (chat template and special tokens included), response text
-and ids, log-probs, reward or reward error, finish reason, routed-experts shape); returns the reward metrics and the engine-vs-training log-prob difference
+response: the prompt, its chat messages when it is a conversation, the prompt's text and ids as the engine saw
+them (chat template and special tokens included), the response's text and ids, log-probs, reward or reward error,
+finish reason and routed-experts shape. Returns the reward metrics and the engine-vs-training log-prob difference
 (rollout_probs_diff_*). `run_rollout` is the body `rollout_command` (the CLI's) and the tests call.
 """
 

@@ -8,8 +8,9 @@
     policy.save_pretrained("out/hf")                               # HF checkpoint of the policy's family
 
 The module itself runs on one device; TP/EP enter only through the process groups it is built with (megatron's
-ProcessGroupCollection, from moe_gspo.parallel), which it hands to megatron's GPTModel and uses for its own gathers. Under TP the policy's forward gathers the vocab-sharded logits
-(or returns sharded hidden-state inputs for the fused log-prob op via `lm_head_weight()`).
+ProcessGroupCollection, from moe_gspo.parallel), which it hands to megatron's GPTModel and uses for its own
+gathers. Under TP the policy's forward gathers the vocab-sharded logits (or returns sharded hidden-state inputs for
+the fused log-prob op via `lm_head_weight()`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ rank's device (moe_gspo.rollout.base.local_device). The sources:
   bucket by bucket as its keys are read; whole tensors only (`shards` is None).
 - moe_gspo.rollout.sync.push.PushedShards (`sliced`): a version pushed shard to shard to engine ranks of their own:
   each engine rank receives the slices its engine keeps from the trainer ranks that hold them.
-- ModuleWeights: a transformers model of one of the families; an engine that runs transformers' module uses `module` itself.
+- ModuleWeights: a transformers model of one of the families; an engine that runs transformers' module uses
+  `module` itself.
 """
 
 from __future__ import annotations

@@ -160,7 +160,8 @@ def load_examples(path: str | Path, prompt_field: str = "prompt", answer_field: 
 
 class DatasetTask(Task):
     """A task whose prompts come from a file; its reward a built-in name ('math' by default), a user's
-    function, or a weighted list of them (moe_gspo.rewards.load_rewards). With an eval file, the "test" split draws from it."""
+    function, or a weighted list of them (moe_gspo.rewards.load_rewards). With an eval file, the "test" split
+    draws from it."""
 
     name = "dataset"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite (CPU, about 18-19 minutes on 2 quiet cores). Multi-process tests start their ranks (directly, or through torchrun) with gloo themselves.
+# The test suite (CPU, about 17-19 minutes on 2 quiet cores). Multi-process tests start their ranks (directly, or through torchrun) with gloo themselves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate

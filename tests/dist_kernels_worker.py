@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_gspo.kernels import token_logprobs
+from moe_gspo.kernels import fused_logprob_loss, token_logprobs
 from moe_gspo.train.logprob import fused_policy_loss
 
 
@@ -73,6 +73,24 @@ def main():
         close(lp2, lp1, 2e-5, f"{loss} logp")
         close(gh2, gh1, 2e-5, f"{loss} d hidden")
         close(gw2, gw1[rows], 2e-5, f"{loss} d weight")
+    # a loss of the log-probs and the entropies (entropy_in_loss): the same objective as `run`'s, so its gradients
+    # are the eager reference's, over one process and the vocab shards, in one-pass and two-pass groups
+    bounds = cu.tolist()
+
+    def ent_loss(lp, ent, b0, b1):
+        s = slice(bounds[b0], bounds[b1])
+        return (lp * gl[s]).sum() + (ent * ge[s]).sum()
+
+    for weight, pg, cb in ((w, None, 4 * V * 2 * 10), (w[rows], group, 4 * V * 2 * 10), (w[rows], group, 4 * V * 6)):
+        hh, ww = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        value, lp, ent = fused_logprob_loss(hh, ww, t, ent_loss, cu_seqlens=bounds, temperature=1.3, process_group=pg,
+                                            chunk_bytes=cb, entropy_in_loss=True)
+        value.backward()
+        what = f"entropy_in_loss tp={1 if pg is None else world} chunk={cb}"
+        close(lp, ref[0], 2e-5, f"{what} logp")
+        close(ent, ref[1], 2e-5, f"{what} entropy")
+        close(hh.grad, ref[2], 2e-5, f"{what} d hidden")
+        close(ww.grad, ref[3] if pg is None else ref[3][rows], 2e-5, f"{what} d weight")
     dist.barrier()
     if rank == 0:  # a file, not stdout: the ranks share torchrun's stdout, where lines can interleave
         Path(sys.argv[2]).write_text(f"dist kernels OK at world size {world}")

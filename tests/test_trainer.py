@@ -544,12 +544,14 @@ def test_one_update_per_step_takes_pi_old_from_its_own_forward_and_trains_as_the
     assert min(a["grad_norm"] for a in auto) > 1e-3
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_the_entropy_bonus_is_the_gradient_of_the_aggregated_entropy(tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize("mode,impl", [("token-mean", "fused"), ("seq-mean-token-mean", "fused"),
+                                       ("token-mean", "eager")])
+def test_the_entropy_bonus_is_the_gradient_of_the_aggregated_entropy(tmp_path, monkeypatch, mode, impl):
     """algorithm.entropy_coeff = c subtracts c * agg(entropy) from the loss (verl's entropy_coeff). With a constant
     reward GRPO's advantages, and so its policy gradient, are 0, so each update's gradient is -c * grad agg(H): its
     norm, recomputed here by autograd on the eager logits' entropy over the minibatch's response tokens, equals the
-    logged grad_norm, and the update raises the entropy of the rows it trained on."""
+    logged grad_norm, and the update raises the entropy of the rows it trained on. The fused loss kernel and the
+    log-probs-then-loss path (train.loss_impl=eager) alike."""
     import moe_gspo.train.loop as trainer
     from moe_gspo.tasks import task_from_config
     from moe_gspo.train.logprob import batch_logprobs
@@ -577,7 +579,8 @@ def test_the_entropy_bonus_is_the_gradient_of_the_aggregated_entropy(tmp_path, m
 
     monkeypatch.setattr(trainer, "update_minibatch", recording)
     cfg = tiny_cfg(f"algorithm.entropy_coeff={c}", "algorithm.loss=grpo", f"algorithm.loss_agg_mode={mode}",
-                   "algorithm.track_flips=false", "train.cold_start_steps=0", "train.grad_clip=0")
+                   "algorithm.track_flips=false", "train.cold_start_steps=0", "train.grad_clip=0",
+                   f"train.loss_impl={impl}")
     task = _ConstantTask(task_from_config(cfg.rollout))
     trainer.train(cfg, run_dir=tmp_path / "ent", task=task)
     assert len(seen) == cfg.train.steps * cfg.train.minibatches

@@ -77,3 +77,43 @@ def test_fused_logprob_loss_with_project_loss_matches_float64():
     close(hf.grad, hd.grad, 2e-5, "d hidden", seed)
     close(wf.grad, wd.grad, 2e-5, "d weight", seed)
     assert float(hd.grad.abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("rows_per_group", [2, 0])  # 0: a workspace smaller than one sequence (the two-pass path)
+def test_fused_loss_with_an_entropy_term_matches_float64(rows_per_group):
+    """entropy_in_loss: a loss of the log-probs and the entropies (GSPO-token minus an entropy bonus over the
+    response tokens) has the value and the hidden and weight gradients of float64 autograd, in the one-pass path
+    and in the two-pass path of a sequence too long for the workspace."""
+    from moe_gspo.kernels import fused_logprob_loss
+    from moe_gspo.losses import get_policy_loss
+    from tests.kernel_refs import close, fresh_seed, logprobs_f64
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    B, S, H, V = 4, 9, 16, 173
+    h, w = torch.randn(B * S, H, generator=g), torch.randn(V, H, generator=g)
+    t = torch.randint(0, V, (B * S,), generator=g)
+    mask = torch.rand(B, S, generator=g) > 0.3
+    with torch.no_grad():
+        old = logprobs_f64(h, w, t, 0.9)[0].view(B, S).float() + 0.05 * torch.randn(B, S, generator=g)
+    adv = torch.randn(B, generator=g)
+    fn, kw, c = get_policy_loss("gspo_token"), dict(clip_low=0.05, clip_high=0.05, loss_denominator=4.0), 0.3
+
+    def rows(lp, ent, b0, b1):
+        m = mask[b0:b1]
+        pg = fn(lp.view(b1 - b0, S), old[b0:b1], adv[b0:b1], m, **kw)[0]
+        return pg - c * torch.where(m, ent.view(b1 - b0, S), 0.0).sum() / 4.0
+
+    chunk = rows_per_group * S * 4 * (2 * V + H) if rows_per_group else 4 * 4 * (2 * V + H)
+    hf, wf = h.clone().requires_grad_(), w.clone().requires_grad_()
+    value, _, ent = fused_logprob_loss(hf, wf, t, rows, cu_seqlens=torch.arange(B + 1) * S, temperature=0.9,
+                                       chunk_bytes=chunk, entropy_in_loss=True)
+    value.backward()
+    hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+    lp64, ent64 = logprobs_f64(hd, wd, t, 0.9)
+    want = fn(lp64.view(B, S), old.double(), adv.double(), mask, **kw)[0] - c * (ent64.view(B, S) * mask).sum() / 4.0
+    want.backward()
+    close(value, want, 1e-5, "value", seed)
+    close(ent, ent64, 2e-5, "entropy", seed)
+    close(hf.grad, hd.grad, 2e-5, "d hidden", seed)
+    close(wf.grad, wd.grad, 2e-5, "d weight", seed)

@@ -33,8 +33,7 @@ class AlgorithmConfig:
     entropy_coeff: float = 0.0
     """Entropy bonus (verl's actor.entropy_coeff): the loss subtracts entropy_coeff times the policy's token
     entropy on the response tokens, aggregated like the policy loss (its loss_agg_mode and denominator); 0: none.
-    Nonzero, the update takes the log-probs-then-loss path for the LM head (8THV instead of the fused 6THV),
-    whose kernel carries the entropy's gradient."""
+    The fused loss kernel carries the entropy's gradient (train.loss_impl=fused, 6THV)."""
     kl_beta: float = 0.0
     """Coefficient of the KL penalty to the frozen reference policy (the weights RL starts from) added to the
     loss; 0 (the paper's setting) builds no reference policy."""

@@ -15,7 +15,10 @@ A sequence longer than the workspace allows takes two passes (8THV) for itself a
     sequences b0..b1. Its d loss / d logp comes from autograd on those [rows] values, inside the forward,
     before the gradient GEMMs; so the caller's own loss code is the only copy of the math (the trainer passes
     moe_gspo.losses' functions, KL and router-shift weight included). Kernels never import a loss.
-It can also return each token's entropy (a metric, no gradient): one more [V, rows] buffer and pass per block.
+It can also return each token's entropy: one more [V, rows] buffer and pass per block. With entropy_in_loss the loss
+is a function of the entropies too, loss_fn(logp_c, ent_c, b0, b1) (an entropy bonus), and its d loss / d entropy
+enters the same gradient: d entropy / dz = -p (log p + entropy), with p log p read from the (z - m) e block the
+entropy's statistics leave behind, so no log is taken of an underflowed probability.
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ class _FusedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, targets_T, cfg):
-        coef_fn, temperature, ignore_index, group, chunk_bytes, want_ent, bounds = cfg
+        coef_fn, temperature, ignore_index, group, chunk_bytes, want_ent, bounds, ent_in_loss = cfg
         T, V = hidden_TH.shape[0], weight_VH.shape[0]
         dev = hidden_TH.device
         _, world = vp.group_rank_size(group)
@@ -90,7 +93,7 @@ class _FusedLoss(torch.autograd.Function):
             rows = t1 - t0
             one_pass = rows <= max_rows
             if one_pass:  # keep the fp32 logits block [V, rows]: 6THV
-                e = chunked.logits_block(weight_VH, h_c.t().contiguous(), inv_temp, out=ws.block(V, rows))
+                e = zblock = chunked.logits_block(weight_VH, h_c.t().contiguous(), inv_temp, out=ws.block(V, rows))
                 if want_ent:
                     stats_c, e = _stats_keeping_exp(e, tgt_c, ws.block(V, rows, offset=V * rows))
                 else:
@@ -103,14 +106,21 @@ class _FusedLoss(torch.autograd.Function):
             logp_T[t0:t1] = lp
             if want_ent:
                 ent_T[t0:t1] = ent
-            part, coef = coef_fn(lp, b0, b1)
+            part, coef, coef_ent = coef_fn(lp, ent, b0, b1) if ent_in_loss else (*coef_fn(lp, b0, b1), None)
             coef = torch.where(ok_c, coef.float(), 0.0)
+            if coef_ent is not None:
+                coef_ent = torch.where(ok_c, coef_ent.float(), 0.0)
             loss += part
             if not (need_h or need_w):
                 continue
             if one_pass:  # G^T = (onehot - p) * coef / temp with p = exp(z - m_local) * exp(m_local - lse)
                 gl = coef * inv_temp
-                GT = e.mul_(-gl * torch.exp(m_local - lse))
+                scale = torch.exp(m_local - lse)
+                if coef_ent is None:
+                    GT = e.mul_(-gl * scale)
+                else:  # - p (gl + ge (log p + H)), with p log p = scale ((z - m) e - e (lse - m)) from the stats
+                    ge = coef_ent * inv_temp  # zblock holds (z - m) e once the entropy's statistics are taken
+                    GT = e.mul_(gl + ge * (ent - (lse - m_local))).addcmul_(zblock, ge).mul_(-scale)
                 inside, r_idx, c_idx = chunked.target_coords(tgt_c, V)
                 GT.index_put_((r_idx, c_idx), torch.where(inside, gl, 0.0), accumulate=True)
                 chunked.apply_block_grad(GT, h_c, weight_VH, grad_h[t0:t1] if need_h else None,
@@ -118,7 +128,8 @@ class _FusedLoss(torch.autograd.Function):
                 w_written = True
                 del GT, e
             else:
-                chunked.backward_grads(h_c, weight_VH, tgt_c, lse, None, coef, None, inv_temp, chunk_bytes,
+                chunked.backward_grads(h_c, weight_VH, tgt_c, lse, ent if coef_ent is not None else None, coef,
+                                       coef_ent, inv_temp, chunk_bytes,
                                        need_h=need_h, need_w=need_w, ws=ws,
                                        out_h=grad_h[t0:t1] if need_h else None, out_w=grad_w,
                                        out_w_written=w_written)
@@ -169,8 +180,20 @@ def _autograd_coef(loss_fn):
     return coef_fn
 
 
+def _autograd_coef_entropy(loss_fn):
+    """coef_fn for _FusedLoss from a scalar loss_fn(logp_c, ent_c, b0, b1): its gradients in both, by autograd."""
+    def coef_fn(lp, ent, b0, b1):
+        with torch.enable_grad():
+            x, y = lp.detach().requires_grad_(), ent.detach().requires_grad_()
+            part = loss_fn(x, y, b0, b1)
+            gx, gy = (torch.autograd.grad(part, (x, y), allow_unused=True) if part.requires_grad else (None, None))
+        return (part.detach().float().reshape(()), torch.zeros_like(lp) if gx is None else gx,
+                torch.zeros_like(ent) if gy is None else gy)
+    return coef_fn
+
+
 def fused_logprob_loss(hidden, weight, targets, loss_fn, *, cu_seqlens, temperature=1.0, ignore_index=-100,
-                       process_group=None, chunk_bytes=None, return_entropy=False):
+                       process_group=None, chunk_bytes=None, return_entropy=False, entropy_in_loss=False):
     """Any loss of the per-token log-probs, with the LM head's gradient computed in the forward (6THV).
 
     hidden [T, H], weight [V_local, H] (vocab shard as in token_logprobs), targets [T] global ids, packed with
@@ -179,12 +202,16 @@ def fused_logprob_loss(hidden, weight, targets, loss_fn, *, cu_seqlens, temperat
     tokens' log-probs (fp32, 0 at ignore_index targets, requires grad). The call splits the sequences into
     consecutive groups that fit the workspace and sums the parts, so the loss must be additive over sequences (a
     denominator fixed in advance, not counted from the tokens it is given). Returns (loss 0-dim fp32, logp [T]
-    fp32, entropy [T] fp32 or None), logp and entropy detached; the entropy carries no gradient."""
+    fp32, entropy [T] fp32 or None), logp and entropy detached. entropy_in_loss: loss_fn(logp_c, ent_c, b0, b1)
+    also reads the tokens' entropies (fp32, requires grad), and its gradient in them reaches hidden and weight too
+    (the entropy is then returned)."""
     if chunk_bytes is None:
         chunk_bytes = default_chunk_bytes(hidden.device)
     check_inputs(hidden, weight, targets, temperature, chunk_bytes)
     bounds = _check_cu_seqlens(hidden.shape[0], cu_seqlens)
-    cfg = (_autograd_coef(loss_fn), float(temperature), ignore_index, process_group, int(chunk_bytes),
-           bool(return_entropy), bounds)
+    return_entropy = return_entropy or entropy_in_loss
+    coef_fn = _autograd_coef_entropy(loss_fn) if entropy_in_loss else _autograd_coef(loss_fn)
+    cfg = (coef_fn, float(temperature), ignore_index, process_group, int(chunk_bytes), bool(return_entropy), bounds,
+           bool(entropy_in_loss))
     value, logp, ent = _FusedLoss.apply(hidden, weight, targets, cfg)
     return value, logp.detach(), (ent.detach() if return_entropy else None)

@@ -87,13 +87,16 @@ def batch_logprobs(policy, input_ids_BT: torch.Tensor, routing=None, impl: str =
 
 
 def hidden_loss(policy, hidden_BTH: torch.Tensor, input_ids_BT: torch.Tensor, loss_rows, temperature: float = 1.0,
-                lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                lengths: list[int] | None = None, entropy_in_loss: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss 0-dim float32, logp (B, T) float32, entropy (B, T) float32) from the policy's final hidden states.
 
     loss_rows(logp_bT, b0, b1) -> 0-dim tensor: the part of the loss carried by rows b0..b1-1, from their
     token-aligned log-probs (b1 - b0, T) (column 0 = 0, requires grad); the loss is the sum of the parts over
     consecutive row groups (as many rows as fit the kernel's workspace), so it must use a denominator fixed in
-    advance. logp and entropy come back detached, token-aligned, column 0 = 0; the entropy is a metric only.
+    advance. logp and entropy come back detached, token-aligned, column 0 = 0. entropy_in_loss: the loss reads the
+    entropies too, as loss_rows(logp_bT, entropy_bT, b0, b1), and their gradient reaches the policy (an entropy
+    bonus); otherwise the entropy is a metric only.
     lengths: as in batch_logprobs (the LM head skips the padding, whose log-probs read 0)."""
     w = policy.lm_head_weight()
     tg = Targets(input_ids_BT.to(hidden_BTH.device), lengths)
@@ -101,9 +104,13 @@ def hidden_loss(policy, hidden_BTH: torch.Tensor, input_ids_BT: torch.Tensor, lo
     def part(lp, b0, b1):
         return loss_rows(tg.frame(lp, b0, b1), b0, b1)
 
-    loss, logp, ent = fused_logprob_loss(tg.hidden(hidden_BTH, w.dtype), w, tg.ids, part, cu_seqlens=tg.bounds,
+    def part_with_entropy(lp, ent, b0, b1):
+        return loss_rows(tg.frame(lp, b0, b1), tg.frame(ent, b0, b1), b0, b1)
+
+    loss, logp, ent = fused_logprob_loss(tg.hidden(hidden_BTH, w.dtype), w, tg.ids,
+                                         part_with_entropy if entropy_in_loss else part, cu_seqlens=tg.bounds,
                                          temperature=temperature, process_group=_tp_group(policy),
-                                         return_entropy=True)
+                                         return_entropy=True, entropy_in_loss=entropy_in_loss)
     return loss, tg.frame(logp), tg.frame(ent)
 
 
@@ -117,8 +124,9 @@ def fused_policy_loss(hidden, weight, targets, old_logp, advantages, *, cu_seqle
     sequence b at tokens cu_seqlens[b]:cu_seqlens[b+1]; advantages [B], one per sequence. loss_options go to the
     loss (clip_low, clip_high, loss_agg_mode, ...). denominator: the count the loss's aggregation mode divides by
     (default: moe_gspo.losses.loss_denominator of this call's tokens, i.e. its sequences with a response token, or
-    its response tokens for token-mean; pass the rollout batch's count for gradient accumulation). impl="fused" computes the LM head's gradient inside the
-    kernel (fused_logprob_loss, 6THV); "unfused" is token_logprobs followed by the loss under autograd."""
+    its response tokens for token-mean; pass the rollout batch's count for gradient accumulation). impl="fused"
+    computes the LM head's gradient inside the kernel (fused_logprob_loss, 6THV); "unfused" is token_logprobs
+    followed by the loss under autograd."""
     loss_fn, call_kw = loss_with_call_kwargs(loss, loss_options)  # built and checked once, called per row group
     if impl not in ("fused", "unfused"):
         raise ValueError(f"fused_policy_loss: unknown impl={impl!r}; valid: fused, unfused")

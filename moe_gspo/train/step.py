@@ -96,7 +96,7 @@ class StepContext:
     router_shift: bool = field(init=False)  # importance ratios get the router-shift weight
     update_batches: object = field(init=False)
     logprob_batches: object = field(init=False)
-    fused: bool = field(init=False)  # hidden states -> loss in one kernel (train.loss_impl, no entropy bonus)
+    fused: bool = field(init=False)  # train.loss_impl == "fused": hidden states -> loss in one kernel
     forward_is_pi_old: bool = field(init=False)  # the step's one update forward gives pi_old (no pass needed)
     _noise_at: tuple[int, int] = field(init=False, default=(-1, 0))  # (optimizer step, forwards noised in it)
 
@@ -107,7 +107,7 @@ class StepContext:
         self.router_shift = self.loss.needs_router_shift or a.router_shift
         self.update_batches = micro_batches(tc, self.trainer_group)
         self.logprob_batches = micro_batches(tc, self.trainer_group, logprob_pass=True)
-        self.fused = tc.loss_impl == "fused" and a.entropy_coeff == 0  # the fused kernel's entropy has no gradient
+        self.fused = tc.loss_impl == "fused"
         self.forward_is_pi_old = forward_gives_pi_old(self.cfg)
 
     def routing_noise(self) -> RoutingNoise | None:
@@ -289,9 +289,12 @@ def rows_loss(ctx: StepContext, rows: LossRows, logp_bT: torch.Tensor, denom, ch
     return loss, {**m, **corr_m}
 
 
-def _rows_part(ctx: StepContext, rows: LossRows, denom, logp_bT, b0: int, b1: int) -> torch.Tensor:
-    """The loss part of rows b0..b1-1 (the fused kernel's callback, on as many rows as fit its workspace)."""
-    return rows_loss(ctx, rows.rows(slice(b0, b1)), logp_bT, denom, check_finite=False)[0]
+def _rows_part(ctx: StepContext, rows: LossRows, denom, logp_bT, *rest) -> torch.Tensor:
+    """The loss part of rows b0..b1-1 (the fused kernel's callback, on as many rows as fit its workspace): rest is
+    (b0, b1), or (entropy_bT, b0, b1) with an entropy bonus."""
+    *entropy, b0, b1 = rest
+    return rows_loss(ctx, rows.rows(slice(b0, b1)), logp_bT, denom, check_finite=False,
+                     entropy_bT=entropy[0] if entropy else None)[0]
 
 
 @dataclass
@@ -347,11 +350,13 @@ def micro_step(ctx: StepContext, m: MicroInputs) -> MicroOut:
     gamma = None
     if old_src is not None:  # the shift needs this forward's router scores
         gamma = _router_shift_ratio(old_router, cap, old_src, rows.mask.shape)
-        rows = dataclasses.replace(rows, router_shift_weight=router_shift_weight(gamma, cfg.algorithm.router_shift_floor))
+        weight = router_shift_weight(gamma, cfg.algorithm.router_shift_floor)
+        rows = dataclasses.replace(rows, router_shift_weight=weight)
     with _range("lm_head_and_loss"):
         if ctx.fused:
             loss, logp, ent = hidden_loss(policy, hidden, ids_bT, functools.partial(_rows_part, ctx, rows, denom),
-                                          temperature, lengths=lengths)
+                                          temperature, lengths=lengths,
+                                          entropy_in_loss=cfg.algorithm.entropy_coeff != 0)
         else:
             loss = rows_loss(ctx, rows, logp, denom, check_finite=False, entropy_bT=ent)[0]
     if src is not None:

@@ -13,7 +13,7 @@ OUT/test.parquet, one row per problem, in verl's layout:
     reward_model  {"style": "rule", "ground_truth": "<the number after ####, commas removed>"}
     extra_info    {"split", "index", "question", "answer": the worked solution}
 
-Train on it with rollout.answer_field=reward_model.ground_truth and rollout.reward=gsm8k (docs/training.md);
+Train on it with rollout.answer_field=reward_model.ground_truth and rollout.reward=gsm8k (docs/guide/training.md);
 rollout.demonstration_field=extra_info.answer gives the cold start the worked solutions.
 """
 

@@ -27,7 +27,7 @@ its 95% t-interval, the paired difference with its per-comparison 95% interval, 
 for the number of comparisons (Bonferroni), runs above the baseline, collapses (recovered) with Fisher's exact p
 against the baseline's count, and run-level means of the engine-trainer routing mismatch and token-probability
 gap. --json writes the per-seed values.
-contrasts: a compare directory's pre-registered contrasts, the one multiple-comparison policy of docs/training.md:
+contrasts: a compare directory's pre-registered contrasts, the one multiple-comparison policy of docs/guide/training.md:
 "a-b" is variant a minus variant b in final reward, paired by seed; "a-b/c-d" is (a - b) - (c - d) per seed (does a
 gap change between conditions). The m contrasts named are one family: each gets its per-comparison 95% t-interval,
 its p-value and its Bonferroni interval (level 1 - 0.05/m), and a verdict from the Bonferroni interval; collapse

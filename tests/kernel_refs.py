@@ -26,7 +26,7 @@ def logprobs_f64(hidden, weight, targets, temperature=1.0, ignore_index=-100):
 
 
 def policy_loss_f64(logp, old, adv_B, cu_seqlens, mask, loss, clip_low, clip_high, denom):
-    """docs/method.md's GSPO (sequence ratio) or GRPO (token ratio, seq-mean-token-mean) objective, negated."""
+    """docs/guide/method.md's GSPO (sequence ratio) or GRPO (token ratio, seq-mean-token-mean) objective, negated."""
     total = logp.new_zeros(())
     cu = cu_seqlens.tolist()
     for b in range(len(cu) - 1):

@@ -17,7 +17,7 @@ def test_unknown_name_lists_valid():
 
 
 def test_worked_example_population_std():
-    # docs/method.md: rewards [1, 0, 1, 0] -> mean 0.5, population std 0.5 -> A = [+1, -1, +1, -1]
+    # docs/guide/method.md: rewards [1, 0, 1, 0] -> mean 0.5, population std 0.5 -> A = [+1, -1, +1, -1]
     adv = get_advantage_estimator("grpo")(torch.tensor([[1.0, 0.0, 1.0, 0.0]], dtype=torch.float64), eps=0.0)
     torch.testing.assert_close(adv, torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=torch.float64), rtol=0, atol=1e-15)
     adv = get_advantage_estimator("grpo")(torch.tensor([[1.0, 0.0, 1.0, 0.0]]))  # default eps 1e-6

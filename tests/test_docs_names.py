@@ -1,4 +1,4 @@
-"""Every code name the docs cite exists: backticked dotted names and file paths in docs/*.md.
+"""Every code name the docs cite exists: backticked dotted names and file paths in docs/*.md and docs/guide/*.md.
 
     .venv/bin/python tests/test_docs_names.py        # lists what does not resolve, file:line
 
@@ -142,7 +142,7 @@ def unresolved() -> list[str]:
     r = Resolver()
     tracked = _tracked()
     bad = []
-    for doc in sorted((ROOT / "docs").glob("*.md")):
+    for doc in sorted([*(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "guide").glob("*.md")]):
         for i, line in enumerate(doc.read_text().splitlines(), start=1):
             for m in SPAN.finditer(line):
                 span = m.group(1).strip()

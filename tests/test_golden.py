@@ -3,7 +3,7 @@ that changes what training computes fails here instead of drifting unnoticed.
 
 One test per golden (tests/golden/make.py lists them: GSPO, GRPO + R3 + truncated IS against a bf16 engine, packed
 micro-batches, GSPO in bypass mode with rejection). A change meant to alter training refreshes the files on purpose:
-`python tests/golden/make.py`, with the reason in the commit message (docs/training.md, "The golden curves").
+`python tests/golden/make.py`, with the reason in the commit message (docs/guide/training.md, "The golden curves").
 """
 
 from __future__ import annotations

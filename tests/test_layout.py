@@ -113,8 +113,8 @@ def test_layer_check_finds_an_upward_import():
 
 
 def _text_files():
-    globs = ["*.md", "pyproject.toml", "docs/*.md", "moe_gspo/**/*.py", "tests/**/*.py", "scripts/*",
-             "configs/**/*.yaml", ".ci/*"]
+    globs = ["*.md", "pyproject.toml", "docs/*.md", "docs/guide/*.md", "moe_gspo/**/*.py", "tests/**/*.py",
+             "scripts/*", "configs/**/*.yaml", ".ci/*"]
     return [f for g in globs for f in ROOT.glob(g) if f.is_file()]
 
 
@@ -165,7 +165,8 @@ def test_test_modules_do_not_import_each_other():
 
 
 def test_every_package_folder_is_installed():
-    """pyproject.toml lists the packages explicitly, so a new subpackage left out of the list would be missing from a built wheel while an editable install still finds it."""
+    """pyproject.toml lists the packages explicitly, so a new subpackage left out of the list would be missing from
+    a built wheel while an editable install still finds it."""
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])

@@ -1,4 +1,4 @@
-"""Policy losses grpo / gspo / gspo_token against a plain float64 reference, closed forms and docs/method.md."""
+"""Policy losses grpo / gspo / gspo_token against a plain float64 reference, closed forms and docs/guide/method.md."""
 
 import math
 
@@ -11,7 +11,7 @@ F64 = torch.float64
 
 
 def reference_loss(name, logp, old, adv, mask, clip_low, clip_high, mode, ref=None, beta=0.0, clip_c=None):
-    """Eager float64 reference written sequence by sequence, straight from docs/method.md."""
+    """Eager float64 reference written sequence by sequence, straight from docs/guide/method.md."""
     total, denom = 0.0, 0
     for i in range(logp.shape[0]):
         idx = mask[i].nonzero().flatten()

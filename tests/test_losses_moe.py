@@ -43,7 +43,7 @@ def geo_mean_ref(logp, old, adv, mask, clip_low, clip_high, mode, gamma=None):
 
 
 def ratio_loss_ref(name, logp, old, adv, mask, clip_low, clip_high, gamma):
-    """docs/method.md's GRPO (token ratio) or GSPO (sequence ratio) objective on the rescaled ratios gamma * rho,
+    """docs/guide/method.md's GRPO (token ratio) or GSPO (sequence ratio) objective on the rescaled ratios gamma * rho,
     seq-mean-token-mean, negated."""
     total, denom = logp.new_zeros(()), 0
     for i in range(logp.shape[0]):

@@ -27,7 +27,7 @@ def _inputs(seed, spread=0.4, per_token=False):
 
 
 def _agg(terms, mask, mode):
-    """terms[b][t] per response token -> the aggregated scalar (docs/losses.md)."""
+    """terms[b][t] per response token -> the aggregated scalar (docs/guide/losses.md)."""
     rows = [[terms[b][t] for t in range(mask.shape[1]) if mask[b, t]] for b in range(mask.shape[0])]
     rows = [r for r in rows if r]
     if mode == "token-mean":

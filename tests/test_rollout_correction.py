@@ -1,6 +1,6 @@
 """Rollout-mismatch correction (moe_gspo/losses/rollout_correction.py) and its use by every loss and the trainer.
 
-Float64 references are written out per element with `math` from the formulas in docs/losses.md; every IS level x
+Float64 references are written out per element with `math` from the formulas in docs/guide/losses.md; every IS level x
 threshold kind and every rejection mode is checked in value, and the loss-side weight in gradient."""
 
 from __future__ import annotations

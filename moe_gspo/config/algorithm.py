@@ -75,7 +75,7 @@ class AlgorithmConfig:
     weights outside the band set to 0."""
     rollout_rs: str = "off"
     """Rejection by the rollout ratio: 'off' or one of verl's modes token_k1/k2/k3, seq_sum_k1/k2/k3,
-    seq_mean_k1/k2/k3, seq_max_k2/k3 (docs/losses.md). Rejected tokens leave the loss and its mask."""
+    seq_mean_k1/k2/k3, seq_max_k2/k3 (docs/guide/losses.md). Rejected tokens leave the loss and its mask."""
     rollout_rs_threshold: float | list[float] | None = None
     """Bound of the rejection statistic, needed with rollout_rs: one upper bound > 0 for k2/k3; for k1 a pair of
     ratio bounds [lower, upper] (0 < lower <= upper) or one number u meaning [1/u, u]."""

@@ -193,7 +193,7 @@ class TrainConfig:
     """Rollout steps (RL) or optimizer steps (plain training)."""
     lr: float = 1e-3
     """Peak Adam learning rate (megatron's optimizer, decoupled weight decay). 1e-3 suits the tiny random policies
-    of the embedded configs only; pretrained models take 1e-6 to 1e-5 (docs/training.md, "Choosing lr, group
+    of the embedded configs only; pretrained models take 1e-6 to 1e-5 (docs/guide/training.md, "Choosing lr, group
     size and clip range")."""
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0 to train.lr (an RL step takes train.minibatches optimizer steps)."""
@@ -283,7 +283,7 @@ class TrainConfig:
     recompute_modules=['core_attn']); 'full' (whole decoder layers are recomputed, keeping only each chunk's input:
     recompute_granularity='full', recompute_method='uniform', chunks of train.recompute_layers layers). The
     recomputed forward routes exactly as the first one did (its routing, replayed or noised, is kept for it), so
-    the gradients equal a run without recompute. docs/training.md gives memory and time."""
+    the gradients equal a run without recompute. docs/guide/training.md gives memory and time."""
     recompute_layers: int = 1
     """With train.recompute='full': decoder layers per recomputed chunk (megatron's recompute_num_layers)."""
     cold_start_steps: int = 0

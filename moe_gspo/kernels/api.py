@@ -13,7 +13,7 @@ from . import chunked, reference, triton_kernels
 
 IMPLS = ("eager", "chunked", "triton", "auto")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-DEFAULT_CHUNK_BYTES = 128 * 2**20  # CPU: larger blocks stop paying off (docs/kernels.md)
+DEFAULT_CHUNK_BYTES = 128 * 2**20  # CPU: larger blocks stop paying off (docs/guide/kernels.md)
 CUDA_CHUNK_BYTES = 512 * 2**20  # H100, bf16, T=16384 x V=151936: 0.143 s vs 0.195 s at 128 MiB, 171 MiB extra
 
 

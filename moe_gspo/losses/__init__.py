@@ -17,7 +17,7 @@ registered by name, and the rollout-mismatch correction (truncated IS, IcePop, r
 A new loss is a PolicyLoss subclass (its defaults, an Options dataclass, its math) under @register_policy_loss; the
 config then reads it by name (algorithm.loss) with its options (algorithm.loss_options).
 
-Formulas, defaults and aggregation pitfalls: docs/losses.md.
+Formulas, defaults and aggregation pitfalls: docs/guide/losses.md.
 """
 
 from moe_gspo.losses import policy as _policy  # noqa: F401  (registers grpo, gspo, gspo_token)

@@ -3,7 +3,7 @@
     A_i = (r_i - mean_g(r)) / (std_g(r) + eps)      "grpo"         (GRPO and GSPO both use this)
     A_i =  r_i - mean_g(r)                          "grpo_no_std"  (Dr. GRPO style, no std scaling)
 
-std is the POPULATION std (divide by G, `unbiased=False`), as in the worked example of docs/method.md
+std is the POPULATION std (divide by G, `unbiased=False`), as in the worked example of docs/guide/method.md
 (rewards [1, 0, 1, 0] -> std 0.5 -> A = [+1, -1, +1, -1] up to eps). A group whose rewards are all equal
 (including a group of one) gets A = 0 exactly, never NaN.
 

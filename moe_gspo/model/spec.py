@@ -41,7 +41,7 @@ def te_missing() -> str | None:
 
 def transformer_config(mc: ModelConfig, pc: ParallelConfig, recompute: str = "none",
                        recompute_layers: int = 1) -> TransformerConfig:
-    """Megatron's config for the model's architecture (see docs/architecture.md for each choice), with activation
+    """Megatron's config for the model's architecture (see docs/guide/architecture.md for each choice), with activation
     recompute as train.recompute names it."""
     dtype = torch.bfloat16 if mc.params_dtype == "bfloat16" else torch.float32
     family = _recompute(recompute, recompute_layers)

@@ -89,8 +89,8 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                      "more seeds or steps could still separate them. So does a difference that is the same at "
                      "every seed: without spread across seeds there is no interval to judge it by. Collapse counts "
                      "are compared by Fisher's exact two-sided test. These are per-comparison figures; with several "
-                     "comparisons, a claim needs the family's correction (docs/training.md, one multiple-comparison "
-                     "policy).</p>")
+                     "comparisons, a claim needs the family's correction (docs/guide/training.md, one "
+                     "multiple-comparison policy).</p>")
     parts.append("<h2>Clipping, expert volatility and engine mismatch</h2>"
                  + html.table(METRIC_HEADER, metric_rows(variants, base))
                  + "<p class='note'>Each run's mean over its steps (the clip fraction and the flip rate over the "

@@ -27,7 +27,8 @@ from moe_gspo.report.plots import Run, colors, load_runs, plt
 
 FLIP, LAYER = "moe/flip_rate", "moe/flip_rate/layer_"
 MISMATCH, PDIFF = "moe/rollout_train_mismatch", "rollout_probs_diff_mean"
-# docs/method.md: in the 48-layer Qwen3-30B-A3B (128 experts, top-8) about 10% of activated experts change after one update
+# docs/guide/method.md: in the 48-layer Qwen3-30B-A3B (128 experts, top-8) about 10% of activated experts change
+# after one update
 PAPER_DEPTH, PAPER_FLIP = 48, 0.10
 
 

@@ -2,7 +2,7 @@
 policy's router scores (RSPO).
 
 Imports only torch; talks to the model through duck typing (a capture with `.stacked()` / `.live_stacked()`,
-a replay source with `.indices(layer)`), see moe_gspo/model/routing_capture.py and docs/routing.md.
+a replay source with `.indices(layer)`), see moe_gspo/model/routing_capture.py and docs/guide/routing.md.
 """
 
 from moe_gspo.model.routing_capture import ReplaySource

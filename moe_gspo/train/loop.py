@@ -6,7 +6,7 @@
 
 Under torchrun each data-parallel rank samples its own prompts (groups never straddle ranks); the TP and EP ranks
 of one DP replica see the same data. Writes RUN_DIR/metrics.jsonl, RUN_DIR/tensorboard/, RUN_DIR/checkpoints/.
-The pieces live in moe_gspo/train/; the figures a step logs are listed in docs/training.md.
+The pieces live in moe_gspo/train/; the figures a step logs are listed in docs/guide/training.md.
 """
 
 from __future__ import annotations

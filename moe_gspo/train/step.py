@@ -16,7 +16,7 @@ use the strategy the context chose, and the LM head never computes the padding e
 
 With the router shift (a loss that needs it, or algorithm.router_shift), the old pass also keeps the old policy's
 experts and router scores (OldPass.router), and each update forward scores the same experts under the current
-router; their shift gives every response token the weight that rescales its importance ratio (docs/losses.md).
+router; their shift gives every response token the weight that rescales its importance ratio (docs/guide/losses.md).
 
 With the rollout correction (algorithm.rollout_is / rollout_rs; ctx.correction, a RolloutCorrection built once
 from the config), the loss gets the importance weights of the rollout ratio rho = pi_trainer / pi_engine as a
@@ -25,7 +25,7 @@ is the old-log-prob pass (decoupled mode: computed once per minibatch) or, with 
 engine as pi_old, "bypass"), the detached current log-probs of the update (computed in the loss call, once per
 token). The correction also says where pi_old comes from (pi_old_pass).
 
-Global denominators (docs/losses.md): the count D of a minibatch is summed over data-parallel ranks once, and
+Global denominators (docs/guide/losses.md): the count D of a minibatch is summed over data-parallel ranks once, and
 every micro-batch's loss is divided by D / dp and summed, so gradient accumulation over micro-batches and the
 data-parallel mean equal one step on the whole minibatch, whatever the micro-batches are.
 """

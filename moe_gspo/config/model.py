@@ -339,11 +339,6 @@ class ModelConfig:
         return self.family == "qwen2_moe"
 
     @property
-    def attention_sinks(self) -> bool:
-        """Whether each attention head has a learned sink logit in its softmax's denominator (GPT-OSS)."""
-        return self.family == "gpt_oss"
-
-    @property
     def num_moe_layers(self) -> int:
         """Decoder layers with experts (all but the first_k_dense_replace dense ones)."""
         return self.num_hidden_layers - self.first_k_dense_replace

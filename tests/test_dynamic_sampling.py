@@ -123,3 +123,22 @@ def test_data_parallel_ranks_take_the_same_rounds(tmp_path):
     for r in rows:
         assert r["groups/with_variance"] == 1.0 and r["dynamic_sampling/filler_groups"] == 0
         assert r["dynamic_sampling/rounds"] >= 2
+
+
+def test_each_reward_functions_figures_are_those_of_the_groups_trained_on():
+    """With several reward functions, the per-function means and Nones a step logs are over the samples of the
+    batch it trains on, gathered from every round, not those of one round."""
+    def with_parts(s: Scored, a: list[float]) -> Scored:
+        n = len(a)
+        part = RewardResult(torch.tensor(a), torch.tensor([x == x for x in a]), [None] * n,
+                            torch.tensor([x != x for x in a]))  # NaN: the function returned None
+        s.rewards = RewardResult(s.rewards.rewards, s.rewards.valid, s.rewards.errors, torch.zeros(n, dtype=torch.bool),
+                                 {"a": part})
+        return s
+
+    nan = float("nan")
+    first = with_parts(scored("a", [0, 1, 1, 1]), [5, nan, 7, 7])  # group 0 kept, group 1 dropped
+    more = with_parts(scored("b", [0, 1, 0, 0]), [1, 3, 9, 9])  # group 0 kept
+    out, _ = fill_groups(first, lambda r: more, prompts=2, group_size=G, max_rounds=5, group=None)
+    assert out.rewards.components == {"reward/a/mean": pytest.approx((5 + 1 + 3) / 3), "reward/a/none": 1.0}
+    assert first.rewards.components == {"reward/a/mean": pytest.approx(19 / 3), "reward/a/none": 1.0}

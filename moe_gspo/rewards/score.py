@@ -39,7 +39,31 @@ class RewardResult:
     valid: torch.Tensor  # (N,) bool
     errors: list[str | None]  # per sample: None, or why it has no reward ("<ExceptionType>: message")
     absent: torch.Tensor | None = None  # (N,) bool: the function returned None (did not score the sample)
-    components: dict[str, float] = field(default_factory=dict)  # several functions: each one's mean and Nones
+    by_function: dict[str, RewardResult] = field(default_factory=dict)  # several functions: each one's own result
+
+    @property
+    def components(self) -> dict[str, float]:
+        """With several reward functions, each one's mean over the samples it scored and its count of Nones."""
+        out = {}
+        for name, r in self.by_function.items():
+            ok = r.rewards[r.valid]
+            out[f"reward/{name}/mean"] = float(ok.mean()) if ok.numel() else float("nan")
+            out[f"reward/{name}/none"] = float(r.absent.sum())
+        return out
+
+    def select(self, idx: torch.Tensor) -> RewardResult:
+        """The samples at positions idx, in that order."""
+        return RewardResult(self.rewards[idx], self.valid[idx], [self.errors[i] for i in idx.tolist()],
+                            None if self.absent is None else self.absent[idx],
+                            {k: r.select(idx) for k, r in self.by_function.items()})
+
+    @staticmethod
+    def concat(parts: list[RewardResult]) -> RewardResult:
+        """The samples of parts one after the other (the parts come from the same reward functions)."""
+        absent = None if any(r.absent is None for r in parts) else torch.cat([r.absent for r in parts])
+        by_function = {k: RewardResult.concat([r.by_function[k] for r in parts]) for k in parts[0].by_function}
+        return RewardResult(torch.cat([r.rewards for r in parts]), torch.cat([r.valid for r in parts]),
+                            [e for r in parts for e in r.errors], absent, by_function)
 
     @property
     def num_errors(self) -> int:
@@ -122,13 +146,8 @@ def _combine(rewards: WeightedRewards, parts: list[RewardResult]) -> RewardResul
         bad = [f"{name}: {p.errors[i]}" for name, p, f in zip(rewards.names, parts, failed[:, i]) if f]
         errors.append(bad[0] if bad else None if valid[i] else
                       f"none of the reward functions {', '.join(rewards.names)} scored it (each returned None)")
-    components = {}
-    for name, p in zip(rewards.names, parts):
-        ok = p.rewards[p.valid]
-        components[f"reward/{name}/mean"] = float(ok.mean()) if ok.numel() else float("nan")
-        components[f"reward/{name}/none"] = float(p.absent.sum())
     return RewardResult(torch.where(valid, total, float("nan")), valid, errors, ~scored.any(0) & ~failed.any(0),
-                        components)
+                        dict(zip(rewards.names, parts)))
 
 
 def score_responses(reward_fn: Callable, responses: Sequence[str], examples: Sequence,

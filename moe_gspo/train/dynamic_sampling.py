@@ -58,11 +58,8 @@ class Scored:
         """The groups at positions `picks`, in that order."""
         rows = [g * group_size + i for g in picks for i in range(group_size)]
         idx = torch.tensor(rows, dtype=torch.long)
-        res = self.rewards
-        rewards = RewardResult(res.rewards[idx], res.valid[idx], [res.errors[i] for i in rows],
-                               None if res.absent is None else res.absent[idx], res.components)
         return Scored(self.batch.select(rows), [self.examples[i] for i in rows], [self.texts[i] for i in rows],
-                      rewards, self.valid[idx], self.penalty[idx])
+                      self.rewards.select(idx), self.valid[idx], self.penalty[idx])
 
     @staticmethod
     def concat(parts: list[Scored], group_size: int) -> Scored:
@@ -70,10 +67,7 @@ class Scored:
         batch = RolloutBatch.concat([p.batch for p in parts])
         n = len(batch)
         batch.group_ids = torch.arange(n // group_size).repeat_interleave(group_size)
-        res = [p.rewards for p in parts]
-        absent = None if any(r.absent is None for r in res) else torch.cat([r.absent for r in res])
-        rewards = RewardResult(torch.cat([r.rewards for r in res]), torch.cat([r.valid for r in res]),
-                               [e for r in res for e in r.errors], absent, res[0].components)
+        rewards = RewardResult.concat([p.rewards for p in parts])
         return Scored(batch, [e for p in parts for e in p.examples], [t for p in parts for t in p.texts], rewards,
                       torch.cat([p.valid for p in parts]), torch.cat([p.penalty for p in parts]))
 

@@ -380,3 +380,17 @@ def test_several_rewards_sum_with_weights_over_the_functions_that_scored_each_sa
     assert only.rewards[0] == 2.0 and only.valid.tolist() == [True, False]
     assert only.errors[1] == "none of the reward functions parity_0, parity_1 scored it (each returned None)"
     assert load_rewards("exact") is load_reward("exact")  # one function: itself, with no weights to apply
+
+
+def test_an_exception_is_a_failure_whatever_its_message_says():
+    """A function that raises fails its sample even when the message reads like a None ("... returned None"):
+    only a returned None leaves a sample unscored, so with several functions the raising one still voids it."""
+    from moe_gspo.rewards import WeightedRewards, get_reward_fn
+
+    def parser(response, example):
+        raise ValueError("the parser returned None")
+
+    res = score_responses(WeightedRewards([get_reward_fn("exact"), parser], [1.0, 1.0], ["exact", "parser"]),
+                          ["42"], [Example("q", "42")], warn=False)
+    assert not bool(res.valid[0]) and res.errors[0] == "parser: ValueError: the parser returned None"
+    assert res.components["reward/parser/none"] == 0.0

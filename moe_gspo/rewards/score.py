@@ -79,30 +79,30 @@ class RewardResult:
 
 
 def _score_each(reward_fn: Callable, responses: Sequence[str], examples: Sequence):
-    """(rewards, errors): reward_fn(response, example) per sample; an exception or non-number fails that sample."""
-    rewards, errors = [], []
+    """(rewards, errors, absent): reward_fn(response, example) per sample; an exception or non-number fails that
+    sample, None leaves it without a reward from this function (absent)."""
+    rewards, errors, absent = [], [], []
     name = getattr(reward_fn, "__name__", repr(reward_fn))
     for text, ex in zip(responses, examples):
         try:
             r = reward_fn(text, ex)
-            if r is None:
-                rewards.append(float("nan"))
-                errors.append(f"reward function {name} returned None")
-                continue
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+            if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r)):
                 raise TypeError(f"reward function returned {r!r}, not a finite number")
-            rewards.append(float(r))
-            errors.append(None)
+            rewards.append(float("nan") if r is None else float(r))
+            errors.append(f"reward function {name} returned None" if r is None else None)
+            absent.append(r is None)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - reported per sample, never swallowed
             rewards.append(float("nan"))
             errors.append(f"{type(e).__name__}: {e}")
-    return rewards, errors
+            absent.append(False)
+    return rewards, errors, absent
 
 
 def _score_batched(reward_fn, responses: Sequence[str], examples: Sequence):
-    """(rewards, errors): one reward_fn.score_batch call; a None or non-finite reward fails that sample."""
+    """(rewards, errors, absent): one reward_fn.score_batch call; a None or non-finite reward fails that sample,
+    None being absent (no reward from this function)."""
     values = reward_fn.score_batch(list(responses), list(examples))
     if len(values) != len(responses):
         raise ValueError(f"{reward_fn!r} returned {len(values)} rewards for {len(responses)} responses")
@@ -110,7 +110,7 @@ def _score_batched(reward_fn, responses: Sequence[str], examples: Sequence):
     ok = [v is not None and math.isfinite(v) for v in values]
     rewards = [float(v) if good else float("nan") for v, good in zip(values, ok)]
     errors = [None if good else f"reward function {name} returned {v!r}" for v, good in zip(values, ok)]
-    return rewards, errors
+    return rewards, errors, [v is None for v in values]
 
 
 class WeightedRewards:
@@ -126,8 +126,7 @@ class WeightedRewards:
 
 def _score_one(reward_fn, responses: Sequence[str], examples: Sequence) -> RewardResult:
     score = _score_batched if getattr(reward_fn, "batched", False) else _score_each
-    rewards, errors = score(reward_fn, responses, examples)
-    absent = [e is not None and e.endswith(" returned None") for e in errors]
+    rewards, errors, absent = score(reward_fn, responses, examples)
     return RewardResult(torch.tensor(rewards, dtype=torch.float32),
                         torch.tensor([e is None for e in errors], dtype=torch.bool), errors,
                         torch.tensor(absent, dtype=torch.bool))

@@ -58,7 +58,8 @@ def _stats_keeping_exp(zT_VT, local_tgt_T, scratch_VT):
 class _FusedLoss(torch.autograd.Function):
     """loss = sum over token groups of coef_fn's parts; d hidden and d weight are computed in the forward.
 
-    coef_fn(lp_c, b0, b1) -> (loss part, d loss / d lp_c) for the tokens of sequences b0..b1-1."""
+    coef_fn(values_c, b0, b1) -> (loss part, [d loss / d value for each value]) for the tokens of sequences
+    b0..b1-1, values_c being (lp_c,), or (lp_c, entropy_c) with entropy_in_loss."""
 
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, targets_T, cfg):
@@ -106,10 +107,9 @@ class _FusedLoss(torch.autograd.Function):
             logp_T[t0:t1] = lp
             if want_ent:
                 ent_T[t0:t1] = ent
-            part, coef, coef_ent = coef_fn(lp, ent, b0, b1) if ent_in_loss else (*coef_fn(lp, b0, b1), None)
-            coef = torch.where(ok_c, coef.float(), 0.0)
-            if coef_ent is not None:
-                coef_ent = torch.where(ok_c, coef_ent.float(), 0.0)
+            part, coefs = coef_fn((lp, ent) if ent_in_loss else (lp,), b0, b1)
+            coef, *coef_ent = [torch.where(ok_c, c.float(), 0.0) for c in coefs]
+            coef_ent = coef_ent[0] if coef_ent else None
             loss += part
             if not (need_h or need_w):
                 continue
@@ -170,25 +170,16 @@ def _check_cu_seqlens(T, cu_seqlens) -> list[int]:
 
 
 def _autograd_coef(loss_fn):
-    """coef_fn for _FusedLoss from a scalar loss_fn(logp_c, b0, b1): its gradient by autograd on [rows] values."""
-    def coef_fn(lp, b0, b1):
+    """coef_fn for _FusedLoss from a scalar loss_fn(*values_c, b0, b1) of per-token [rows] values (the log-probs,
+    and the entropies with entropy_in_loss): (the part, its gradient in each value) by autograd."""
+    def coef_fn(values, b0, b1):
         with torch.enable_grad():
-            x = lp.detach().requires_grad_()
-            part = loss_fn(x, b0, b1)
-            g = torch.autograd.grad(part, x, allow_unused=True)[0] if part.requires_grad else None
-        return part.detach().float().reshape(()), (torch.zeros_like(lp) if g is None else g)
-    return coef_fn
-
-
-def _autograd_coef_entropy(loss_fn):
-    """coef_fn for _FusedLoss from a scalar loss_fn(logp_c, ent_c, b0, b1): its gradients in both, by autograd."""
-    def coef_fn(lp, ent, b0, b1):
-        with torch.enable_grad():
-            x, y = lp.detach().requires_grad_(), ent.detach().requires_grad_()
-            part = loss_fn(x, y, b0, b1)
-            gx, gy = (torch.autograd.grad(part, (x, y), allow_unused=True) if part.requires_grad else (None, None))
-        return (part.detach().float().reshape(()), torch.zeros_like(lp) if gx is None else gx,
-                torch.zeros_like(ent) if gy is None else gy)
+            leaves = [v.detach().requires_grad_() for v in values]
+            part = loss_fn(*leaves, b0, b1)
+            grads = (torch.autograd.grad(part, leaves, allow_unused=True) if part.requires_grad
+                     else [None] * len(leaves))
+        return part.detach().float().reshape(()), [torch.zeros_like(v) if g is None else g
+                                                   for v, g in zip(values, grads)]
     return coef_fn
 
 
@@ -210,8 +201,7 @@ def fused_logprob_loss(hidden, weight, targets, loss_fn, *, cu_seqlens, temperat
     check_inputs(hidden, weight, targets, temperature, chunk_bytes)
     bounds = _check_cu_seqlens(hidden.shape[0], cu_seqlens)
     return_entropy = return_entropy or entropy_in_loss
-    coef_fn = _autograd_coef_entropy(loss_fn) if entropy_in_loss else _autograd_coef(loss_fn)
-    cfg = (coef_fn, float(temperature), ignore_index, process_group, int(chunk_bytes), bool(return_entropy), bounds,
-           bool(entropy_in_loss))
+    cfg = (_autograd_coef(loss_fn), float(temperature), ignore_index, process_group, int(chunk_bytes),
+           bool(return_entropy), bounds, bool(entropy_in_loss))
     value, logp, ent = _FusedLoss.apply(hidden, weight, targets, cfg)
     return value, logp.detach(), (ent.detach() if return_entropy else None)

@@ -10,8 +10,9 @@ reference: full logits -> log_softmax -> gather. Both return float32.
     loss, logp_BT, ent_BT = hidden_loss(policy, hidden_BTH, input_ids_BT, loss_rows, temperature)
 
 goes from the final hidden states straight to a loss of the token log-probs (moe_gspo.kernels.fused_logprob_loss,
-6THV instead of token_logprobs' 8THV): loss_rows(logp_bT, b0, b1) is the loss part of rows b0..b1-1, given their
-token-aligned log-probs; the LM head's gradient is computed inside the call.
+6THV instead of token_logprobs' 8THV): loss_rows(logp_bT, entropy_bT, b0, b1) is the loss part of rows b0..b1-1,
+given their token-aligned log-probs (and entropies, None unless the loss reads them); the LM head's gradient is
+computed inside the call.
 
     loss, metrics = fused_policy_loss(hidden_TH, weight_VH, targets_T, old_logp_T, adv_B, cu_seqlens=cu, loss="gspo")
 
@@ -91,18 +92,18 @@ def hidden_loss(policy, hidden_BTH: torch.Tensor, input_ids_BT: torch.Tensor, lo
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss 0-dim float32, logp (B, T) float32, entropy (B, T) float32) from the policy's final hidden states.
 
-    loss_rows(logp_bT, b0, b1) -> 0-dim tensor: the part of the loss carried by rows b0..b1-1, from their
-    token-aligned log-probs (b1 - b0, T) (column 0 = 0, requires grad); the loss is the sum of the parts over
+    loss_rows(logp_bT, entropy_bT, b0, b1) -> 0-dim tensor: the part of the loss carried by rows b0..b1-1, from
+    their token-aligned log-probs (b1 - b0, T) (column 0 = 0, requires grad); the loss is the sum of the parts over
     consecutive row groups (as many rows as fit the kernel's workspace), so it must use a denominator fixed in
-    advance. logp and entropy come back detached, token-aligned, column 0 = 0. entropy_in_loss: the loss reads the
-    entropies too, as loss_rows(logp_bT, entropy_bT, b0, b1), and their gradient reaches the policy (an entropy
-    bonus); otherwise the entropy is a metric only.
+    advance. logp and entropy come back detached, token-aligned, column 0 = 0. entropy_in_loss: entropy_bT holds
+    the rows' entropies (requires grad), whose gradient reaches the policy (an entropy bonus); otherwise it is None
+    and the entropy is a metric only.
     lengths: as in batch_logprobs (the LM head skips the padding, whose log-probs read 0)."""
     w = policy.lm_head_weight()
     tg = Targets(input_ids_BT.to(hidden_BTH.device), lengths)
 
     def part(lp, b0, b1):
-        return loss_rows(tg.frame(lp, b0, b1), b0, b1)
+        return loss_rows(tg.frame(lp, b0, b1), None, b0, b1)
 
     def part_with_entropy(lp, ent, b0, b1):
         return loss_rows(tg.frame(lp, b0, b1), tg.frame(ent, b0, b1), b0, b1)

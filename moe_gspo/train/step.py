@@ -289,12 +289,10 @@ def rows_loss(ctx: StepContext, rows: LossRows, logp_bT: torch.Tensor, denom, ch
     return loss, {**m, **corr_m}
 
 
-def _rows_part(ctx: StepContext, rows: LossRows, denom, logp_bT, *rest) -> torch.Tensor:
-    """The loss part of rows b0..b1-1 (the fused kernel's callback, on as many rows as fit its workspace): rest is
-    (b0, b1), or (entropy_bT, b0, b1) with an entropy bonus."""
-    *entropy, b0, b1 = rest
-    return rows_loss(ctx, rows.rows(slice(b0, b1)), logp_bT, denom, check_finite=False,
-                     entropy_bT=entropy[0] if entropy else None)[0]
+def _rows_part(ctx: StepContext, rows: LossRows, denom, logp_bT, entropy_bT, b0: int, b1: int) -> torch.Tensor:
+    """The loss part of rows b0..b1-1 (the fused kernel's callback, on as many rows as fit its workspace); entropy_bT
+    is None without an entropy bonus."""
+    return rows_loss(ctx, rows.rows(slice(b0, b1)), logp_bT, denom, check_finite=False, entropy_bT=entropy_bT)[0]
 
 
 @dataclass

@@ -362,6 +362,6 @@ def load_rewards(spec: str | list[str], weights: list[float] | None = None, fiel
     if isinstance(spec, str):
         return load_reward(spec, field)
     fns = [load_reward(s, f"{field}[{i}]") for i, s in enumerate(spec)]
-    names = [s if s.rpartition(":")[1] == "" else s.rpartition(":")[2] for s in spec]
+    names = [s.rpartition(":")[2] for s in spec]  # a built-in's name, or the function's
     names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
     return WeightedRewards(fns, weights if weights is not None else [1.0] * len(fns), names)

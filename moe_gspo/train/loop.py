@@ -254,8 +254,9 @@ class Run:
         reward raises or is dropped per rollout.bad_reward."""
         cfg = self.cfg
         rc = cfg.rollout
-        examples = data.step_prompts(cfg, self.task, self.tok, self.layout, step, self.info.dp_rank, refill)[0]
-        prompts_of = (lambda d: data.step_prompts(cfg, self.task, self.tok, self.layout, step, d, refill)[1:])
+        examples, *own = data.step_prompts(cfg, self.task, self.tok, self.layout, step, self.info.dp_rank, refill)
+        prompts_of = (lambda d: tuple(own) if d == self.info.dp_rank else
+                      data.step_prompts(cfg, self.task, self.tok, self.layout, step, d, refill)[1:])
         if refill:
             batch = self.rollouts.generate(prompts_of, rc.group_size)
         else:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from moe_gspo.config import UserError
 from moe_gspo.config.checks import error_line
+from moe_gspo.model.families import every
 from moe_gspo.parallel import launch as launcher
 
 
@@ -80,7 +81,7 @@ def _info(_args) -> int:
     import torch
 
     import moe_gspo
-    from moe_gspo.config.model import FAMILIES
+    from moe_gspo.model.families import names
 
     def version(mod):
         try:
@@ -98,7 +99,7 @@ def _info(_args) -> int:
         ("SGLang", version("sglang")), ("vLLM", _vllm_row()), ("math-verify", version("math_verify")),
         ("CPU threads", str(torch.get_num_threads())),
         ("layer spec (model.spec)", _spec_line()),
-        ("model families", f"{', '.join(FAMILIES)} (model.family; a checkpoint's config.json sets it)"),
+        ("model families", f"{', '.join(names())} (model.family; a checkpoint's config.json sets it)"),
     ]
     from rich.console import Console
     from rich.table import Table
@@ -370,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "generation_config.json, upcycle.json")
     up.add_argument("--experts", type=int, default=4, help="experts per layer (default 4)")
     up.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
-    up.add_argument("--family", default=None, choices=["mixtral", "qwen2_moe", "qwen3_moe"],
+    up.add_argument("--family", default=None, choices=sorted(f.name for f in every() if f.upcycles_from),
                     help="the MoE family (default: mixtral for Llama and Mistral, qwen2_moe for Qwen2 with a shared "
                          "expert, qwen3_moe for Qwen3)")
     up.add_argument("--drop-rate", type=float, default=0.0,

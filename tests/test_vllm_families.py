@@ -259,7 +259,7 @@ def test_config_serves_the_families_on_vllm_and_refuses_what_vllm_would_compute_
     hidden_size / heads (vLLM's models fix both), refused at config load and at engine build; SGLang serves
     Qwen3-MoE only."""
     from moe_gspo.config import ConfigError, ModelConfig
-    from moe_gspo.rollout.vllm.families import model_mismatch, vllm_family_mismatch
+    from moe_gspo.rollout.vllm.families import model_mismatch
     from moe_gspo.model.hf_io import hf_config_dict
     from moe_gspo.model.weights import WeightSource
     from moe_gspo.rollout.vllm.engine import VLLMEngine
@@ -276,8 +276,9 @@ def test_config_serves_the_families_on_vllm_and_refuses_what_vllm_would_compute_
         checked_cfg("model.family=qwen2_moe", "model.head_dim=32", "rollout.engine=vllm")
     with pytest.raises(ConfigError, match=r"rollout.engine=sglang serves model.family in \['qwen3_moe'\] only"):
         checked_cfg("model.family=mixtral", "rollout.engine=sglang")
-    assert vllm_family_mismatch("gpt_oss", 1e-6, 32, 128, 4).startswith("model.rms_norm_eps=1e-06 with "
-                                                                        "rollout.engine=vllm")
+    gpt_oss = ModelConfig(family="gpt_oss", attention_bias=True, swiglu_limit=7.0,
+                          rope_scaling={"factor": 32.0, "original_max_position_embeddings": 4096.0})
+    assert model_mismatch(gpt_oss).startswith("model.rms_norm_eps=1e-06 with rollout.engine=vllm")
 
     class Source(WeightSource):
         config = hf_config_dict(ModelConfig(family="olmoe", hidden_size=128, head_dim=32))

@@ -6,36 +6,21 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from moe_gspo.config.checks import ConfigError, choice, positive
-
-
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
-"""The model families a policy can be (Hugging Face model_type names)."""
-
-SIGMOID_FAMILIES = ("deepseek_v3", "glm4_moe")
-"""Families whose router is sigmoid + expert bias + groups + scaling, with shared experts and dense first layers."""
+from moe_gspo.model.families import DEFAULT, FamilyError, every, family, names, own_field_classes
+from moe_gspo.model.families.base import GENERIC_OPTIONAL
 
 
 @dataclass
-class ModelConfig:
-    """An MoE decoder architecture: Qwen3-MoE's fields (names follow transformers' Qwen3MoeConfig), and `family`
-    for what differs in the other families."""
+class ModelConfig(*own_field_classes()):
+    """An MoE decoder architecture: the fields every family has (names follow transformers' Qwen3MoeConfig), those
+    some families use (each family's `uses`), and each family's own fields (its `fields`, taken on from
+    moe_gspo/model/families/), with `family` naming which."""
 
     SECTION: ClassVar[str] = "model"
 
-    family: str = "qwen3_moe"
-    """The model family (transformers' model_type): 'qwen3_moe' (Qwen3-MoE: per-head RMSNorm on queries and keys,
-    softmax router), 'mixtral' (Mixtral: no query/key norm, top-k of the router logits then their softmax, which
-    is the softmax renormalized over the top k; experts named w1/w3/w2 in its checkpoints) or 'qwen2_moe'
-    (Qwen2-MoE: no query/key norm, biases on q/k/v, a shared expert behind a sigmoid gate) or 'olmoe' (OLMoE: one
-    RMSNorm over all heads of the queries and one over all heads of the keys, top-k probabilities not renormalized
-    by default) or 'deepseek_v3' (DeepSeek-V3, and Moonlight and Kimi K2, which share its architecture: multi-head
-    latent attention, a sigmoid router with a load-balancing expert bias, grouped top-k and a scaling factor, shared
-    experts, dense first layers) or 'glm4_moe' (GLM-4.5: DeepSeek-V3's router, shared experts and dense first
-    layers, with grouped-query attention carrying q/k/v biases, rotary embeddings on part of each head
-    (partial_rotary_factor) and an optional per-head query/key norm) or 'gpt_oss' (GPT-OSS: Mixtral's router with a
-    bias on its logits, experts with biases and a clamped SwiGLU (swiglu_limit), biases on q/k/v/o, a learned sink
-    logit per attention head, and a sliding window on some layers). A checkpoint's config.json (model.init_from)
-    sets it."""
+    family: str = DEFAULT
+    """The model family (transformers' model_type): one of the families in moe_gspo/model/families/, each described
+    in its file (`moe-gspo info` lists them). A checkpoint's config.json (model.init_from) sets it."""
 
     vocab_size: int = 128
     """Vocabulary size (rows of the embedding and of the LM head)."""
@@ -64,38 +49,11 @@ class ModelConfig:
     the flip tracker count routed experts only."""
     attention_bias: bool = False
     """Biases on the query, key and value projections (Qwen2-MoE, GLM-4.5)."""
-    use_qk_norm: bool = False
-    """GLM-4.5: RMSNorm on each query and key head (Qwen3-MoE always has it; the other families never)."""
-    partial_rotary_factor: float = 1.0
-    """GLM-4.5: the fraction of each head's dimensions that rotary embeddings rotate (the first ones; 0.5 in
-    GLM-4.5); 1 for every other family."""
-    sliding_window: int = 0
-    """GPT-OSS: how many tokens (the query's own included) a query attends to in the layers layer_types marks
-    'sliding_attention'; the other layers attend to every earlier token. 0: no sliding window."""
-    layer_types: list[str] | None = None
-    """GPT-OSS: 'sliding_attention' or 'full_attention' for each decoder layer (transformers' field); None with a
-    sliding_window: every other layer from the first slides, GPT-OSS's own pattern."""
-    swiglu_limit: float = 0.0
-    """GPT-OSS: its experts compute clamp(gate, max=limit) * sigmoid(1.702 clamp(gate, max=limit)) *
-    (clamp(up, -limit, limit) + 1) instead of silu(gate) * up, and add each expert's output bias before the routing
-    weight scales it; 0 for every other family (GPT-OSS's checkpoints: 7)."""
     first_k_dense_replace: int = 0
     """The first k decoder layers have a dense SwiGLU MLP of width intermediate_size instead of experts (DeepSeek-V3:
     3). Routing metrics, replay and the flip tracker count the MoE layers only, numbered from 0 at layer k."""
     intermediate_size: int = 0
     """Hidden width of the dense layers' MLP (first_k_dense_replace > 0)."""
-    q_lora_rank: int = 0
-    """Multi-head latent attention (kv_lora_rank > 0): rank of the query's low-rank projection (q_a_proj, its RMSNorm,
-    q_b_proj); 0: the query is one projection (q_proj), as in Moonlight."""
-    kv_lora_rank: int = 0
-    """Rank of multi-head latent attention's compressed key/value (kv_a_proj_with_mqa, its RMSNorm, kv_b_proj); 0:
-    grouped-query attention with head_dim-wide heads."""
-    qk_nope_head_dim: int = 0
-    """Multi-head latent attention: per-head width of the query and key part without rotary embedding."""
-    qk_rope_head_dim: int = 0
-    """Multi-head latent attention: per-head width of the rotary part (the key's is shared by all heads)."""
-    v_head_dim: int = 0
-    """Multi-head latent attention: per-head width of the values."""
     n_group: int = 1
     """Grouped top-k (sigmoid routers): the experts are split into n_group groups, each scored by the sum of its two
     best biased scores, and a token's experts are chosen within its topk_group best groups (transformers' and vLLM's
@@ -164,33 +122,20 @@ class ModelConfig:
 
     def __post_init__(self):
         positive(self, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+                 "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"model.num_key_value_heads={self.num_key_value_heads} must divide "
                               f"model.num_attention_heads={self.num_attention_heads}")
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                               f"model.num_experts={self.num_experts}")
-        choice(self, "family", FAMILIES)
-        self._check_gpt_oss()
-        if self.family not in ("qwen2_moe", "glm4_moe", "gpt_oss") and self.attention_bias:
-            raise ConfigError(f"model.attention_bias: model.family='{self.family}' has no q/k/v biases")
-        if self.family != "glm4_moe" and (self.use_qk_norm or self.partial_rotary_factor != 1.0):
-            raise ConfigError(f"model.use_qk_norm / model.partial_rotary_factor are GLM-4.5's: "
-                              f"model.family='{self.family}' does not use them")
-        if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
-            raise ConfigError(f"model.partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and "
-                              f"rotate an even number of model.head_dim={self.head_dim}'s dimensions")
-        if self.family not in ("qwen2_moe", *SIGMOID_FAMILIES) and self.shared_expert_intermediate_size:
-            raise ConfigError(f"model.shared_expert_intermediate_size: model.family='{self.family}' has no shared "
-                              "expert")
-        self._check_deepseek_and_glm()
-        if self.rope_scaling is not None and self.family not in SIGMOID_FAMILIES:  # theirs is checked above
-            self._check_yarn()
+        choice(self, "family", names())
+        fam = family(self.family)
+        self._check_family_fields(fam)
         if self.shared_expert_intermediate_size < 0:
             raise ConfigError(f"model.shared_expert_intermediate_size={self.shared_expert_intermediate_size} must "
                               "be >= 0 (0: no shared expert)")
-        if self.family in ("mixtral", "gpt_oss") and not self.norm_topk_prob:
+        if fam.topk_always_normalized and not self.norm_topk_prob:
             raise ConfigError(f"model.norm_topk_prob=false with model.family='{self.family}': its router always "
                               "normalizes over the top k (its softmax is taken over the top-k logits)")
         choice(self, "params_dtype", ("float32", "bfloat16"))
@@ -200,11 +145,15 @@ class ModelConfig:
         choice(self, "attention", ("te",) if self.spec == "te" else ("sdpa", "megatron"))
         self.experts_chosen = self.experts is not None  # whether a checkpoint's family may pick them instead
         if self.experts is None:
-            self.experts = "torch" if self.family == "gpt_oss" else "grouped"
+            self.experts = fam.experts_only or "grouped"
         choice(self, "experts", ("grouped", "torch", "megatron"))
-        if self.family == "gpt_oss" and self.experts != "torch":
-            raise ConfigError(f"model.experts='{self.experts}' with model.family='gpt_oss': GPT-OSS's experts (biases, "
-                              "clamped SwiGLU) run as model.experts=torch only")
+        if fam.experts_only and self.experts != fam.experts_only:
+            raise ConfigError(f"model.experts='{self.experts}' with model.family='{self.family}': "
+                              f"{fam.experts_only_why}")
+        try:
+            fam.check(self)
+        except FamilyError as e:
+            raise ConfigError(str(e)) from None
         choice(self, "moe_router_load_balancing_type", ("none", "aux_loss", "seq_aux_loss"))
         if not 0 <= self.moe_aux_loss_coeff < float("inf"):
             raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be a finite number >= 0")
@@ -212,10 +161,6 @@ class ModelConfig:
             raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} with "
                               f"model.moe_router_load_balancing_type='{self.moe_router_load_balancing_type}': a "
                               f"load-balancing loss needs both a type other than 'none' and a coefficient > 0")
-        if self.family == "olmoe" and self.num_attention_heads * self.head_dim != self.hidden_size:
-            raise ConfigError(f"model.head_dim={self.head_dim} with model.family='olmoe': OLMoE's query norm is "
-                              f"hidden_size={self.hidden_size} wide in transformers and vLLM, so num_attention_heads x "
-                              f"head_dim must equal it (head_dim={self.hidden_size // self.num_attention_heads})")
         if self.spec == "te" and self.qk_norm_all_heads:
             raise ConfigError(f"model.spec='te' with model.family='{self.family}': its query/key norms span all heads, "
                               "which TE's per-head norms do not compute; use model.spec=local")
@@ -227,116 +172,37 @@ class ModelConfig:
                 raise ConfigError("model.compile=true is tested on the local spec only; with model.spec='te' set "
                                   "model.compile=false")
 
-
-    def _check_gpt_oss(self) -> None:
-        """GPT-OSS's fields: given for GPT-OSS only, and what its layers need."""
-        if self.family != "gpt_oss":
-            given = [f for f in ("sliding_window", "layer_types", "swiglu_limit") if getattr(self, f)]
-            if given:
-                raise ConfigError(f"model.{given[0]}: model.family='{self.family}' does not use it")
-            return
-        if self.spec == "te" or self.attention == "megatron":
-            raise ConfigError(f"model.spec='{self.spec}' / model.attention='{self.attention}' with model.family="
-                              "'gpt_oss': its sinks and sliding window run on the local spec with model.attention=sdpa")
-        if not self.attention_bias:
-            raise ConfigError("model.attention_bias=false with model.family='gpt_oss': its q/k/v/o projections, router "
-                              "and experts all carry biases here (megatron's add_bias_linear)")
-        if self.sliding_window < 0 or not 0 <= self.swiglu_limit < float("inf"):
-            raise ConfigError("model.sliding_window and model.swiglu_limit must be >= 0")
-        if self.layer_types is None:
-            self.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                for i in range(self.num_hidden_layers)]
-        if len(self.layer_types) != self.num_hidden_layers or \
-                set(self.layer_types) - {"sliding_attention", "full_attention"}:
-            raise ConfigError(f"model.layer_types={self.layer_types}: one of 'sliding_attention' or 'full_attention' "
-                              f"per layer (model.num_hidden_layers={self.num_hidden_layers})")
-
-    def _check_deepseek_and_glm(self) -> None:
-        """The fields only DeepSeek-V3's and GLM-4.5's layers read (latent attention: DeepSeek-V3's only),
-        checked together."""
-        mla = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-        given = [f for f in mla if getattr(self, f)] if self.family != "deepseek_v3" else []
-        if self.family not in SIGMOID_FAMILIES:
-            given += [f for f in ("first_k_dense_replace", "intermediate_size") if getattr(self, f)]
-            given += [f for f, d in (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0))
-                      if getattr(self, f) != d]
-        if given:
-            raise ConfigError(f"model.{given[0]}: model.family='{self.family}' does not use it")
-        if self.family not in SIGMOID_FAMILIES:
-            return
-        if self.family == "deepseek_v3":
-            positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-            if self.attention == "megatron":
-                raise ConfigError("model.attention='megatron' with model.family='deepseek_v3': megatron's local core "
-                                  "attention takes no separate query/key and value widths, which latent attention "
-                                  "needs; use model.attention=sdpa")
-            if self.num_key_value_heads != self.num_attention_heads:
-                raise ConfigError(f"model.num_key_value_heads={self.num_key_value_heads} with model.family="
-                                  "'deepseek_v3': latent attention expands one key and value per query head; set "
-                                  f"it to model.num_attention_heads={self.num_attention_heads}")
-            if self.q_lora_rank < 0:
-                raise ConfigError("model.q_lora_rank must be >= 0")
-            if self.qk_rope_head_dim % 2:
-                raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)")
-        if self.rope_scaling is not None:
-            self._check_yarn()
-        positive(self, "n_group", "topk_group")
-        if self.first_k_dense_replace < 0:
-            raise ConfigError("model.first_k_dense_replace must be >= 0")
-        if self.first_k_dense_replace >= self.num_hidden_layers:
-            raise ConfigError(f"model.first_k_dense_replace={self.first_k_dense_replace} leaves no MoE layer of "
-                              f"model.num_hidden_layers={self.num_hidden_layers}")
-        if self.first_k_dense_replace and self.intermediate_size <= 0:
-            raise ConfigError("model.intermediate_size must be > 0: it is the width of the first_k_dense_replace "
-                              "dense layers' MLP")
-        if self.num_experts % self.n_group or self.num_experts // self.n_group < 2 and self.n_group > 1:
-            raise ConfigError(f"model.n_group={self.n_group} must divide model.num_experts={self.num_experts} into "
-                              "groups of at least 2 experts (a group's score is its two best experts)")
-        if not 1 <= self.topk_group <= self.n_group:
-            raise ConfigError(f"model.topk_group={self.topk_group} must be in [1, model.n_group={self.n_group}]")
-        if self.num_experts_per_tok > self.topk_group * self.num_experts // self.n_group:
-            raise ConfigError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of "
-                              f"model.topk_group={self.topk_group} groups")
-        if not 0 < self.routed_scaling_factor < float("inf"):
-            raise ConfigError(f"model.routed_scaling_factor={self.routed_scaling_factor} must be a finite number > 0")
-        if self.spec == "te":
-            raise ConfigError(f"model.spec='te' with model.family='{self.family}': its latent attention, dense layers "
-                              "and expert bias run on the local spec only; use model.spec=local")
-
-    def _check_yarn(self) -> None:
-        if self.family not in ("deepseek_v3", "gpt_oss"):
-            raise ConfigError(f"model.rope_scaling: YaRN is implemented for model.family='deepseek_v3' and 'gpt_oss' "
-                              f"only, not '{self.family}'")
-        keys = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
-        if self.family == "gpt_oss":
-            keys.add("truncate")
-        unknown = sorted(set(self.rope_scaling) - keys)
-        if unknown:
-            raise ConfigError(f"model.rope_scaling: unknown key {unknown[0]!r}; YaRN reads {sorted(keys)}")
-        for k in ("factor", "original_max_position_embeddings"):
-            if k not in self.rope_scaling:
-                raise ConfigError(f"model.rope_scaling needs {k!r}")
-        if bool(self.rope_scaling.get("mscale")) != bool(self.rope_scaling.get("mscale_all_dim")):
-            raise ConfigError("model.rope_scaling: give both mscale and mscale_all_dim, or neither (with one alone "
-                              "transformers' and megatron's YaRN attention factors differ)")
-        if not self.rope_scaling["factor"] > 1:
-            raise ConfigError(f"model.rope_scaling.factor={self.rope_scaling['factor']} must be > 1")
+    def _check_family_fields(self, fam) -> None:
+        """Refuse a value, other than the one meaning 'not used', of another family's own field or of a generic
+        field this family does not use, naming the families that use it."""
+        for other in every():
+            if other is fam:
+                continue
+            for k, default in other.own_field_defaults().items():
+                if getattr(self, k) != default:
+                    raise ConfigError(f"model.{k}: model.family='{self.family}' does not use it ({other.title}'s "
+                                      f"field, model.family='{other.name}')")
+        for k, unused in GENERIC_OPTIONAL.items():
+            if k not in fam.uses and getattr(self, k) != unused:
+                users = [f.name for f in every() if k in f.uses]
+                raise ConfigError(f"model.{k}: model.family='{self.family}' does not use it (the families that do: "
+                                  f"{', '.join(users)})")
 
     @property
     def mla(self) -> bool:
         """Whether attention is multi-head latent attention (DeepSeek-V3)."""
-        return self.kv_lora_rank > 0
+        return getattr(self, "kv_lora_rank", 0) > 0
 
     @property
     def router_sigmoid(self) -> bool:
         """Whether the router scores experts by sigmoid, chooses them by score plus a load-balancing expert bias
         (within groups) and scales their weights (DeepSeek-V3), rather than by softmax."""
-        return self.family in SIGMOID_FAMILIES
+        return family(self.family).router_sigmoid
 
     @property
     def shared_expert_gate(self) -> bool:
         """Whether the shared expert's output is scaled by sigmoid(gate . x) (Qwen2-MoE; DeepSeek-V3's is not)."""
-        return self.family == "qwen2_moe"
+        return family(self.family).shared_expert_gate
 
     @property
     def num_moe_layers(self) -> int:
@@ -347,19 +213,20 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """Whether attention normalizes queries and keys (RMSNorm) before rotary: per head over head_dim, or over all
         heads at once (qk_norm_all_heads)."""
-        return self.family in ("qwen3_moe", "olmoe") or self.use_qk_norm
+        return family(self.family).qk_norm_of(self)
 
     @property
     def qk_norm_all_heads(self) -> bool:
         """Whether the query/key norm spans all heads (OLMoE: num_attention_heads x head_dim wide for queries,
         num_key_value_heads x head_dim for keys) rather than each head."""
-        return self.family == "olmoe"
+        return family(self.family).qk_norm_all_heads
 
     def parameter_counts(self) -> tuple[int, int]:
         """(total, active per token) parameter counts of this architecture, embeddings and LM head included;
         active counts num_experts_per_tok of the num_experts experts in every MoE layer. The expert bias of a
         sigmoid router is a buffer, not counted."""
         H, d, nq, ng = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
+        fam = family(self.family)
         if self.mla:  # q (one projection, or down + norm + up), kv down + norm + up, o
             qd = self.qk_nope_head_dim + self.qk_rope_head_dim
             q = H * nq * qd if not self.q_lora_rank else (H + 1 + nq * qd) * self.q_lora_rank
@@ -370,12 +237,13 @@ class ModelConfig:
             norms = (nq + ng) * d if self.qk_norm_all_heads else 2 * d if self.qk_norm else 0
             attention = H * (nq + 2 * ng) * d + nq * d * H + norms  # q, k, v, o, q/k norms
             attention += (nq + 2 * ng) * d if self.attention_bias else 0
-            attention += H + nq if self.family == "gpt_oss" else 0  # o_proj's bias, a sink per head
+            attention += H if fam.linear_biases else 0  # o_proj's bias
+            attention += nq if fam.sinks else 0  # a sink per head
         moe_shared = self.num_experts * H  # the router
         if self.shared_expert_intermediate_size:
             moe_shared += 3 * H * self.shared_expert_intermediate_size + (H if self.shared_expert_gate else 0)
         expert = 3 * H * self.moe_intermediate_size  # gate, up, down
-        if self.family == "gpt_oss":  # the router's bias; each expert's gate, up and down biases
+        if fam.linear_biases:  # the router's bias; each expert's gate, up and down biases
             moe_shared += self.num_experts
             expert += 2 * self.moe_intermediate_size + H
         outside = self.vocab_size * H * (1 if self.tie_word_embeddings else 2) + H  # embedding, head, final norm
@@ -407,13 +275,9 @@ class ParallelConfig:
         choice(self, "dispatcher", ("allgather", "alltoall"))
 
 
-ARCHITECTURE = ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                "shared_expert_intermediate_size", "attention_bias", "use_qk_norm", "partial_rotary_factor",
-                "sliding_window", "layer_types", "swiglu_limit",
-                "first_k_dense_replace", "intermediate_size",
-                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
-                "topk_group", "routed_scaling_factor", "rope_scaling", "rms_norm_eps", "rope_theta",
+ARCHITECTURE = ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                *GENERIC_OPTIONAL, *(k for f in every() for k in f.own_field_names()), "rms_norm_eps", "rope_theta",
                 "max_position_embeddings", "tie_word_embeddings", "initializer_range")
 """The ModelConfig fields a checkpoint's config.json defines (model.init_from)."""
 

@@ -2,12 +2,10 @@
 
 Inside the package every family's tensors go by Qwen3-MoE's HF names (the keys of hf_sources: `mlp.gate`,
 `mlp.experts.e.gate_proj / up_proj / down_proj`, which are also transformers 5's in-memory module names of every
-family here); a family whose checkpoint files name them otherwise is renamed at the file boundary only
-(`file_keys` on writing, `package_keys` on reading): Mixtral's `block_sparse_moe.gate` and
-`block_sparse_moe.experts.e.w1 / w3 / w2`; GPT-OSS's experts, which its files (and transformers' model) keep fused:
-`mlp.experts.gate_up_proj` (E, H, 2I) with gate and up columns interleaved, `gate_up_proj_bias` (E, 2I),
-`down_proj` (E, I, H), `down_proj_bias` (E, H). GPT-OSS's router (`mlp.router`, with a bias) and sinks
-(`self_attn.sinks`) keep its own names in the package.
+family here); a family whose checkpoint files name them otherwise renames them at the file boundary only
+(`file_keys` on writing, `package_keys` on reading), as its file in moe_gspo/model/families/ declares: Mixtral's
+router and experts, GPT-OSS's fused experts. Which tensors a family has beyond the generic ones (its attention's
+and router's, expert biases, shared experts) is declared there too.
 
 Layouts (transformers 5.x; megatron-core 0.16.1):
     q/k/v_proj           -> self_attention.linear_qkv: per query group, its q heads, then its k head, then its v head
@@ -21,9 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
-from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -33,147 +29,31 @@ from safetensors.torch import load_file, save_file
 
 from moe_gspo.config import ConfigError, ModelConfig
 from moe_gspo.config.hf_config import model_config_from_hf  # noqa: F401 - read by model.load
-
-HF_ARCH = "Qwen3MoeForCausalLM"
-HF_ARCHS = {"qwen3_moe": HF_ARCH, "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-            "gpt_oss": "GptOssForCausalLM"}
-
-# package name -> file name of the tensors a family's checkpoint files name otherwise (per-expert: a suffix)
-_FILE_NAMES = {"mixtral": {".mlp.gate.weight": ".block_sparse_moe.gate.weight",
-                           ".gate_proj.weight": ".w1.weight", ".up_proj.weight": ".w3.weight",
-                           ".down_proj.weight": ".w2.weight"}}
-
+from moe_gspo.model.families import DEFAULT, family
+from moe_gspo.model.families.base import PER_EXPERT_KEY, fused_expert_view  # noqa: F401 - the engines read them
 
 def file_keys(tensors: Mapping[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
     """The package's HF-named tensors under the names `model_type`'s checkpoint files use."""
-    if model_type == "gpt_oss":
-        return _fused_experts(tensors)
-    names = _FILE_NAMES.get(model_type)
-    return dict(tensors) if names is None else {_file_key(k, names): v for k, v in tensors.items()}
-
-
-def _file_key(key: str, names: dict[str, str]) -> str:
-    for ours, theirs in names.items():
-        if key.endswith(ours):
-            key = key[:-len(ours)] + theirs
-            if ours != ".mlp.gate.weight":  # an expert's projection: its module path as well
-                key = key.replace(".mlp.experts.", ".block_sparse_moe.experts.")
-            return key
-    return key
+    return family(model_type).file_keys(tensors)
 
 
 def package_keys(tensors: Mapping[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
     """A family's checkpoint tensors under the package's names (the inverse of file_keys)."""
-    if model_type == "gpt_oss":
-        return _per_expert(tensors)
-    names = _FILE_NAMES.get(model_type)
-    if names is None:
-        return dict(tensors)
-    back = {theirs: ours for ours, theirs in names.items()}
-    out = {}
-    for k, v in tensors.items():
-        for theirs, ours in back.items():
-            if k.endswith(theirs):
-                k = k[:-len(theirs)] + ours
-                k = k.replace(".block_sparse_moe.experts.", ".mlp.experts.")
-                break
-        out[k] = v
-    return out
+    return family(model_type).package_keys(tensors)
 
 
 def file_items(state: Mapping[str, torch.Tensor], model_type: str):
     """(file name, tensor) of every tensor of `state` in its key order, as `model_type`'s checkpoint files name them,
-    reading each value once (a streamed state gathers on reading). GPT-OSS's experts are fused as each layer's last
-    expert tensor arrives, so one layer's experts are held at a time."""
-    if model_type != "gpt_oss":
-        for key, name in zip(state, file_keys(dict.fromkeys(state), model_type)):
-            yield name, state[key]
-        return
-    expected = Counter(m["pre"] for m in map(PER_EXPERT_KEY.match, state) if m)  # each layer's expert tensors
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for key in state:
-        m = PER_EXPERT_KEY.match(key)
-        if m is None:
-            yield key, state[key]
-            continue
-        layer = pending.setdefault(m["pre"], {})
-        layer[key] = state[key]
-        if len(layer) == expected[m["pre"]]:
-            yield from _fused_experts(pending.pop(m["pre"])).items()
-
-
-PER_EXPERT_KEY = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-                            r"\.(?P<kind>weight|bias)$")
-"""A routed expert's projection (or its bias) under the package's per-expert names."""
-
-
-def fused_expert_view(fused: torch.Tensor, e: int, proj: str, interleaved: bool) -> torch.Tensor:
-    """Expert e's gate_proj, up_proj or down_proj weight (or bias) as a view of a fused expert tensor, in the
-    per-expert layout: weights (out, in), biases (out,). Fused (transformers 5's in-memory layout): (E, 2I, H) gate
-    rows over up rows and (E, H, I); interleaved (GPT-OSS's files and model): (E, H, 2I) / (E, 2I) with gate and up
-    alternating, and (E, I, H) / (E, H)."""
-    if not interleaved:
-        inter = fused.shape[1] // 2
-        return {"down_proj": fused[e], "gate_proj": fused[e, :inter], "up_proj": fused[e, inter:]}[proj]
-    x = fused[e]
-    if proj != "down_proj":
-        x = x[..., 0::2] if proj == "gate_proj" else x[..., 1::2]
-    return x.t() if x.dim() == 2 else x
-
-
-def _fused_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GPT-OSS: per-expert gate/up/down weights and biases -> each layer's fused, interleaved tensors (module
-    docstring); every expert of a layer must be there."""
-    out, layers = {}, {}
-    for k, v in tensors.items():
-        m = PER_EXPERT_KEY.match(k)
-        if m is None:
-            out[k] = v
-        else:
-            layers.setdefault(m["pre"], {})[(int(m["e"]), m["proj"][:-len("_proj")], m["kind"])] = v
-    for pre, parts in layers.items():
-        E = 1 + max(e for e, _, _ in parts)
-        if len(parts) != 6 * E:
-            raise ValueError(f"{pre}: GPT-OSS's fused experts need every expert's six tensors, got {len(parts)}")
-        gate, up = [parts[e, "gate", "weight"] for e in range(E)], [parts[e, "up", "weight"] for e in range(E)]
-        out[pre + ".gate_up_proj"] = torch.stack([torch.stack([g, u], dim=1).reshape(-1, g.shape[1]).t()
-                                                  for g, u in zip(gate, up)])  # (E, H, 2I): gate, up, gate, ...
-        out[pre + ".gate_up_proj_bias"] = torch.stack([torch.stack([parts[e, "gate", "bias"], parts[e, "up", "bias"]],
-                                                                   dim=1).reshape(-1) for e in range(E)])
-        out[pre + ".down_proj"] = torch.stack([parts[e, "down", "weight"].t() for e in range(E)])
-        out[pre + ".down_proj_bias"] = torch.stack([parts[e, "down", "bias"] for e in range(E)])
-    return out
-
-
-_FUSED_REST = (".mlp.experts.gate_up_proj_bias", ".mlp.experts.down_proj", ".mlp.experts.down_proj_bias")
-
-
-def _per_expert(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GPT-OSS: each layer's fused expert tensors -> per-expert gate/up/down weights and biases (views)."""
-    out = {}
-    for k, v in tensors.items():
-        if not k.endswith(".mlp.experts.gate_up_proj"):
-            if not k.endswith(_FUSED_REST):
-                out[k] = v
-            continue
-        pre = k[:-len(".gate_up_proj")]
-        fused = {("gate_proj", "weight"): v, ("up_proj", "weight"): v,
-                 ("gate_proj", "bias"): tensors[pre + ".gate_up_proj_bias"],
-                 ("up_proj", "bias"): tensors[pre + ".gate_up_proj_bias"],
-                 ("down_proj", "weight"): tensors[pre + ".down_proj"],
-                 ("down_proj", "bias"): tensors[pre + ".down_proj_bias"]}
-        for e in range(v.shape[0]):
-            for (proj, kind), f in fused.items():
-                out[f"{pre}.{e}.{proj}.{kind}"] = fused_expert_view(f, e, proj, interleaved=True)
-    return out
+    reading each value once (a streamed state gathers on reading)."""
+    return family(model_type).file_items(state)
 
 
 # ---------------------------------------------------------------- config.json
 def hf_config_dict(mc: ModelConfig) -> dict:
     """config.json of the policy in its family's transformers config (model_type and field names)."""
+    fam = family(mc.family)
     common = {
-        "architectures": [HF_ARCHS[mc.family]], "model_type": mc.family,
+        "architectures": [fam.hf_architecture], "model_type": mc.family,
         "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
         "num_attention_heads": mc.num_attention_heads, "num_key_value_heads": mc.num_key_value_heads,
         "head_dim": mc.head_dim, "num_experts_per_tok": mc.num_experts_per_tok, "rms_norm_eps": mc.rms_norm_eps,
@@ -182,47 +62,7 @@ def hf_config_dict(mc: ModelConfig) -> dict:
         "hidden_act": "silu", "router_aux_loss_coef": 0.0, "output_router_logits": False,
         "torch_dtype": mc.params_dtype,
     }
-    if mc.family == "mixtral":
-        return {**common, "num_local_experts": mc.num_experts, "intermediate_size": mc.moe_intermediate_size,
-                "sliding_window": None, "router_jitter_noise": 0.0}
-    if mc.family == "gpt_oss":
-        y = mc.rope_scaling
-        rope = {"rope_parameters": {"rope_type": "yarn", "rope_theta": mc.rope_theta, **y,
-                                    "original_max_position_embeddings": int(y["original_max_position_embeddings"])}
-                if y else {"rope_type": "default", "rope_theta": mc.rope_theta}}
-        common = {k: v for k, v in common.items() if k not in ("rope_theta", "rope_scaling")}
-        return {**common, **rope, "num_local_experts": mc.num_experts, "intermediate_size": mc.moe_intermediate_size,
-                "attention_bias": True, "sliding_window": mc.sliding_window or None, "layer_types": mc.layer_types,
-                "swiglu_limit": mc.swiglu_limit, "swiglu_alpha": 1.702}
-    if mc.family == "olmoe":
-        return {**common, "num_experts": mc.num_experts, "intermediate_size": mc.moe_intermediate_size,
-                "norm_topk_prob": mc.norm_topk_prob, "clip_qkv": None, "attention_bias": False}
-    if mc.router_sigmoid:
-        sigmoid = {**common, "n_routed_experts": mc.num_experts, "moe_intermediate_size": mc.moe_intermediate_size,
-                   "intermediate_size": mc.intermediate_size or mc.moe_intermediate_size,
-                   "n_shared_experts": mc.shared_expert_intermediate_size // mc.moe_intermediate_size,
-                   "first_k_dense_replace": mc.first_k_dense_replace, "n_group": mc.n_group,
-                   "topk_group": mc.topk_group, "routed_scaling_factor": mc.routed_scaling_factor,
-                   "norm_topk_prob": mc.norm_topk_prob}
-        if mc.family == "glm4_moe":
-            return {**sigmoid, "attention_bias": mc.attention_bias, "use_qk_norm": mc.use_qk_norm,
-                    "partial_rotary_factor": mc.partial_rotary_factor}
-        # topk_method and scoring_func: what vLLM reads (transformers implies them); head_dim is the rotary part's
-        # width, as transformers' DeepseekV3Config sets it
-        yarn = {"rope_scaling": {"type": "yarn", **mc.rope_scaling}} if mc.rope_scaling else {}
-        return {**sigmoid, **yarn, "head_dim": mc.qk_rope_head_dim, "q_lora_rank": mc.q_lora_rank or None,
-                "kv_lora_rank": mc.kv_lora_rank,
-                "qk_nope_head_dim": mc.qk_nope_head_dim, "qk_rope_head_dim": mc.qk_rope_head_dim,
-                "v_head_dim": mc.v_head_dim, "rope_interleave": True, "attention_bias": False,
-                "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
-    # Qwen3-MoE and Qwen2-MoE
-    out = {**common, "num_experts": mc.num_experts, "moe_intermediate_size": mc.moe_intermediate_size,
-           "intermediate_size": mc.moe_intermediate_size, "norm_topk_prob": mc.norm_topk_prob,
-           "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
-           "shared_expert_intermediate_size": mc.shared_expert_intermediate_size}
-    if mc.family == "qwen2_moe":
-        return {**out, "qkv_bias": mc.attention_bias}
-    return {**out, "attention_bias": False}
+    return fam.to_hf(mc, common)
 
 
 def usual_modes(folder: Path) -> None:
@@ -280,8 +120,8 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
             out[m + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight")
         else:
             _moe_to_megatron(hf, out, take, mc, p, m)
-    if mc.router_sigmoid:  # their checkpoints append multi-token-prediction layers, which neither transformers
-        # nor RL uses: layer indices from L on
+    if family(mc.family).drops_trailing_layers:  # multi-token-prediction layers, which neither transformers nor
+        # RL uses: layer indices from L on
         for k in [k for k in hf if k.startswith("model.layers.") and int(k.split(".")[2]) >= L]:
             del hf[k]
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
@@ -296,48 +136,23 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, to
 
 def _renamed(mc: ModelConfig, i: int) -> list[tuple[str, str]]:
     """(HF name, megatron name) under layer i's prefixes of the tensors both sides hold whole and alike: the
-    attention's own norms and projections where they map one to one (multi-head latent attention's all do), the
-    router and its expert bias (q/k/v, interleaved per query group in megatron, and the experts are not)."""
-    out = [("self_attn.o_proj.weight", "self_attention.linear_proj.weight")]
-    if mc.family == "gpt_oss":
-        out += [("self_attn.o_proj.bias", "self_attention.linear_proj.bias"),
-                ("self_attn.sinks", "self_attention.core_attention.softmax_offset"),
-                ("mlp.router.weight", "mlp.router.weight"), ("mlp.router.bias", "mlp.router.bias")]
-        return out
-    if mc.mla:
-        out += [("self_attn.q_a_proj.weight", "self_attention.linear_q_down_proj.weight"),
-                ("self_attn.q_a_layernorm.weight", "self_attention.q_layernorm.weight"),
-                ("self_attn.q_b_proj.weight", "self_attention.linear_q_up_proj.weight")] if mc.q_lora_rank else [
-            ("self_attn.q_proj.weight", "self_attention.linear_q_proj.weight")]
-        out += [("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight"),
-                ("self_attn.kv_a_layernorm.weight", "self_attention.kv_layernorm.weight"),
-                ("self_attn.kv_b_proj.weight", "self_attention.linear_kv_up_proj.weight")]
-    elif mc.qk_norm:
-        out += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
-                ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight")]
-    if i >= mc.first_k_dense_replace:
-        out.append(("mlp.gate.weight", "mlp.router.weight"))
-        if mc.router_sigmoid:
-            out.append(("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias"))
-    return out
-
-
-def _shared_prefix(mc: ModelConfig) -> str:
-    """The HF module of the shared expert(s): Qwen2-MoE's one, or DeepSeek-V3's and GLM-4.5's n_shared_experts
-    fused into one."""
-    return "mlp.shared_experts." if mc.router_sigmoid else "mlp.shared_expert."
+    family's attention tensors that map one to one, and an MoE layer's router (q/k/v, interleaved per query group in
+    megatron, and the experts are not)."""
+    fam = family(mc.family)
+    return fam.attention_tensors(mc) + (fam.router_tensors(mc) if i >= mc.first_k_dense_replace else [])
 
 
 def _moe_to_megatron(hf, out, take, mc: ModelConfig, p: str, m: str) -> None:
     """One MoE layer's shared and routed experts (HF prefix p, megatron prefix m) into `out`."""
     if mc.shared_expert_intermediate_size:
-        sp = p + _shared_prefix(mc)
+        sp = p + family(mc.family).shared_expert_prefix
         out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([take(sp + "gate_proj.weight"),
                                                                      take(sp + "up_proj.weight")])
         out[m + "mlp.shared_experts.linear_fc2.weight"] = take(sp + "down_proj.weight")
         if mc.shared_expert_gate:
             out[m + "mlp.shared_experts.gate_weight"] = take(p + "mlp.shared_expert_gate.weight")
     fused = p + "mlp.experts.gate_up_proj"
+    biases = family(mc.family).linear_biases
     for e in range(mc.num_experts):
         x = f"{m}mlp.experts.local_experts.{e}."
         if fused in hf:
@@ -347,7 +162,7 @@ def _moe_to_megatron(hf, out, take, mc: ModelConfig, p: str, m: str) -> None:
             pe = f"{p}mlp.experts.{e}."
             out[x + "linear_fc1.weight"] = torch.cat([take(pe + "gate_proj.weight"), take(pe + "up_proj.weight")])
             out[x + "linear_fc2.weight"] = take(pe + "down_proj.weight")
-            if mc.family == "gpt_oss":  # biases, gate over up as the weights
+            if biases:  # gate over up as the weights
                 out[x + "linear_fc1.bias"] = torch.cat([take(pe + "gate_proj.bias"), take(pe + "up_proj.bias")])
                 out[x + "linear_fc2.bias"] = take(pe + "down_proj.bias")
     hf.pop(fused, None)
@@ -372,6 +187,7 @@ def hf_sources(mc: ModelConfig) -> list[tuple[str, str, Callable[[torch.Tensor],
         return lambda t: t.split([inter, inter])[i]
 
     shared = mc.shared_expert_intermediate_size
+    biases = family(mc.family).linear_biases
 
     def shared_fc1_part(i):
         return lambda t: t.split([shared, shared])[i]
@@ -398,7 +214,7 @@ def hf_sources(mc: ModelConfig) -> list[tuple[str, str, Callable[[torch.Tensor],
                     (p + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight", same)]
             continue
         if shared:
-            sp, sm = p + _shared_prefix(mc), m + "mlp.shared_experts."
+            sp, sm = p + family(mc.family).shared_expert_prefix, m + "mlp.shared_experts."
             out += [(sp + "gate_proj.weight", sm + "linear_fc1.weight", shared_fc1_part(0)),
                     (sp + "up_proj.weight", sm + "linear_fc1.weight", shared_fc1_part(1)),
                     (sp + "down_proj.weight", sm + "linear_fc2.weight", same)]
@@ -409,7 +225,7 @@ def hf_sources(mc: ModelConfig) -> list[tuple[str, str, Callable[[torch.Tensor],
             out += [(pe + "gate_proj.weight", x + "linear_fc1.weight", fc1_part(0)),
                     (pe + "up_proj.weight", x + "linear_fc1.weight", fc1_part(1)),
                     (pe + "down_proj.weight", x + "linear_fc2.weight", same)]
-            if mc.family == "gpt_oss":
+            if biases:
                 out += [(pe + "gate_proj.bias", x + "linear_fc1.bias", fc1_part(0)),
                         (pe + "up_proj.bias", x + "linear_fc1.bias", fc1_part(1)),
                         (pe + "down_proj.bias", x + "linear_fc2.bias", same)]
@@ -454,7 +270,7 @@ def write_hf_dir(path: Path, config: dict, tensors: dict[str, torch.Tensor], max
     """Write config.json + safetensors (sharded with an index past max_shard_bytes) atomically: everything goes
     to a temp dir beside `path`, is fsynced, then renamed into place. `tensors` go by the package's names; the
     files name them as config["model_type"]'s checkpoints do."""
-    tensors = file_keys(tensors, config.get("model_type", "qwen3_moe"))
+    tensors = file_keys(tensors, config.get("model_type", DEFAULT))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))

@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from moe_gspo.model.dispatch import keep_counts_on_device
 from moe_gspo.model.layers import RMSNorm, to_device
+from moe_gspo.model import families
 from moe_gspo.model.rope import install_packed_rope, yarn_inv_freq
 from moe_gspo.model.router import MoERouter, RecomputeBoundary, RoutingContext, active_routing, routing_scope
 from moe_gspo.model.routing_capture import PackedLayout, RoutingCapture, flat_positions
@@ -100,9 +101,10 @@ class MoEPolicy(PolicyWeightIO, torch.nn.Module):
             rotary_base=int(mc.rope_theta),
             pg_collection=groups,
         )
-        if mc.family == "gpt_oss" and mc.rope_scaling:  # its YaRN on megatron's plain rotary (model.rope)
+        if mc.rope_scaling and not mc.mla:  # YaRN on megatron's plain rotary (model.rope)
             rotary = self.gpt.rotary_pos_emb
             rotary.inv_freq = yarn_inv_freq(mc).to(rotary.inv_freq.device)
+        families.family(mc.family).install(self.gpt, mc)
         if torch.cuda.is_available():
             # megatron builds some parameters on the CPU whatever use_cpu_initialization says (the router weight)
             # and leaves moving the model to the training script, as megatron's own get_model does

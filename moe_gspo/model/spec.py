@@ -11,7 +11,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -21,7 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from moe_gspo.config import ConfigError, ModelConfig, ParallelConfig
-from moe_gspo.model import te_names
+from moe_gspo.model import families, te_names
 from moe_gspo.model.experts import GroupedGemmExperts
 from moe_gspo.model.layers import KeyNormAllHeads, QueryNormAllHeads, RMSNorm, SDPAttention, TorchLoopExperts
 from moe_gspo.model.rope import yarn_attention_factor
@@ -44,12 +43,10 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig, recompute: str = "no
     """Megatron's config for the model's architecture (see docs/guide/architecture.md for each choice), with activation
     recompute as train.recompute names it."""
     dtype = torch.bfloat16 if mc.params_dtype == "bfloat16" else torch.float32
-    family = _recompute(recompute, recompute_layers)
-    if mc.router_sigmoid:  # the expert bias is megatron's buffer; the rule itself is MoERouter's
-        family.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                      moe_router_bias_update_rate=0.0)
-    if mc.family == "gpt_oss":
-        family.update(_gpt_oss(mc))
+    family = {**_recompute(recompute, recompute_layers), **families.family(mc.family).transformer_config(mc)}
+    if mc.rope_scaling and not mc.mla:  # YaRN on megatron's plain rotary (model.rope): its attention factor,
+        # which transformers multiplies into cos and sin, squared on the softmax scale
+        family.update(softmax_scale=yarn_attention_factor(mc) ** 2 / math.sqrt(mc.head_dim))
     if mc.first_k_dense_replace:
         family.update(moe_layer_freq=[0] * mc.first_k_dense_replace + [1] * mc.num_moe_layers)
     if mc.mla:  # transformers' qk_nope_head_dim is megatron's qk_head_dim; MLA's rotary deinterleaves as DeepSeek's
@@ -84,18 +81,6 @@ def _recompute(mode: str, layers: int) -> dict:
     if mode != "none":
         raise ValueError(f"recompute={mode!r} is not one of none, selective, full")
     return {}
-
-
-def _gpt_oss(mc: ModelConfig) -> dict:
-    """GPT-OSS in megatron's fields: biases on every linear and the router; the experts' GLU
-    quick_gelu(clamp(gate)) * (clamp(up) + 1), quick_gelu being x * sigmoid(1.702 x); a learned softmax offset (the
-    sink) per head; the sliding window on the layers layer_types marks (megatron's window covers the query and the
-    window - 1 tokens before it); YaRN's attention factor squared on the softmax scale (model.rope)."""
-    return dict(add_bias_linear=True, activation_func=quick_gelu, glu_linear_offset=1.0,
-                activation_func_clamp_value=mc.swiglu_limit or None, softmax_type="learnable",
-                window_size=(mc.sliding_window - 1, 0) if mc.sliding_window else None,
-                window_attn_skip_freq=[int(t == "sliding_attention") for t in mc.layer_types],
-                softmax_scale=yarn_attention_factor(mc) ** 2 / math.sqrt(mc.head_dim))
 
 
 def _common(mc: ModelConfig, pc: ParallelConfig, dtype: torch.dtype, **family) -> dict:

@@ -40,10 +40,20 @@ from pathlib import Path
 import torch
 
 from moe_gspo.config.checks import ConfigError
+from moe_gspo.model import families
 from moe_gspo.model.hf_io import usual_modes
 
-TARGETS = {"llama": ("mixtral", "qwen2_moe"), "mistral": ("mixtral", "qwen2_moe"), "qwen2": ("qwen2_moe",),
-           "qwen3": ("qwen3_moe",)}
+def _targets() -> dict[str, tuple[str, ...]]:
+    """Dense model_type -> the families it upcycles to (each family's upcycles_from), the preferred one first."""
+    out: dict[str, list] = {}
+    for fam in sorted(families.every(), key=lambda f: not f.upcycle_preferred):
+        for src in fam.upcycles_from:
+            out.setdefault(src, []).append(fam.name)
+    return {k: tuple(out[k]) for k in sorted(out)}
+
+
+TARGETS = _targets()
+"""Dense model_type -> the MoE families it upcycles to, the default first."""
 # the dense config's fields every target takes over as they are (others are the family's own or its defaults)
 SHARED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
@@ -164,19 +174,7 @@ def moe_config(dense_config, family: str, spec: UpcycleSpec):
     d = dense_config.to_dict()
     fields = {k: d[k] for k in SHARED_FIELDS if d.get(k) is not None}
     fields.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
-    inter = d["intermediate_size"]
-    E, k = spec.num_experts, spec.top_k
-    if family == "mixtral":
-        fields.update(num_local_experts=E, num_experts_per_tok=k, intermediate_size=inter, router_jitter_noise=0.0,
-                      sliding_window=None, output_router_logits=False)
-    elif family == "qwen3_moe":
-        fields.update(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=inter, intermediate_size=inter,
-                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False,
-                      output_router_logits=False)
-    else:  # qwen2_moe: the dense MLP becomes the shared expert, at the same width
-        fields.update(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=inter, intermediate_size=inter,
-                      shared_expert_intermediate_size=inter, norm_topk_prob=True, decoder_sparse_step=1,
-                      mlp_only_layers=[], qkv_bias=True, use_sliding_window=False, output_router_logits=False)
+    fields.update(families.family(family).upcycle_fields(spec.num_experts, spec.top_k, d["intermediate_size"]))
     config = CONFIG_MAPPING[family](**fields)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     return config
@@ -210,7 +208,8 @@ def upcycled_state(dense_sd: dict[str, torch.Tensor], moe_model, family: str, sp
         p = f"model.layers.{i}.mlp."
         gate, up, down = (dense_sd[p + f"{n}_proj.weight"] for n in ("gate", "up", "down"))
         inter = gate.shape[0]
-        scale = 0.5 if family == "qwen2_moe" else 1.0
+        shared = families.family(family).upcycle_shared_expert  # the dense MLP is also the shared expert
+        scale = 0.5 if shared else 1.0
         gate_up, downs = [], []
         for _ in range(E):
             eg, eu, ed = gate, up, down
@@ -225,7 +224,7 @@ def upcycled_state(dense_sd: dict[str, torch.Tensor], moe_model, family: str, sp
         router = target[p + "gate.weight"]
         out[p + "gate.weight"] = (torch.randn(router.shape, generator=g, dtype=torch.float64) * router_std).to(
             gate.dtype)
-        if family == "qwen2_moe":
+        if shared:
             for n, w in (("gate", gate), ("up", up), ("down", down)):
                 out[p + f"shared_expert.{n}_proj.weight"] = w
             out[p + "shared_expert_gate.weight"] = torch.zeros(target[p + "shared_expert_gate.weight"].shape,

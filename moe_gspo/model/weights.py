@@ -103,9 +103,10 @@ class ModuleWeights(WeightSource):
             state = {}
             for f in sorted(Path(d).glob("*.safetensors")):
                 state.update(load_file(f))
+            from moe_gspo.model.families import DEFAULT
             from moe_gspo.model.hf_io import package_keys
 
-            return package_keys(state, self.config.get("model_type", "qwen3_moe"))
+            return package_keys(state, self.config.get("model_type", DEFAULT))
 
 
 def weights_of(x) -> WeightSource:

@@ -28,7 +28,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from moe_gspo.model.hf_io import PER_EXPERT_KEY, fused_expert_view
+from moe_gspo.model.families import DEFAULT, family
+from moe_gspo.model.families.base import PER_EXPERT_KEY, fused_expert_view
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import (RolloutEngine, SamplingParams, _validate_prompts, local_device,
                                    register_engine)
@@ -47,24 +48,26 @@ def _destinations(model, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[t
     and carry biases (`gate_up_proj_bias` (E, 2I) interleaved alike, `down_proj_bias` (E, H)), which the per-expert
     `.bias` tensors map to. Raises KeyError naming missing or unused keys, before anything is written."""
     params = dict(model.named_parameters())
-    interleaved = getattr(model.config, "model_type", None) == "gpt_oss"
+    fam = family(getattr(model.config, "model_type", None) or DEFAULT)
+    interleaved = fam.experts_interleaved
     saved = model.state_dict(keep_vars=True).keys()  # persistent buffers too (DeepSeek-V3's e_score_correction_bias)
     params.update((k, b) for k, b in model.named_buffers() if k in saved)
     dests, unused, pieces = [], [], {}
     for key in state_dict:
-        if key in params:
-            dests.append((params[key], key))
+        if fam.module_key(key) in params:
+            dests.append((params[fam.module_key(key)], key))
             continue
         m = PER_EXPERT_KEY.match(key)
-        name = None if m is None else (f"{m['pre']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
-                                       f"{'_bias' if m['kind'] == 'bias' else ''}")
+        name = None if m is None else fam.module_key(
+            f"{m['pre']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
+            f"{'_bias' if m['kind'] == 'bias' else ''}")
         fused = params.get(name) if name else None
         if fused is None:
             unused.append(key)
             continue
         dests.append((fused_expert_view(fused, int(m["e"]), m["proj"], interleaved), key))
         pieces.setdefault(name, set()).add((int(m["e"]), m["proj"]))
-    covered = {k for k in state_dict if k in params}
+    covered = {fam.module_key(k) for k in state_dict if fam.module_key(k) in params}
     for name, got in pieces.items():  # a fused tensor is covered once every expert's pieces are there
         projs = ("down_proj",) if ".down_proj" in name else ("gate_proj", "up_proj")
         lacking = sorted({(e, p) for e in range(params[name].shape[0]) for p in projs} - got)
@@ -99,10 +102,9 @@ def model_from_export(config_dict: dict, state_dict: Mapping[str, torch.Tensor],
                       attn_implementation: str = "sdpa", model=None, bucket_bytes: int = 0):
     """A transformers causal LM with the exported weights (reusing `model` when its config is the same)."""
     if model is None or getattr(model, "_moe_gspo_export_config", None) != config_dict:
-        model_type = config_dict.get("model_type", "qwen3_moe")
+        model_type = config_dict.get("model_type", DEFAULT)
         config = CONFIG_MAPPING[model_type].from_dict(dict(config_dict))
-        # transformers' GPT-OSS has no SDPA path (its sinks): eager attention, which the trainer's equals
-        config._attn_implementation = "eager" if model_type == "gpt_oss" else attn_implementation
+        config._attn_implementation = family(model_type).hf_attn_implementation or attn_implementation
         model = AutoModelForCausalLM.from_config(config).to(dtype)
         model._moe_gspo_export_config = dict(config_dict)
     model._moe_gspo_sync_copies = copy_into_model(model, state_dict, bucket_bytes)
@@ -112,10 +114,9 @@ def model_from_export(config_dict: dict, state_dict: Mapping[str, torch.Tensor],
 # ---------------------------------------------------------------------------------------------------------- routing
 def hf_moe_routers(model) -> list[torch.nn.Module]:
     """The router module of every MoE decoder layer, in layer order (dense layers skipped)."""
-    layers = model.model.layers
-    routers = [getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None) for layer in layers
-               if hasattr(layer.mlp, "experts")]  # GPT-OSS names its router `mlp.router`
-    return [r for r in routers if r is not None]
+    fam = family(getattr(model.config, "model_type", None) or DEFAULT)
+    blocks = [getattr(layer, fam.hf_moe_module) for layer in model.model.layers]
+    return [getattr(b, fam.hf_router_module) for b in blocks if hasattr(b, "experts")]
 
 
 @contextmanager

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_gspo.model.families import every
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
@@ -68,7 +69,7 @@ def decode_routed_experts(payload, num_layers: int, top_k: int) -> torch.Tensor:
 class SGLangEngine(RolloutEngine):
     """sglang.Engine in this process; token ids in and out."""
 
-    families = ("qwen3_moe",)  # its weight update maps Qwen3-MoE's names only
+    families = tuple(f.name for f in every() if f.sglang)  # the names its weight update maps
 
     def __init__(self, weights, tokenizer=None, eos_token_id: int | None = None, export_dir: str | None = None,
                  dtype: str = "bfloat16", mem_fraction_static: float = 0.5, seed: int = 0, bucket_bytes: int = 0,

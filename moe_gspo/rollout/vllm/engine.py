@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from moe_gspo.config import ConfigError
+from moe_gspo.model.families import DEFAULT
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout.base import RolloutEngine, SamplingParams, _validate_prompts, local_device, register_engine
 from moe_gspo.rollout.batch import RolloutBatch
@@ -108,7 +109,7 @@ class VLLMEngine(RolloutEngine):
         self.on_cuda = self.device.type == "cuda"
         check_options(config_dict, 1.0, self.on_cuda)
         self.config_dict = dict(config_dict)
-        self.model_type = config_dict.get("model_type", "qwen3_moe")
+        self.model_type = config_dict.get("model_type", DEFAULT)
         if why := checkpoint_mismatch(config_dict):
             raise ValueError(why)
         self.num_layers = int(config_dict["num_hidden_layers"]) - int(config_dict.get("first_k_dense_replace") or 0)

@@ -45,6 +45,7 @@ import time
 import torch
 
 from moe_gspo.config import ModelConfig
+from moe_gspo.model.families import family
 from moe_gspo.model.hf_io import file_keys
 from moe_gspo.model.hf_shards import WHOLE, Region, expert_of, hf_shapes
 from moe_gspo.rollout.vllm.mla import refresh_latent_attention
@@ -146,7 +147,7 @@ class ShardWriter:
         # experts go their own way: GPT-OSS's file_keys would fuse them); GPT-OSS's then through vLLM's renaming
         dense = [k for k in self.shapes if expert_of(k) is None]
         self.file_names = dict(zip(dense, file_keys(dict.fromkeys(dense), mc.family)))
-        if mc.family == "gpt_oss":
+        if family(mc.family).vllm_maps_file_names:
             self.file_names = {k: model.hf_to_vllm_mapper.map_name(v) for k, v in self.file_names.items()}
         self.embed = getattr(model.model, "embed_tokens", None) or model.model.embedding
         self._staging: dict[int, object] = {}

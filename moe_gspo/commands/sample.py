@@ -61,7 +61,7 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
                 engine=None) -> dict[str, float]:
     """Generate cfg.rollout.group_size responses for `num_prompts` task prompts; write JSONL; return metrics."""
     from moe_gspo.rewards import score_responses
-    from moe_gspo.rollout.base import engine_from_config
+    from moe_gspo.rollout import engine_from_config
     from moe_gspo.kernels import token_logprobs_from_logits
     from moe_gspo.rollout.batch import rollout_probs_diff
     from moe_gspo.tasks import task_from_config

@@ -132,6 +132,24 @@ class RolloutConfig:
     dynamic_sampling_max_rounds: int = 10
     """Rounds of sampling a step may take with rollout.dynamic_sampling, the first included (verl's
     max_num_gen_batches); each samples rollout.prompts_per_step prompts."""
+    tools: list[str] | None = None
+    """Tools the policy may call, each `path/to/file.py:function` or `module:function`: a plain function with type
+    hints and a docstring with an Args section (its JSON schema reaches the chat template as `tools=`). With tools
+    an episode runs up to rollout.max_turns assistant turns: a response holding calls in the Hermes/Qwen format
+    (<tool_call>{"name": ..., "arguments": {...}}</tool_call>) gets the results as tool messages, appended as ids
+    (moe_gspo.rollout.agent)."""
+    max_turns: int = 1
+    """Assistant turns per episode (2 or more with rollout.tools)."""
+    max_episode_tokens: int = 0
+    """Tokens an episode may add after its prompt, responses and tool messages together; 0: max_turns x
+    max_new_tokens."""
+    tool_timeout_s: float = 10.0
+    """A tool call running longer is answered with a timeout message (the run goes on)."""
+    tool_output_max_chars: int = 2000
+    """A tool's output longer than this is cut, with a note saying how much was."""
+    strict_template: bool = False
+    """Refuse (stop the run) when the chat template does not render a conversation as the episode's ids extend it
+    (a template that is not append-only); false: count it (multiturn/template_mismatch) and go on."""
     overlong_prompts: str = "error"
     """A data set row whose templated prompt leaves no room for rollout.max_new_tokens within the context, found
     when the data load (every train and eval row is encoded then, as verl's filter_overlong_prompts does): 'error'
@@ -169,6 +187,15 @@ class RolloutConfig:
         if self.dynamic_sampling and self.placement == "separate":
             raise ConfigError("rollout.dynamic_sampling=true needs rollout.placement=colocated: engines on ranks of "
                               "their own sample a step's batch before its rewards are known")
+        positive(self, "max_turns", "tool_timeout_s", "tool_output_max_chars")
+        if self.tools and self.max_turns < 2:
+            raise ConfigError(f"rollout.tools with rollout.max_turns={self.max_turns}: a tool's result needs a turn "
+                              "after the call; set rollout.max_turns >= 2")
+        if self.tools and self.engine_tp > 1:
+            raise ConfigError(f"rollout.tools with rollout.engine_tp={self.engine_tp}: every rank of a tensor-parallel "
+                              "engine would run the tools; multi-turn episodes run on engines of one rank")
+        if self.max_episode_tokens < 0:
+            raise ConfigError(f"rollout.max_episode_tokens={self.max_episode_tokens} must be >= 0")
         if not self.bridge_timeout_s > 0:
             raise ConfigError(f"rollout.bridge_timeout_s={self.bridge_timeout_s} must be > 0")
         if self.sync_bucket_bytes < 0:

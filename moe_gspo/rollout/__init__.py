@@ -12,8 +12,9 @@ from __future__ import annotations
 # engine is built)
 from moe_gspo.rollout import hf_engine, hf_static, sglang_engine  # noqa: F401
 from moe_gspo.rollout.vllm import engine as vllm_engine  # noqa: F401
+from moe_gspo.rollout.agent import engine_from_config  # the engine, for multi-turn episodes with rollout.tools
 from moe_gspo.rollout.base import (ENGINES, RolloutEngine, SamplingParams, build_engine, check_engine, engine_class,
-                                   engine_from_config, register_engine)
+                                   register_engine)
 from moe_gspo.rollout.batch import PaddedRollout, RolloutBatch, rollout_probs_diff
 
 __all__ = ["ENGINES", "PaddedRollout", "RolloutBatch", "RolloutEngine", "SamplingParams", "build_engine",

@@ -223,7 +223,7 @@ def replicas(world: int, engine_tp: int) -> list[list[int]]:
 
 def engine_from_config(rollout_cfg, weights, tokenizer=None) -> RolloutEngine:
     """The engine `rollout_cfg.engine` names, built by its own from_config from the run's `rollout:` section: the
-    trainer knows no engine by name."""
+    trainer knows no engine by name. moe_gspo.rollout.engine_from_config wraps it for rollout.tools."""
     from moe_gspo.model.weights import weights_of
 
     return engine_class(rollout_cfg.engine).from_config(weights_of(weights), rollout_cfg, tokenizer=tokenizer)

@@ -41,6 +41,12 @@ class RolloutBatch:
         routed_experts[i]         (R_i, L, k)     uint8   experts of the forward that produced token t (position
                                                           P_i-1+t), per MoE layer, ids sorted; None if not asked
         prompt_routed_experts[i]  (P_i-1, L, k)   uint8   experts of prompt positions 0..P_i-2; None if not asked
+        loss_mask[i]              (R_i,)          bool    True on the tokens the policy sampled; False on the tool
+                                                          and template tokens a multi-turn episode appends between
+                                                          its turns (moe_gspo.rollout.agent); None: all True
+        turn_ids[i]               (R_i,)          int16   the assistant turn each token belongs to (0 first); a
+                                                          tool's tokens carry the turn whose call they answer
+        episodes[i]               dict                    a multi-turn episode's counts (turns, tool calls, failures)
     Per batch:
         sample_ids                (N,)            int64   unique per response (engines count up across calls)
         group_ids                 (N,)            int64   same value for the responses of one prompt
@@ -54,6 +60,9 @@ class RolloutBatch:
     group_ids: torch.Tensor
     routed_experts: list[torch.Tensor] | None = None
     prompt_routed_experts: list[torch.Tensor] | None = None
+    loss_mask: list[torch.Tensor] | None = None
+    turn_ids: list[torch.Tensor] | None = None
+    episodes: list[dict] | None = None
 
     def __post_init__(self):
         n = len(self.response_ids)
@@ -71,6 +80,10 @@ class RolloutBatch:
             if self.routed_experts is not None and self.routed_experts[i].shape[0] != r.shape[0]:
                 raise ValueError(f"response {i}: routed_experts has {self.routed_experts[i].shape[0]} rows, "
                                  f"response has {r.shape[0]} tokens")
+            for name in ("loss_mask", "turn_ids"):
+                x = getattr(self, name)
+                if x is not None and x[i].shape != r.shape:
+                    raise ValueError(f"response {i}: {name} {tuple(x[i].shape)} != response_ids {tuple(r.shape)}")
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -90,7 +103,8 @@ class RolloutBatch:
         idx = torch.tensor(rows, dtype=torch.long)
         return RolloutBatch(pick(self.prompt_ids), pick(self.response_ids), pick(self.logprobs),
                             pick(self.finish_reasons), self.sample_ids[idx], self.group_ids[idx],
-                            pick(self.routed_experts), pick(self.prompt_routed_experts))
+                            pick(self.routed_experts), pick(self.prompt_routed_experts), pick(self.loss_mask),
+                            pick(self.turn_ids), pick(self.episodes))
 
     @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -100,7 +114,8 @@ class RolloutBatch:
                 [x for b in batches for x in getattr(b, name)])
         return RolloutBatch(join("prompt_ids"), join("response_ids"), join("logprobs"), join("finish_reasons"),
                             torch.cat([b.sample_ids for b in batches]), torch.cat([b.group_ids for b in batches]),
-                            join("routed_experts"), join("prompt_routed_experts"))
+                            join("routed_experts"), join("prompt_routed_experts"), join("loss_mask"),
+                            join("turn_ids"), join("episodes"))
 
     def to_padded(self, pad_id: int = 0, max_len: int | None = None) -> PaddedRollout:
         """Right-padded training tensors (see PaddedRollout); max_len (>= the longest sequence) fixes T."""
@@ -121,7 +136,7 @@ class RolloutBatch:
             P, R = p.numel(), r.numel()
             input_ids[b, :P], input_ids[b, P:P + R] = p, r
             attention_mask[b, :P + R] = True
-            response_mask[b, P:P + R] = True
+            response_mask[b, P:P + R] = True if self.loss_mask is None else self.loss_mask[b]
             engine_logprobs[b, P:P + R] = lp.float()
             if routing is not None:
                 routing[b, P - 1:P - 1 + R] = self.routed_experts[b].long()
@@ -144,7 +159,8 @@ class PaddedRollout:
 
         input_ids       (B, T)        int64    prompt then response then pad_id
         attention_mask  (B, T)        bool     True on prompt and response positions
-        response_mask   (B, T)        bool     True on response positions (the tokens a loss sums over)
+        response_mask   (B, T)        bool     True on the response positions the policy sampled (the tokens a loss
+                                               sums over; a multi-turn episode's tool and template tokens are not)
         engine_logprobs (B, T)        float32  engine log-probs, token-aligned, 0 off the response
         routing         (B, T, L, k)  int64    engine routing, position-aligned, -1 where unknown; None if not asked
         sample_ids      (B,)          int64

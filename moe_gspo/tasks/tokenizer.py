@@ -70,9 +70,16 @@ class CharTokenizer:
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> list[int]:
         """bos, then 'role: content' per message, one per line, then 'assistant: ' (the generation prompt);
-        template variables (kwargs) are accepted and unused."""
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return self.encode(text, bos=True)
+        `tools` (JSON schemas) are named on a first line 'tools: name, ...'; other template variables are accepted
+        and unused."""
+        return self.encode(self.render_chat(messages, tools=kwargs.get("tools")), bos=True)
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The text apply_chat_template encodes (without bos)."""
+        head = f"tools: {', '.join(t['function']['name'] for t in tools)}\n" if tools else ""
+        body = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return head + body + ("assistant: " if add_generation_prompt else "")
 
     def token_to_str(self, tid: int) -> str:
         tid = int(tid)
@@ -120,6 +127,13 @@ class HFTokenizer:
         """The text of `ids`; skip_special=False keeps the special tokens (a chat template's markers, as the
         model saw them)."""
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """`messages` rendered by the tokenizer's chat template as text (`tools`: JSON schemas, as the template
+        takes them)."""
+        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt)
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> list[int]:
         """The ids of `messages` rendered by the tokenizer's chat template, the assistant's turn opened (the text is

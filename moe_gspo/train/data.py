@@ -6,6 +6,7 @@ sampler state, and `data_position` in a checkpoint is just the next step.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,23 @@ def check_layout(cfg: Config, dp: int) -> Layout:
                           f"x train.minibatches={M} does not divide: each rank holds {n_local} responses, not a "
                           f"multiple of {M}")
     return Layout(dp, P // dp, n_local, n_local // M)
+
+
+def template_kwargs(rollout_cfg) -> dict:
+    """rollout.chat_template_kwargs, with the JSON schemas of rollout.tools as `tools` (what a chat template shows
+    the model) when it names any."""
+    if not rollout_cfg.tools:
+        return rollout_cfg.chat_template_kwargs
+    from moe_gspo.rollout.tools import tool_schemas
+
+    return {**rollout_cfg.chat_template_kwargs, "tools": tool_schemas(_tools(tuple(rollout_cfg.tools)))}
+
+
+@functools.lru_cache(maxsize=4)
+def _tools(specs: tuple[str, ...]):
+    from moe_gspo.rollout.tools import load_tools
+
+    return load_tools(list(specs))
 
 
 def world_size() -> int:
@@ -78,6 +96,8 @@ def check_names(cfg: Config, world: int | None = None) -> None:
         raise ConfigError(f"algorithm.advantage={cfg.algorithm.advantage!r} is not one of "
                           f"{sorted(ADVANTAGE_ESTIMATORS)}")
     check_engine(cfg, world)
+    if cfg.rollout.tools:  # each tool imports and has a schema, or the run stops here naming it
+        _tools(tuple(cfg.rollout.tools))
     if cfg.rollout.group_size < 2:  # every estimator is group-relative
         raise ConfigError(f"rollout.group_size={cfg.rollout.group_size}: the group-relative advantages of "
                           f"algorithm.advantage={cfg.algorithm.advantage!r} are 0 for a group of one; use >= 2")
@@ -105,7 +125,7 @@ def encode_prompts(examples: list[Example], tok, rollout_cfg, context: int) -> l
     prompt when its ids + rollout.max_new_tokens exceed the context."""
     out = []
     for i, ex in enumerate(examples):
-        ids = encode_prompt(tok, ex, rollout_cfg.chat_template, rollout_cfg.chat_template_kwargs)
+        ids = encode_prompt(tok, ex, rollout_cfg.chat_template, template_kwargs(rollout_cfg))
         if len(ids) + rollout_cfg.max_new_tokens > context:
             raise ConfigError(f"prompt {i} ({ex.prompt[:40]!r}...) has {len(ids)} tokens; with rollout.max_new_tokens="
                               f"{rollout_cfg.max_new_tokens} it exceeds the context model.max_position_embeddings="
@@ -189,7 +209,7 @@ def check_lengths(cfg: Config, task: Task, tok) -> None:
             continue
         keep = []
         for i, ex in enumerate(rows):
-            n = len(encode_prompt(tok, ex, rc.chat_template, rc.chat_template_kwargs))
+            n = len(encode_prompt(tok, ex, rc.chat_template, template_kwargs(rc)))
             if n <= room:
                 keep.append(i)
             elif rc.overlong_prompts == "error":
@@ -268,4 +288,4 @@ class PromptIds:
         self.tok, self.rollout = tok, cfg.rollout
 
     def __call__(self, example: Example) -> list[int]:
-        return encode_prompt(self.tok, example, self.rollout.chat_template, self.rollout.chat_template_kwargs)
+        return encode_prompt(self.tok, example, self.rollout.chat_template, template_kwargs(self.rollout))

@@ -27,6 +27,7 @@ from moe_gspo.losses import get_advantage_estimator
 from moe_gspo.model.policy import MoEPolicy
 from moe_gspo.parallel.state import ParallelInfo, max_over_ranks, trainer_group
 from moe_gspo.rollout import engine_from_config
+from moe_gspo.rollout.agent import episode_metrics
 from moe_gspo.rollout.placement import EnginePlacement
 from moe_gspo.train.rollouts import ColocatedRollouts, Rollouts
 from moe_gspo.rewards import RewardFunctionError, score_responses
@@ -305,6 +306,7 @@ class Run:
              "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
              "response/truncated": float(np.mean([f == "length" for f in batch.finish_reasons]))}
         m.update(res.components)  # several reward functions: each one's mean and count of Nones
+        m.update(episode_metrics(batch))  # multi-turn episodes: turns, tool calls, tokens by turn
         if rc.overlong_buffer:
             m["reward/overlong_penalty"] = float(s.penalty[valid].mean()) if valid.any() else 0.0
         return adv, valid, m

@@ -1,0 +1,298 @@
+"""Multi-turn episodes with tool calls (moe_gspo.rollout.agent): the ids an episode trains on are the ids the engine
+sampled and the chat template's rendering of the tool messages, appended as ids, with the tool and template tokens
+masked out of the loss; routes stay aligned token by token across turns; a failing tool never stops the episode; and
+an episode without a tool call is today's single-turn batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import records, tiny_cfg
+
+TOOLS = "tests/data/tools_example.py"
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+L, K = 2, 2  # the scripted engine's layers and experts per token
+
+
+class ScriptedEngine:
+    """A rollout engine that answers each prompt with the next scripted response (text, then eos), with log-prob
+    -0.5 per token and routes that name the position of the forward that produced them, so that alignment shows."""
+
+    def __init__(self, tok, script: list[str]):
+        self.tok, self.script, self.calls = tok, list(script), []
+
+    def generate(self, prompts, n_per_prompt=1, sampling=None):
+        from moe_gspo.rollout.batch import RolloutBatch
+
+        self.calls.append([list(p) for p in prompts])
+        text = self.script.pop(0)
+        prompt_ids, resp, routes, prompt_routes = [], [], [], []
+        for p in prompts:
+            for _ in range(n_per_prompt):
+                r = torch.tensor(self.tok.encode(text) + [self.tok.eos_id])
+                P = len(p)
+                prompt_ids.append(torch.tensor(p))
+                resp.append(r)
+                prompt_routes.append(position_routes(range(P - 1)))
+                routes.append(position_routes(range(P - 1, P - 1 + r.numel())))
+        n = len(resp)
+        return RolloutBatch(prompt_ids, resp, [torch.full((x.numel(),), -0.5) for x in resp], ["stop"] * n,
+                            torch.arange(n), torch.arange(n) // n_per_prompt, routes, prompt_routes)
+
+
+def position_routes(positions) -> torch.Tensor:
+    """(len, L, K) uint8 rows whose values are the position modulo 251."""
+    pos = torch.tensor(list(positions), dtype=torch.long)
+    return (pos % 251).to(torch.uint8)[:, None, None].expand(-1, L, K).clone()
+
+
+def episode_engine(tok, script, **kw):
+    from moe_gspo.rollout.agent import MultiTurnEngine
+    from moe_gspo.rollout.tools import load_tools
+
+    inner = ScriptedEngine(tok, script)
+    tools = load_tools([f"{TOOLS}:add", f"{TOOLS}:boom", f"{TOOLS}:sleepy", f"{TOOLS}:number"])
+    return inner, MultiTurnEngine(inner, tools, tok, max_turns=kw.pop("max_turns", 3), **kw)
+
+
+def check_episode(tok, expected_tail: list[int], answer: str):
+    """Run the scripted two-turn episode and compare with the hand-made ids, mask, log-probs and routes."""
+    from moe_gspo.rollout.base import SamplingParams
+
+    inner, engine = episode_engine(tok, [CALL, answer])
+    prompt = tok.apply_chat_template([{"role": "user", "content": "2+3?"}])
+    batch = engine.generate([prompt], 1, SamplingParams(max_new_tokens=200, seed=0))
+    call_ids, answer_ids = tok.encode(CALL) + [tok.eos_id], tok.encode(answer) + [tok.eos_id]
+    want = call_ids + expected_tail + answer_ids
+    assert batch.response_ids[0].tolist() == want
+    assert inner.calls[1] == [prompt + call_ids + expected_tail]  # the second turn saw exactly these ids
+    mask = [True] * len(call_ids) + [False] * len(expected_tail) + [True] * len(answer_ids)
+    assert batch.loss_mask[0].tolist() == mask
+    assert batch.turn_ids[0].tolist() == [0] * (len(call_ids) + len(expected_tail)) + [1] * len(answer_ids)
+    assert batch.logprobs[0].tolist() == [-0.5 if m else 0.0 for m in mask]
+    P = len(prompt)  # every response row is the forward at the position before its token
+    assert torch.equal(batch.routed_experts[0], position_routes(range(P - 1, P - 1 + len(want))))
+    rec = batch.episodes[0]
+    assert (rec["turns"], rec["tool_calls"], rec["tool_failures"], rec["template_mismatch"]) == (2, 1, 0, 0)
+    pb = batch.to_padded()
+    assert pb.input_ids[0].tolist() == prompt + want
+    assert pb.response_mask[0].tolist() == [False] * P + mask
+    return batch
+
+
+def test_an_episode_trains_on_the_sampled_ids_and_the_templates_tool_message_with_the_char_tokenizer():
+    from moe_gspo.tasks.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    # the tool's answer as the character template renders a tool message, then the next generation prompt; the
+    # template has no end-of-turn token, so the sampled eos stays in the ids
+    check_episode(tok, tok.encode("\ntool: 5\nassistant: "), "It is 5.")
+
+
+def test_an_episode_is_the_chatml_templates_rendering_of_the_conversation(tmp_path):
+    """With a ChatML template (which renders <|im_end|> itself) the ids are those of the template's rendering of
+    the whole conversation, and the sampled <|im_end|> is not appended twice."""
+    from hf_fixtures import char_tokenizer
+
+    from moe_gspo.tasks.tokenizer import HFTokenizer
+
+    char_tokenizer().save_pretrained(str(tmp_path))
+    tok = HFTokenizer(str(tmp_path))
+    tail = tok.encode("\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n")
+    batch = check_episode(tok, tail, "It is 5.")
+    conversation = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": CALL},
+                    {"role": "tool", "content": "5"}, {"role": "assistant", "content": "It is 5."}]
+    rendered = tok.render_chat(conversation, add_generation_prompt=False)
+    ids = batch.prompt_ids[0].tolist() + batch.response_ids[0].tolist()
+    assert tok.decode(ids, skip_special=False) + "\n" == rendered
+    assert ids == tok.encode(rendered)[:-1]  # the template's own tokens, up to the final newline
+
+
+def test_failing_tools_and_malformed_calls_answer_with_a_tool_message_and_the_episode_goes_on():
+    import time
+
+    from moe_gspo.rollout.agent import episode_metrics
+    from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.tasks.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    calls = ('<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>'
+             '<tool_call>{"name": "sleepy", "arguments": {"seconds": 30}}</tool_call>'
+             '<tool_call>{"name": "number", "arguments": {"x": 4}}</tool_call>'
+             '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+             '<tool_call>{"name": "add", "arguments": [1]}</tool_call>'
+             '<tool_call>{"name": add}</tool_call>')
+    inner, engine = episode_engine(tok, [calls, "done"], tool_timeout_s=0.3)
+    t0 = time.perf_counter()
+    batch = engine.generate([tok.apply_chat_template([{"role": "user", "content": "go"}])], 1,
+                            SamplingParams(max_new_tokens=400, seed=0))
+    assert time.perf_counter() - t0 < 20  # the hung tool was abandoned at its timeout
+    rec = batch.episodes[0]
+    assert rec["turns"] == 2 and rec["tool_calls"] == 4 and rec["tool_failures"] == 4
+    assert rec["timeouts"] == 1 and rec["malformed_calls"] == 2
+    seen = tok.decode(inner.calls[1][0])
+    assert "tool: error: ValueError: boom 1" in seen and "timed out" in seen and "not a string" in seen
+    assert seen.count("tool: ") == 6 and tok.decode(batch.response_ids[0]).endswith("done")
+    m = episode_metrics(batch)
+    assert m["multiturn/turns"] == 2 and m["multiturn/tool_success"] == 0.0 and m["multiturn/timeouts"] == 1
+
+
+def test_episodes_stop_at_max_turns_and_at_their_token_budget():
+    from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.tasks.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "go"}])
+    _, engine = episode_engine(tok, [CALL, CALL, CALL], max_turns=2)
+    batch = engine.generate([prompt], 1, SamplingParams(max_new_tokens=200, seed=0))
+    rec = batch.episodes[0]
+    assert rec["turns"] == 2 and rec["tool_calls"] == 1 and rec["calls_past_max_turns"] == 1
+    _, engine = episode_engine(tok, [CALL, CALL], max_episode_tokens=len(CALL) + 5)
+    batch = engine.generate([prompt], 1, SamplingParams(max_new_tokens=200, seed=0))
+    assert batch.episodes[0]["turns"] == 1 and batch.finish_reasons[0] == "length"
+
+
+def test_a_template_that_is_not_append_only_is_counted_or_refused():
+    import pytest
+
+    from moe_gspo.rollout.agent import TemplateMismatch
+    from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.tasks.tokenizer import CharTokenizer
+
+    class Stripping(CharTokenizer):
+        """Renders earlier assistant messages without their first character (as a template that rewrites them)."""
+
+        def render_chat(self, messages, tools=None, add_generation_prompt=True):
+            messages = [dict(m, content=m["content"][1:]) if m["role"] == "assistant" else m for m in messages]
+            return super().render_chat(messages, tools, add_generation_prompt)
+
+    tok = Stripping()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "go"}])
+    _, engine = episode_engine(tok, [CALL, "ok"])
+    batch = engine.generate([prompt], 1, SamplingParams(max_new_tokens=200, seed=0))
+    assert batch.episodes[0]["template_mismatch"] == 1 and batch.episodes[0]["turns"] == 2
+    _, engine = episode_engine(tok, [CALL, "ok"], strict_template=True)
+    with pytest.raises(TemplateMismatch, match="rollout.strict_template"):
+        engine.generate([prompt], 1, SamplingParams(max_new_tokens=200, seed=0))
+
+
+def test_without_a_tool_call_an_episode_is_the_single_turn_batch_bitwise():
+    """The real hf engine on the tiny policy, with tools: no response calls one, so the episodes equal the engine's
+    own batch (ids, log-probs, routes), all tokens in the loss."""
+    import moe_gspo
+    from moe_gspo.rollout import engine_from_config
+    from moe_gspo.rollout.agent import MultiTurnEngine
+    from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.tasks.tokenizer import CharTokenizer
+
+    cfg = tiny_cfg(f"rollout.tools=[{TOOLS}:add]", "rollout.max_turns=3")
+    policy = moe_gspo.load_policy(cfg, moe_gspo.init_parallel(cfg))
+    tok = CharTokenizer()
+    engine = engine_from_config(cfg.rollout, policy.weights(), tokenizer=tok)
+    assert isinstance(engine, MultiTurnEngine)
+    prompts = [tok.encode("12+34=", bos=True), tok.encode("5+6=", bos=True)]
+    sp = SamplingParams(max_new_tokens=12, seed=3)
+    a = engine.generate(prompts, 2, sp)
+    b = engine.inner.generate(prompts, 2, sp)
+    assert all(e["turns"] == 1 and e["tool_calls"] == 0 for e in a.episodes)
+    for x, y in zip(a.response_ids + a.logprobs + a.routed_experts, b.response_ids + b.logprobs + b.routed_experts):
+        assert torch.equal(x, y)
+    assert all(bool(m.all()) for m in a.loss_mask)
+    pa, pb = a.to_padded(), b.to_padded()
+    assert torch.equal(pa.response_mask, pb.response_mask) and torch.equal(pa.routing, pb.routing)
+
+
+def test_a_training_run_with_tools_logs_the_episodes(tmp_path):
+    from moe_gspo.train.loop import train
+
+    cfg = tiny_cfg(f"rollout.tools=[{TOOLS}:add]", "rollout.max_turns=2", "train.steps=1",
+                   "rollout.reward=tests/data/spread_reward.py:compute_score",
+                   "rollout.chat_template=always")
+    train(cfg, run_dir=tmp_path / "run")
+    rec = records(tmp_path / "run")[0]
+    assert rec["multiturn/turns"] >= 1 and "multiturn/response_tokens/turn_0" in rec and rec["grad_norm"] > 0
+
+
+def _taught_to_call(tmp_path) -> list[str]:
+    """Overrides of a tiny run whose cold start teaches the policy to answer with a call of the add tool."""
+    import json
+
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}"}], "answer": str(a + b),
+             "demo": f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'}
+            for a in range(1, 4) for b in range(1, 4)]
+    data = tmp_path / "calls.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [f"rollout.tools=[{TOOLS}:add]", "rollout.max_turns=2", "rollout.task=dataset",
+            f"rollout.dataset_path={data}", "rollout.demonstration_field=demo", "rollout.chat_template=always",
+            "rollout.reward=tests/data/spread_reward.py:compute_score", "rollout.max_new_tokens=100",
+            "rollout.temperature=0.3", "model.max_position_embeddings=256", "algorithm.routing_replay=r3",
+            "train.cold_start_steps=150", "train.cold_start_lr=0.003", "train.steps=2"]
+
+
+def _check_r3_across_turns(recs):
+    assert any(r["multiturn/turns"] > 1.5 for r in recs), [r["multiturn/turns"] for r in recs]
+    for r in recs:
+        assert r["moe/rollout_train_mismatch"] == 0.0 and r["rollout_probs_diff_max"] < 1e-5, r
+        assert r["multiturn/tool_tokens/turn_0"] > 0
+
+
+def test_r3_routes_stay_aligned_across_turns_on_the_hf_engine(tmp_path):
+    """A tiny policy taught (by its cold start) to answer with a tool call: its episodes run two turns on the hf
+    engine, and in fp32 with R3 the trainer routes every token of every turn as the engine did and recomputes the
+    engine's log-probs of the sampled tokens."""
+    from moe_gspo.train.loop import train
+
+    train(tiny_cfg(*_taught_to_call(tmp_path)), run_dir=tmp_path / "run")
+    _check_r3_across_turns(records(tmp_path / "run"))
+
+
+@pytest.mark.extended
+def test_r3_routes_stay_aligned_across_turns_on_an_engine_rank_of_its_own(tmp_path):
+    """The same with rollout.placement=separate: a trainer rank and an engine rank (torchrun), the episodes run on
+    the engine rank and cross the bridge with their masks and routes."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT, TINY
+
+    over = [*TINY, *_taught_to_call(tmp_path), "rollout.placement=separate", "rollout.engine_ranks=1",
+            f"train.out_dir={tmp_path / 'run'}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           "--master-port=29617", "-m", "moe_gspo.cli", "train", "--config", str(ROOT / "configs/train_tiny_cpu.yaml"),
+           *over]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    _check_r3_across_turns(records(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("over,needle", [
+    ([f"rollout.tools=[{TOOLS}:add]"], r"rollout.tools with rollout.max_turns=1: a tool's result needs a turn"),
+    ([f"rollout.tools=[{TOOLS}:add]", "rollout.max_turns=2", "rollout.engine_tp=2", "rollout.engine=vllm",
+      "model.head_dim=32"], r"rollout.tools with rollout.engine_tp=2: every rank of a tensor-parallel engine"),
+    ([f"rollout.tools=[{TOOLS}:undocumented]", "rollout.max_turns=2"],
+     r"rollout.tools\[0\]: tests/data/tools_example.py:undocumented: "),
+    (["rollout.max_episode_tokens=-1"], r"rollout.max_episode_tokens=-1 must be >= 0"),
+])
+def test_what_a_multi_turn_config_cannot_do_is_one_line(over, needle):
+    from helpers import checked_cfg
+
+    from moe_gspo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=needle) as e:
+        checked_cfg(*over)
+    assert "\n" not in str(e.value)
+
+
+def test_the_example_calculator_computes_exactly_and_refuses_anything_else():
+    from moe_gspo.rollout.tools import ToolCall, load_tools, run_tool_call
+
+    tools = load_tools(["examples/tools/calculator.py:calculate", "examples/tools/calculator.py:add"])
+    run = (lambda name, **a: run_tool_call(ToolCall(name, a), tools, 5.0))
+    assert run("calculate", expression="(12 + 30) / 7").content == "6"
+    assert run("calculate", expression="1 / 3").content == "0.333333"
+    assert run("add", a=2, b=40).content == "42"
+    bad = run("calculate", expression="__import__('os').getcwd()")
+    assert not bad.ok and bad.content.startswith("error: ValueError: only numbers")

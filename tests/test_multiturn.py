@@ -235,6 +235,8 @@ def _check_r3_across_turns(recs):
     for r in recs:
         assert r["moe/rollout_train_mismatch"] == 0.0 and r["rollout_probs_diff_max"] < 1e-5, r
         assert r["multiturn/tool_tokens/turn_0"] > 0
+        assert r["moe/rollout_train_mismatch/turn_0"] == 0.0 and "moe/flip_rate/turn_0" in r
+    assert any(r.get("moe/rollout_train_mismatch/turn_1") == 0.0 for r in recs)
 
 
 def test_r3_routes_stay_aligned_across_turns_on_the_hf_engine(tmp_path):
@@ -296,3 +298,25 @@ def test_the_example_calculator_computes_exactly_and_refuses_anything_else():
     assert run("add", a=2, b=40).content == "42"
     bad = run("calculate", expression="__import__('os').getcwd()")
     assert not bad.ok and bad.content.startswith("error: ValueError: only numbers")
+
+
+def test_the_flip_tracker_counts_flips_and_engine_mismatch_by_turn():
+    """Two samples of 6 positions, 1 layer, top-1 of 4 experts: positions 1-2 are turn 0 and 4-5 turn 1 (3 is a
+    tool token). The live routing flips one turn-1 position; the engine's one turn-0 position."""
+    from moe_gspo.routing.tracker import ExpertFlipTracker
+
+    tr = ExpertFlipTracker(num_layers=1, num_experts=4)
+    ref = torch.zeros(12, 1, 1, dtype=torch.long)
+    turns = torch.tensor([[-1, 0, 0, -1, 1, 1]] * 2)
+    mask = (turns >= 0).reshape(-1)
+    tr.set_reference([10, 11], ref, mask)
+    tr.set_turns([10, 11], turns)
+    live, engine = ref.clone(), ref.clone()
+    live[4] = 3  # sample 10, position 4: turn 1
+    engine[1] = 2  # sample 10, position 1: turn 0
+    tr.observe_rollout([10, 11], engine, mask)
+    tr.observe([10, 11], live, mask)
+    m = tr.metrics()
+    assert m["moe/flip_rate/turn_0"] == 0.0 and m["moe/flip_rate/turn_1"] == 0.25
+    assert m["moe/rollout_train_mismatch/turn_0"] == 0.25 and m["moe/rollout_train_mismatch/turn_1"] == 0.0
+    assert m["moe/flip_rate"] == 1 / 8

@@ -142,8 +142,14 @@ class RolloutBatch:
                 routing[b, P - 1:P - 1 + R] = self.routed_experts[b].long()
                 if self.prompt_routed_experts is not None:
                     routing[b, :P - 1] = self.prompt_routed_experts[b].long()
+        turn_ids = None
+        if self.turn_ids is not None:  # the sampled tokens' turns; -1 elsewhere (prompt, tools, padding)
+            turn_ids = torch.full((B, T), -1, dtype=torch.long)
+            for b, (p, t) in enumerate(zip(self.prompt_ids, self.turn_ids)):
+                turn_ids[b, p.numel():p.numel() + t.numel()] = t.long()
+            turn_ids = torch.where(response_mask, turn_ids, -1)
         return PaddedRollout(input_ids, attention_mask, response_mask, engine_logprobs, routing,
-                             self.sample_ids.clone(), self.group_ids.clone())
+                             self.sample_ids.clone(), self.group_ids.clone(), turn_ids)
 
 
 def _lk(routed: list[torch.Tensor]) -> tuple[int, int]:
@@ -165,6 +171,8 @@ class PaddedRollout:
         routing         (B, T, L, k)  int64    engine routing, position-aligned, -1 where unknown; None if not asked
         sample_ids      (B,)          int64
         group_ids       (B,)          int64
+        turn_ids        (B, T)        int64    a multi-turn episode's assistant turn of each loss token, -1
+                                               elsewhere; None for single-turn batches
     `routing.reshape(B * T, L, k)[:, layer]` is a batch-major replay source row block for RoutingCapture.
     """
 
@@ -175,12 +183,14 @@ class PaddedRollout:
     routing: torch.Tensor | None
     sample_ids: torch.Tensor
     group_ids: torch.Tensor
+    turn_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> PaddedRollout:
         """The training tensors on `device` (the policy's); sample and group ids stay on the CPU as keys."""
         mv = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
         return PaddedRollout(mv(self.input_ids), mv(self.attention_mask), mv(self.response_mask),
-                             mv(self.engine_logprobs), mv(self.routing), self.sample_ids, self.group_ids)
+                             mv(self.engine_logprobs), mv(self.routing), self.sample_ids, self.group_ids,
+                             mv(self.turn_ids))
 
     def replay_source(self) -> ReplaySource:
         if self.routing is None:

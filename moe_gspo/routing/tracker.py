@@ -32,6 +32,9 @@ slot rate:
                                   rate per update itself, where moe/flip_rate is the mean drift over every depth
                                   the step observed (0 to minibatches - 1)
     moe/set_flip_rate/after_{j}   changed sets / observed (token, layer) pairs at update depth j
+    moe/flip_rate/turn_{t}        flipped / observed slots of the tokens of assistant turn t of multi-turn episodes
+                                  (set_turns; tool and template tokens are outside the mask)
+    moe/rollout_train_mismatch/turn_{t}   engine vs training old routing of turn t's tokens
 
 Routers with a load-balancing expert bias (train.router_bias_update_rate > 0) change their routing two ways per
 update: through the weights (the gradient) and through the bias (moved toward balance at each optimizer step,
@@ -67,6 +70,7 @@ from moe_gspo.routing.flips import slots_not_in
 
 _SET_ELEMS = 2**24  # one-hot set elements per token slice (x2 sets, bool): 32 MiB
 _DEPTHS = 64  # update depths counted apart; deeper ones count as the last
+_TURNS = 32  # assistant turns counted apart; later ones count as the last
 
 
 class ExpertFlipTracker:
@@ -84,6 +88,7 @@ class ExpertFlipTracker:
         self.num_layers, self.num_experts = num_layers, num_experts
         self._tables: list[torch.Tensor] = []  # (B, T, L, k) int16, -1 on tokens outside the mask
         self._ref: dict[int, tuple[int, int]] = {}  # sample id -> (table, row)
+        self._turns: dict[int, torch.Tensor] = {}  # sample id -> (T,) turn of each routing row, -1: none
         self._acc: dict[str, torch.Tensor] | None = None
         self.updates = 0  # optimizer updates since the references were set (updated(); clear() resets)
 
@@ -98,6 +103,12 @@ class ExpertFlipTracker:
         for b, sid in enumerate(ids):
             self._ref[sid] = (len(self._tables) - 1, b)
 
+    def set_turns(self, sample_ids, turn_BT: torch.Tensor) -> None:
+        """The assistant turn each routing row's token belongs to, (B, T) position-aligned as the routing, -1 where
+        none: the flips and the engine mismatch are then also counted by turn."""
+        for b, sid in enumerate(_ids(sample_ids)):
+            self._turns[sid] = turn_BT[b].to(torch.int16)
+
     def drop(self, sample_ids) -> None:
         for s in _ids(sample_ids):
             self._ref.pop(s, None)
@@ -105,6 +116,7 @@ class ExpertFlipTracker:
     def clear(self) -> None:
         """Forget all references (call at each new rollout batch); accumulated metrics are kept."""
         self._ref.clear()
+        self._turns.clear()
         self._tables.clear()
         self.updates = 0
 
@@ -167,6 +179,23 @@ class ExpertFlipTracker:
                 acc["split_slots"] += v[..., 0].sum(0) * k
         if churn:
             acc["depth"][:, min(self.updates, _DEPTHS - 1)] += self._depth_counts(acc) - before
+        if self._turns:
+            self._count_turns(ids, new, old, valid, acc, "turn" if churn else "turn_mismatch")
+
+    def _count_turns(self, ids, new, old, valid, acc, key: str) -> None:
+        """Add the flipped and compared slots of each assistant turn's tokens to acc[key] (2, _TURNS)."""
+        T = new.shape[0] // len(ids)
+        turn = torch.stack([self._turns[s][:T] if s in self._turns else torch.full((T,), -1, dtype=torch.int16)
+                            for s in ids]).reshape(-1).to(new.device).long()  # (N,)
+        keep = turn >= 0
+        if not bool(keep.any()):
+            return
+        v = valid[keep]  # (n, L, 1)
+        flipped = (slots_not_in(new[keep], old[keep]) & v).sum((1, 2))  # (n,)
+        slots = v[..., 0].sum(1) * new.shape[-1]
+        bins = turn[keep].clamp(max=_TURNS - 1)
+        acc[key][0].index_add_(0, bins, flipped)
+        acc[key][1].index_add_(0, bins, slots)
 
     @staticmethod
     def _depth_counts(acc) -> torch.Tensor:
@@ -216,10 +245,11 @@ class ExpertFlipTracker:
                  torch.stack([acc["mismatch_tokens"], acc["mismatch_token_count"], acc["mismatch"],
                               acc["mismatch_slots"]]),
                  c[2].view(-1), torch.stack([acc["bias"], acc["gradient"], acc["split_slots"]]).view(-1),
-                 acc["depth"].view(-1), acc["set_flips"]]
+                 acc["depth"].view(-1), acc["set_flips"], acc["turn"].view(-1), acc["turn_mismatch"].view(-1)]
         flat = torch.cat(parts).tolist()
         ends = list(itertools.accumulate(p.numel() for p in parts))
-        layer3, expert3, mism, load_LE, split, depth, set_l = (flat[a:b] for a, b in zip([0, *ends[:-1]], ends))
+        layer3, expert3, mism, load_LE, split, depth, set_l, turn, turn_m = (flat[a:b] for a, b in
+                                                                           zip([0, *ends[:-1]], ends))
         flips, load_l = layer3[:L], layer3[2 * L:]
         gained_e, lost_e, load_e = expert3[:E], expert3[E:2 * E], expert3[2 * E:]
         mismatch_tokens, token_count, mismatch, mismatch_slots = mism
@@ -242,6 +272,9 @@ class ExpertFlipTracker:
         if mismatch_slots > 0:
             out["moe/rollout_train_mismatch"] = mismatch / mismatch_slots
             out["moe/rollout_train_token_mismatch"] = mismatch_tokens / token_count
+        for name, row in (("moe/flip_rate", turn), ("moe/rollout_train_mismatch", turn_m)):
+            out.update({f"{name}/turn_{t}": f / n for t, (f, n) in enumerate(zip(row[:_TURNS], row[_TURNS:]))
+                        if n > 0})
         if sum(split_l) > 0:
             for name, row in (("bias", bias_l), ("gradient", gradient_l)):
                 out[f"moe/flip_rate_from_{name}"] = sum(row) / sum(split_l)
@@ -259,7 +292,9 @@ class ExpertFlipTracker:
                          **{key: torch.zeros(self.num_layers, **z) for key in ("bias", "gradient", "split_slots")},
                          "set_flips": torch.zeros(self.num_layers, **z),  # changed expert sets per layer
                          # (flipped, observed) slots and (changed, observed) sets per update depth
-                         "depth": torch.zeros(4, _DEPTHS, **z)}
+                         "depth": torch.zeros(4, _DEPTHS, **z),
+                         # (flipped or mismatched, observed) slots per assistant turn
+                         "turn": torch.zeros(2, _TURNS, **z), "turn_mismatch": torch.zeros(2, _TURNS, **z)}
         return self._acc
 
     def _check(self, idx: torch.Tensor, batch: int, where: str) -> torch.Tensor:

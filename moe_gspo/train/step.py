@@ -197,6 +197,8 @@ def old_logprob_pass(ctx: StepContext, pb: PaddedRollout) -> OldPass:
     if ctx.tracker is not None:
         mask = routing_mask(pb.response_mask).reshape(-1)
         ctx.tracker.set_reference(sample_ids, torch.cat(live), mask)
+        if pb.turn_ids is not None:  # multi-turn episodes: flips and engine mismatch by turn too
+            ctx.tracker.set_turns(sample_ids, torch.nn.functional.pad(pb.turn_ids[:, 1:], (0, 1), value=-1))
         policy.mark_bias_reference()  # the expert bias this reference routing was chosen with
         if pb.routing is not None:
             ctx.tracker.observe_rollout(sample_ids, pb.routing.reshape(-1, *pb.routing.shape[2:]), mask)

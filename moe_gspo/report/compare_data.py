@@ -395,3 +395,25 @@ def summary_lines(out_dir: str | Path) -> list[str]:
                      "" if v.name == base else f"{collapse_p(stats, v.name, base):.3f}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+TURN_HEADER = ["variant", "turn", "sampled tokens", "tool tokens", "flip rate %", "engine mismatch %"]
+TURN_METRICS = ("multiturn/response_tokens/turn_", "multiturn/tool_tokens/turn_", "moe/flip_rate/turn_",
+                "moe/rollout_train_mismatch/turn_")
+
+
+def turn_rows(variants) -> list[list[str]]:
+    """Multi-turn episodes by assistant turn: per variant and turn, the mean over seeds of each run's mean over its
+    steps of the sampled and tool tokens per episode, the flip rate and the engine's routing mismatch (percent of
+    routed slots); '' where a run logged none. No rows when no run ran episodes with tools."""
+    rows = []
+    for v in variants:
+        turns = sorted({t for r in v.runs for t in r.indexed(TURN_METRICS[0])})
+        for t in turns:
+            cells = []
+            for i, prefix in enumerate(TURN_METRICS):
+                means = [float(np.mean(y)) for r in v.runs if len(y := r.series(f"{prefix}{t}")[1])]
+                scale = 100.0 if i >= 2 else 1.0
+                cells.append(f"{np.mean(means) * scale:.{2 if i >= 2 else 1}f}" if means else "")
+            rows.append([v.name, str(t), *cells])
+    return rows

@@ -429,7 +429,7 @@ def power(dirs: list[Path], effect: float, m: int, sd: float | None, collapse: l
 
 EXPORT_KEYS = ("step", "reward/mean", "accuracy", "groups/with_variance", "response_length/mean", FLIP, MISMATCH,
                PDIFF, "rollout_probs_diff_max", "pg_clipfrac", "ppo_kl", "grad_norm", "ratio_max", "entropy",
-               "moe/flip_tokens", "router_lr", "moe/load_max_over_mean", "moe/load_entropy")
+               "moe/flip_tokens", "router_lr", "moe/load_max_over_mean", "moe/load_entropy", MOVED)
 EXPORT_PREFIXES = (FLIP + "/layer_", FLIP + "/after_", SET_FLIP, "moe/load/layer_", "moe/load_max_over_mean/layer_",
                    "moe/load_entropy/layer_")
 

@@ -23,7 +23,8 @@ This module sits below the config layer: it imports neither the config nor the m
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 PER_EXPERT_KEY = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
@@ -266,3 +267,20 @@ def fused_expert_view(fused, e: int, proj: str, interleaved: bool):
     if proj != "down_proj":
         x = x[..., 0::2] if proj == "gate_proj" else x[..., 1::2]
     return x.t() if x.dim() == 2 else x
+
+
+def fused_file_items(state: Mapping[str, Any], fuse: Callable[[Mapping[str, Any]], dict]):
+    """(file name, tensor) of every tensor of `state` in its key order, for a family whose files fuse each layer's
+    experts: `fuse` (package names -> file names) takes each layer's per-expert tensors together, as the layer's last
+    one arrives, so one layer's experts are held at a time, and every other tensor alone."""
+    expected = Counter(m["pre"] for m in map(PER_EXPERT_KEY.match, state) if m)
+    pending: dict[str, dict[str, Any]] = {}
+    for key in state:
+        m = PER_EXPERT_KEY.match(key)
+        if m is None:
+            yield from fuse({key: state[key]}).items()
+            continue
+        layer = pending.setdefault(m["pre"], {})
+        layer[key] = state[key]
+        if len(layer) == expected[m["pre"]]:
+            yield from fuse(pending.pop(m["pre"])).items()

@@ -14,13 +14,12 @@ original_max_position_embeddings, beta_fast, beta_slow and truncate (no mscale);
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from moe_gspo.model.families.base import (PER_EXPERT_KEY, Family, FamilyError, check_yarn, fused_expert_view,
-                                          yarn_fields)
+                                          fused_file_items, yarn_fields)
 
 VLLM_SWIGLU_LIMIT = 7.0
 
@@ -132,18 +131,7 @@ class GptOss(Family):
         return per_expert(tensors)
 
     def file_items(self, state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-        """Each layer's experts are fused as its last expert tensor arrives, so one layer's are held at a time."""
-        expected = Counter(m["pre"] for m in map(PER_EXPERT_KEY.match, state) if m)
-        pending: dict[str, dict[str, Any]] = {}
-        for key in state:
-            m = PER_EXPERT_KEY.match(key)
-            if m is None:
-                yield key, state[key]
-                continue
-            layer = pending.setdefault(m["pre"], {})
-            layer[key] = state[key]
-            if len(layer) == expected[m["pre"]]:
-                yield from fused_experts(pending.pop(m["pre"])).items()
+        return fused_file_items(state, fused_experts)
 
     def vllm_mismatch(self, mc) -> str | None:
         generic = super().vllm_mismatch(mc)

@@ -21,12 +21,11 @@ parameters. Its attention takes head_dim = hidden_size / num_attention_heads, as
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from moe_gspo.model.families.base import PER_EXPERT_KEY, Family, FamilyError, fused_expert_view
+from moe_gspo.model.families.base import PER_EXPERT_KEY, Family, FamilyError, fused_expert_view, fused_file_items
 
 
 @dataclass
@@ -126,18 +125,7 @@ class GraniteMoe(Family):
         return out
 
     def file_items(self, state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-        """Each layer's experts are fused as its last expert tensor arrives, so one layer's are held at a time."""
-        expected = Counter(m["pre"] for m in map(PER_EXPERT_KEY.match, state) if m)
-        pending: dict[str, dict[str, Any]] = {}
-        for key in state:
-            m = PER_EXPERT_KEY.match(key)
-            if m is None:
-                yield from _fused({key: state[key]}).items()
-                continue
-            layer = pending.setdefault(m["pre"], {})
-            layer[key] = state[key]
-            if len(layer) == expected[m["pre"]]:
-                yield from _fused(pending.pop(m["pre"])).items()
+        return fused_file_items(state, _fused)
 
 
 def _fused(tensors: Mapping[str, Any]) -> dict[str, Any]:

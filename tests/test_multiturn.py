@@ -332,3 +332,27 @@ def test_r3_routes_stay_aligned_across_turns_on_the_vllm_engine(tmp_path):
     over = [*_taught_to_call(), "rollout.engine=vllm", "model.head_dim=32", "model.hidden_size=64"]
     train(load_config(ROOT / MULTITURN, over), run_dir=tmp_path / "run")
     _check_r3_across_turns(records(tmp_path / "run"))
+
+
+def test_the_tool_call_rate_script_counts_calls_of_a_chat_model(tmp_path):
+    """scripts/tool_call_rate.py on a tiny chat checkpoint (random weights: no response calls a tool) and two chat
+    prompts: it answers each greedily and writes the counts and the responses."""
+    import json
+    import subprocess
+    import sys
+
+    from hf_fixtures import user_checkpoint
+
+    from helpers import ROOT
+
+    model = user_checkpoint(tmp_path / "model")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": q}]}) + "\n" for q in ("2+3", "4*5")))
+    out = tmp_path / "rate.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/tool_call_rate.py"), str(model), str(data),
+                        f"{TOOLS}:add", "--n", "5", "--max-new-tokens", "8", "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["n"] == 2 and rec["tool_call_tag"] == 0 and rec["parsed_calls"] == 0 and len(rec["responses"]) == 2
+    assert "2 prompts: 0 wrote <tool_call>" in r.stdout

@@ -33,7 +33,6 @@ tool message saying so, and the episode goes on; each is counted in the episode'
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import torch
 
@@ -53,9 +52,9 @@ def engine_from_config(rollout_cfg, weights, tokenizer=None):
     engine = base.engine_from_config(rollout_cfg, weights, tokenizer)
     if not rollout_cfg.tools:
         return engine
-    from moe_gspo.rollout.tools import load_tools
+    from moe_gspo.rollout.tools import configured_tools
 
-    return MultiTurnEngine.from_config(engine, rollout_cfg, tokenizer, load_tools(rollout_cfg.tools))
+    return MultiTurnEngine.from_config(engine, rollout_cfg, tokenizer, configured_tools(rollout_cfg.tools))
 
 
 class TemplateMismatch(UserError):
@@ -74,6 +73,8 @@ class _Episode:
     routes: list[torch.Tensor]
     finish: str
     record: dict
+    done: bool = False  # no further turn: no call, a cut-off response, max_turns or the token budget reached
+    pending: int = 0  # ids appended after the last turn's response, whose routes the next prefill gives
 
     def all_ids(self) -> list[int]:
         return self.prompt + self.ids
@@ -90,6 +91,7 @@ class MultiTurnEngine:
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.tool_timeout_s, self.tool_output_max_chars = tool_timeout_s, tool_output_max_chars
         self.strict_template = strict_template
+        self.opening = self._render([PROBE_USER], True)  # the probe conversation up to the assistant's first turn
         self.stop_ids = set(getattr(tok, "stop_ids", ()) or (tok.eos_id,))
 
     @classmethod
@@ -133,17 +135,17 @@ class MultiTurnEngine:
     def _answer_tools(self, e: _Episode, turn: int, budget: int) -> bool:
         """Run the tool calls of the episode's last response and append the tool messages and the next generation
         prompt as ids; False (and nothing appended) when the episode is over."""
-        if e.finish != "stop" or e.record.get("done"):
+        if e.finish != "stop" or e.done:
             return False
         last = [t for t, m, k in zip(e.ids, e.mask, e.turns) if m and k == turn - 1]
         text = self.tok.decode(last, skip_special=False)
         calls, errors = parse_tool_calls(text)
         if not calls and not errors:
-            e.record["done"] = True
+            e.done = True
             return False
         if turn >= self.max_turns:
             e.record["calls_past_max_turns"] += len(calls) + len(errors)
-            e.record["done"] = True
+            e.done = True
             return False
         results = []
         for call in calls:
@@ -158,13 +160,13 @@ class MultiTurnEngine:
         ended_with_stop = bool(last) and last[-1] in self.stop_ids
         delta = self._tool_ids(last, results, ended_with_stop, e)
         if len(e.ids) + len(delta) >= budget:
-            e.finish, e.record["done"] = "length", True
+            e.finish, e.done = "length", True
             return False
         e.ids += delta
         e.logprobs += [0.0] * len(delta)
         e.mask += [False] * len(delta)
         e.turns += [turn - 1] * len(delta)
-        e.record["pending"] = len(delta)
+        e.pending = len(delta)
         return True
 
     def _tool_ids(self, last: list[int], results: list[dict], ended_with_stop: bool, e: _Episode) -> list[int]:
@@ -172,7 +174,7 @@ class MultiTurnEngine:
         generation prompt (module docstring)."""
         sampled = self.tok.decode(last[:-1] if ended_with_stop else last, skip_special=False)
         assistant = {"role": "assistant", "content": sampled}
-        opened = self._render([PROBE_USER], True) + sampled
+        opened = self.opening + sampled
         full = self._render([PROBE_USER, assistant, *results], True)
         if full.startswith(opened):
             delta = full[len(opened):]
@@ -181,7 +183,7 @@ class MultiTurnEngine:
             if self.strict_template:
                 raise TemplateMismatch(
                     f"rollout.strict_template: the chat template renders the assistant's turn otherwise than the "
-                    f"engine sampled it (rendered {full[len(self._render([PROBE_USER], True)):][:60]!r}, sampled "
+                    f"engine sampled it (rendered {full[len(self.opening):][:60]!r}, sampled "
                     f"{sampled[:60]!r}); set rollout.strict_template=false to count such turns instead")
             delta = full[len(self._render([PROBE_USER, assistant], False)):]
         ids = self.tok.encode(delta)
@@ -195,7 +197,7 @@ class MultiTurnEngine:
     def _extend(self, e: _Episode, nxt: RolloutBatch, j: int, turn: int) -> None:
         """Append turn `turn`'s response (row j of `nxt`) and, for R3, the prefill's rows of the ids appended since
         the last forward."""
-        pending = e.record.pop("pending")
+        pending = e.pending
         if nxt.routed_experts is not None:
             if nxt.prompt_routed_experts is None:
                 raise ValueError(f"{type(self.inner).__name__} returned no prompt routing: a multi-turn episode takes "
@@ -212,8 +214,6 @@ class MultiTurnEngine:
         e.record["turns"] += 1
 
     def _batch(self, first: RolloutBatch, eps: list[_Episode], routed: bool) -> RolloutBatch:
-        for e in eps:
-            e.record.pop("done", None)
         return RolloutBatch(
             first.prompt_ids, [torch.tensor(e.ids, dtype=torch.long) for e in eps],
             [torch.tensor(e.logprobs, dtype=torch.float32) for e in eps], [e.finish for e in eps],
@@ -243,7 +243,3 @@ def episode_metrics(batch: RolloutBatch) -> dict[str, float]:
                                                   for t, lm in zip(batch.turn_ids, batch.loss_mask)) / n
     return m
 
-
-def describe_call(name: str, arguments: dict) -> str:
-    """A tool call in the Hermes/Qwen format (what a model is taught to write)."""
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"

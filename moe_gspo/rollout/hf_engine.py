@@ -54,8 +54,9 @@ def _destinations(model, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[t
     params.update((k, b) for k, b in model.named_buffers() if k in saved)
     dests, unused, pieces = [], [], {}
     for key in state_dict:
-        if fam.module_key(key) in params:
-            dests.append((params[fam.module_key(key)], key))
+        mkey = fam.module_key(key)
+        if mkey in params:
+            dests.append((params[mkey], key))
             continue
         m = PER_EXPERT_KEY.match(key)
         name = None if m is None else fam.module_key(
@@ -67,7 +68,7 @@ def _destinations(model, state_dict: Mapping[str, torch.Tensor]) -> list[tuple[t
             continue
         dests.append((fused_expert_view(fused, int(m["e"]), m["proj"], interleaved), key))
         pieces.setdefault(name, set()).add((int(m["e"]), m["proj"]))
-    covered = {fam.module_key(k) for k in state_dict if fam.module_key(k) in params}
+    covered = {d for d in map(fam.module_key, state_dict) if d in params}
     for name, got in pieces.items():  # a fused tensor is covered once every expert's pieces are there
         projs = ("down_proj",) if ".down_proj" in name else ("gate_proj", "up_proj")
         lacking = sorted({(e, p) for e in range(params[name].shape[0]) for p in projs} - got)

@@ -18,6 +18,7 @@ ToolResult with ok=False and an error message for the model to read.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -137,6 +138,17 @@ def load_tools(specs: list[str] | None, field: str = "rollout.tools") -> list[To
         taken[tool.name] = f"{where} ({spec})"
         tools.append(tool)
     return tools
+
+
+def configured_tools(specs: list[str]) -> list[Tool]:
+    """load_tools for rollout.tools, once per process and list of specs: the config check, the prompts' template
+    and the engine take the same tools without running the users' files again."""
+    return list(_configured(tuple(specs)))
+
+
+@functools.lru_cache(maxsize=8)
+def _configured(specs: tuple[str, ...]) -> tuple[Tool, ...]:
+    return tuple(load_tools(list(specs)))
 
 
 def tool_schemas(tools: list[Tool] | dict[str, Tool]) -> list[dict]:

@@ -6,7 +6,6 @@ sampler state, and `data_position` in a checkpoint is just the next step.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,16 +47,9 @@ def template_kwargs(rollout_cfg) -> dict:
     the model) when it names any."""
     if not rollout_cfg.tools:
         return rollout_cfg.chat_template_kwargs
-    from moe_gspo.rollout.tools import tool_schemas
+    from moe_gspo.rollout.tools import configured_tools, tool_schemas
 
-    return {**rollout_cfg.chat_template_kwargs, "tools": tool_schemas(_tools(tuple(rollout_cfg.tools)))}
-
-
-@functools.lru_cache(maxsize=4)
-def _tools(specs: tuple[str, ...]):
-    from moe_gspo.rollout.tools import load_tools
-
-    return load_tools(list(specs))
+    return {**rollout_cfg.chat_template_kwargs, "tools": tool_schemas(configured_tools(rollout_cfg.tools))}
 
 
 def world_size() -> int:
@@ -97,7 +89,9 @@ def check_names(cfg: Config, world: int | None = None) -> None:
                           f"{sorted(ADVANTAGE_ESTIMATORS)}")
     check_engine(cfg, world)
     if cfg.rollout.tools:  # each tool imports and has a schema, or the run stops here naming it
-        _tools(tuple(cfg.rollout.tools))
+        from moe_gspo.rollout.tools import configured_tools
+
+        configured_tools(cfg.rollout.tools)
     if cfg.rollout.group_size < 2:  # every estimator is group-relative
         raise ConfigError(f"rollout.group_size={cfg.rollout.group_size}: the group-relative advantages of "
                           f"algorithm.advantage={cfg.algorithm.advantage!r} are 0 for a group of one; use >= 2")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -182,9 +183,10 @@ class ModelConfig(*own_field_classes()):
                 if getattr(self, k) != default:
                     raise ConfigError(f"model.{k}: model.family='{self.family}' does not use it ({other.title}'s "
                                       f"field, model.family='{other.name}')")
-        for k, unused in GENERIC_OPTIONAL.items():
-            if k not in fam.uses and getattr(self, k) != unused:
-                users = [f.name for f in every() if k in f.uses]
+        unused = {f.name: f.default for f in dataclasses.fields(self)}  # a generic field's default: not used
+        for k in GENERIC_OPTIONAL:
+            if k not in fam.uses and getattr(self, k) != unused[k]:
+                users = [other.name for other in every() if k in other.uses]
                 raise ConfigError(f"model.{k}: model.family='{self.family}' does not use it (the families that do: "
                                   f"{', '.join(users)})")
 

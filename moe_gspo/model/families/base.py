@@ -31,10 +31,9 @@ PER_EXPERT_KEY = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>g
                             r"\.(?P<kind>weight|bias)$")
 """A routed expert's projection (or its bias) under the package's per-expert names."""
 
-GENERIC_OPTIONAL = {"attention_bias": False, "shared_expert_intermediate_size": 0, "rope_scaling": None,
-                    "first_k_dense_replace": 0, "intermediate_size": 0, "n_group": 1, "topk_group": 1,
-                    "routed_scaling_factor": 1.0}
-"""ModelConfig's generic fields that only some families use, with the value that means 'not used'."""
+GENERIC_OPTIONAL = ("attention_bias", "shared_expert_intermediate_size", "rope_scaling", "first_k_dense_replace",
+                    "intermediate_size", "n_group", "topk_group", "routed_scaling_factor")
+"""ModelConfig's generic fields that only some families use; their ModelConfig default means 'not used'."""
 
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 

@@ -23,5 +23,6 @@ else
 fi
 echo "get_real_model: tasks"
 python scripts/prepare_real_tasks.py arithmetic --out "$CACHE/arithmetic"
+python scripts/prepare_real_tasks.py arithmetic --digits 3 --tool calculate --out "$CACHE/arithmetic_tool"
 python scripts/prepare_real_tasks.py gsm_symbolic --out "$CACHE/gsm_symbolic"
-echo "get_real_model: ready in $((SECONDS - t0)) s: model $MOE, tasks $CACHE/arithmetic and $CACHE/gsm_symbolic"
+echo "get_real_model: ready in $((SECONDS - t0)) s: model $MOE, tasks $CACHE/arithmetic, $CACHE/arithmetic_tool and $CACHE/gsm_symbolic"

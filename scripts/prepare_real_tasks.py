@@ -16,6 +16,8 @@ versions), one row per problem in verl's layout:
   negative operands), asked as "Answer with just the number." and scored by the `last_number` reward. A pool of
   distinct expressions is drawn, shuffled, and cut: the test rows' expressions are never in the train rows.
   SmolLM2-135M-Instruct answers 21% of them greedily (docs/real-model.md).
+  With --tool NAME, the prompts ask to use the calculator and each row's `demo` column holds the call (Hermes/Qwen
+  format) of tool NAME on the row's expression: the demonstrations of a cold start (configs/real_smollm2_tool_cpu.yaml).
 - gsm_symbolic: the 100 GSM-Symbolic templates split by template. Train rows are variants generated from the train
   templates (less 18 whose generator runs for minutes: SLOW_TEMPLATES); test rows are the GSM8K test originals of the other templates (and, in test_variants.parquet,
   variants of them). No template is on both sides. Prompts are the package's English instruction (the answer in
@@ -38,6 +40,12 @@ from pathlib import Path
 from prepare_gsm8k import write_parquet  # scripts/: the same atomic parquet writer
 
 ARITHMETIC_INSTRUCTION = "Answer with just the number."
+TOOL_INSTRUCTION = "Use the calculator, then answer with just the number."
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    """A call in the Hermes/Qwen format moe_gspo.rollout.tools parses: the cold start's demonstration."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def _missing(package: str) -> SystemExit:
@@ -84,13 +92,18 @@ def arithmetic(args) -> tuple[dict[str, list[dict]], dict]:
         raise SystemExit(f"prepare_real_tasks: error: only {len(pool)} distinct expressions of {args.terms} terms "
                          f"of {args.digits} digits in a pool of {args.pool}; ask for fewer --test rows")
     test, train = pool[:args.test], pool[args.test:args.test + args.train]
-    rows = {split: [verl_row("reasoning_gym/basic_arithmetic", f"{it['question']} {ARITHMETIC_INSTRUCTION}",
+    instruction = TOOL_INSTRUCTION if args.tool else ARITHMETIC_INSTRUCTION
+    rows = {split: [verl_row("reasoning_gym/basic_arithmetic", f"{it['question']} {instruction}",
                              it["answer"], split, i, question=it["question"], expression=it["metadata"]["expression"])
                     for i, it in enumerate(items)] for split, items in (("train", train), ("test", test))}
+    if args.tool:  # the call a cold start teaches: the expression as the question writes it
+        for r in rows["train"] + rows["test"]:
+            r["demo"] = tool_call_text(args.tool, {"expression": r["extra_info"]["expression"]})
     meta = {"task": "arithmetic", "package": "reasoning-gym", "version": importlib.metadata.version("reasoning-gym"),
             "generator": "basic_arithmetic", "terms": args.terms, "digits": args.digits, "seed": args.seed,
-            "distinct_expressions": len(pool), "train": len(train), "test": len(test), "reward": "last_number",
-            "instruction": ARITHMETIC_INSTRUCTION}
+            "distinct_expressions": len(pool), "train": len(train), "test": len(test),
+            "reward": "examples/rewards/final_turn_number.py:compute_score" if args.tool else "last_number",
+            "instruction": instruction, "tool": args.tool}
     return rows, meta
 
 
@@ -154,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--train", type=int, default=2000, help="train rows at most (the distinct expressions left)")
     a.add_argument("--test", type=int, default=200)
     a.add_argument("--pool", type=int, default=20000, help="expressions drawn before de-duplication")
+    a.add_argument("--tool", default=None, help="a calculator tool's name (examples/tools/calculator.py: calculate): "
+                   "the prompts ask for it, and each row's `demo` is the call with the row's expression")
     g = sub.add_parser("gsm_symbolic", help="GSM-Symbolic, split by template")
     g.add_argument("--test-templates", type=int, default=30, help="templates whose GSM8K originals are the test set")
     g.add_argument("--variants", type=int, default=20, help="generated variants per train template")

@@ -62,6 +62,7 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
     """Generate cfg.rollout.group_size responses for `num_prompts` task prompts; write JSONL; return metrics."""
     from moe_gspo.rewards import score_responses
     from moe_gspo.rollout import engine_from_config
+    from moe_gspo.rollout.agent import reward_examples
     from moe_gspo.kernels import token_logprobs_from_logits
     from moe_gspo.rollout.batch import rollout_probs_diff
     from moe_gspo.tasks import task_from_config
@@ -79,7 +80,7 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
     batch = engine.generate(prompts, cfg.rollout.group_size, sampling)
 
     texts = [tok.decode(r.tolist()) for r in batch.response_ids]
-    per_response = [examples[i // cfg.rollout.group_size] for i in range(len(batch))]
+    per_response = reward_examples([examples[i // cfg.rollout.group_size] for i in range(len(batch))], batch, tok)
     scored = score_responses(task.reward_fn, texts, per_response)
 
     pb = batch.to_padded(pad_id=tok.pad_id)
@@ -96,6 +97,7 @@ def run_rollout(cfg, policy, num_prompts: int, out_path: str | Path, seed: int |
                 "prompt": ex.prompt, **({"messages": ex.messages} if ex.messages is not None else {}),
                 "prompt_text": tok.decode(batch.prompt_ids[i].tolist(), skip_special=False),  # as the model saw it
                 "answer": ex.answer, "response": texts[i],
+                **({"turns": ex.meta["turns"]} if "turns" in ex.meta else {}),  # an episode's assistant turns
                 "prompt_ids": batch.prompt_ids[i].tolist(), "response_ids": batch.response_ids[i].tolist(),
                 "logprobs": [round(x, 6) for x in batch.logprobs[i].tolist()],
                 "reward": None if not bool(scored.valid[i]) else float(scored.rewards[i]),

@@ -141,8 +141,7 @@ class RolloutConfig:
     max_turns: int = 1
     """Assistant turns per episode (2 or more with rollout.tools)."""
     max_episode_tokens: int = 0
-    """Tokens an episode may add after its prompt, responses and tool messages together; 0: max_turns x
-    max_new_tokens."""
+    """Tokens an episode adds after its prompt (responses and tool messages); 0: max_turns x max_new_tokens."""
     tool_timeout_s: float = 10.0
     """A tool call running longer is answered with a timeout message (the run goes on)."""
     tool_output_max_chars: int = 2000
@@ -150,6 +149,9 @@ class RolloutConfig:
     strict_template: bool = False
     """Refuse (stop the run) when the chat template does not render a conversation as the episode's ids extend it
     (a template that is not append-only); false: count it (multiturn/template_mismatch) and go on."""
+    tool_prompt: str = "auto"
+    """How the prompt shows rollout.tools: 'template' (the chat template's `tools=` alone), 'system' (also a system
+    message naming them and the call format), 'auto' ('system' when the template renders nothing of `tools=`)."""
     overlong_prompts: str = "error"
     """A data set row whose templated prompt leaves no room for rollout.max_new_tokens within the context, found
     when the data load (every train and eval row is encoded then, as verl's filter_overlong_prompts does): 'error'
@@ -194,6 +196,7 @@ class RolloutConfig:
         if self.tools and self.engine_tp > 1:
             raise ConfigError(f"rollout.tools with rollout.engine_tp={self.engine_tp}: every rank of a tensor-parallel "
                               "engine would run the tools; multi-turn episodes run on engines of one rank")
+        choice(self, "tool_prompt", ("auto", "system", "template"))
         if self.max_episode_tokens < 0:
             raise ConfigError(f"rollout.max_episode_tokens={self.max_episode_tokens} must be >= 0")
         if not self.bridge_timeout_s > 0:

@@ -28,6 +28,10 @@ taken twice.
 
 A tool that raises, hangs past rollout.tool_timeout_s, returns a non-string or is called malformed answers with a
 tool message saying so, and the episode goes on; each is counted in the episode's record (RolloutBatch.episodes).
+
+Rewards. A reward gets the episode's whole response as its text (tool messages included, special tokens dropped),
+and the assistant turns' own texts as extra_info["turns"] (the column `turns` for TRL's signature):
+reward_examples.
 """
 
 from __future__ import annotations
@@ -221,6 +225,33 @@ class MultiTurnEngine:
             [torch.cat(e.routes) for e in eps] if routed else None, first.prompt_routed_experts,
             [torch.tensor(e.mask, dtype=torch.bool) for e in eps],
             [torch.tensor(e.turns, dtype=torch.int16) for e in eps], [e.record for e in eps])
+
+
+def turn_texts(batch: RolloutBatch, tok) -> list[list[str]] | None:
+    """Each episode's assistant turns as text: turn k's sampled ids decoded (special tokens dropped, as the reward's
+    text is); None for a batch of single responses."""
+    if batch.episodes is None:
+        return None
+    out = []
+    for ids, lm, t in zip(batch.response_ids, batch.loss_mask, batch.turn_ids):
+        top = int(t.max()) if t.numel() else 0
+        out.append([tok.decode(ids[lm & (t == k)].tolist()) for k in range(top + 1)])
+    return out
+
+
+def reward_examples(examples: list, batch: RolloutBatch, tok) -> list:
+    """The examples a batch's responses are scored with: for episodes, copies that carry the assistant turns' texts
+    (turn_texts) as the column `turns` and as extra_info["turns"], so that a reward can score the last turn alone
+    rather than the whole episode (whose text holds the tool messages too); the examples themselves otherwise."""
+    turns = turn_texts(batch, tok)
+    if turns is None:
+        return examples
+    out = []
+    for ex, tt in zip(examples, turns):
+        extra = ex.meta.get("extra_info")
+        extra = {**(extra if isinstance(extra, dict) else {}), "turns": tt}
+        out.append(dataclasses.replace(ex, meta={**ex.meta, "turns": tt, "extra_info": extra}))
+    return out
 
 
 def episode_metrics(batch: RolloutBatch) -> dict[str, float]:

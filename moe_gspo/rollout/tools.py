@@ -156,6 +156,32 @@ def tool_schemas(tools: list[Tool] | dict[str, Tool]) -> list[dict]:
     return [t.schema for t in (tools.values() if isinstance(tools, dict) else tools)]
 
 
+TOOL_SYSTEM_INTRO = ("You can call these tools. To call one, write <tool_call>{\"name\": ..., \"arguments\": {...}}"
+                     "</tool_call> and stop; its result comes back in the next message. Tools: ")
+
+
+def tool_system_message(schemas: list[dict]) -> str:
+    """The system message that names the tools (their JSON schemas) and the call format parse_tool_calls reads:
+    what a model whose chat template ignores `tools=` is told instead (rollout.tool_prompt)."""
+    return TOOL_SYSTEM_INTRO + json.dumps(schemas)
+
+
+def template_shows_tools(tok, schemas: list[dict]) -> bool:
+    """Whether the tokenizer's chat template renders anything of `tools=`: a probe conversation rendered with and
+    without the schemas differs."""
+    probe = [{"role": "user", "content": "q"}]
+    return tok.render_chat(probe, tools=schemas) != tok.render_chat(probe, tools=None)
+
+
+def with_system(messages: list[dict], text: str) -> list[dict]:
+    """`messages` with `text` as their system message: appended to the first message's content when that is a
+    system message, else a system message put in front."""
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0], content=f"{messages[0].get('content') or ''}\n\n{text}")
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
 # --------------------------------------------------------------------------------------------------------- parsing
 
 

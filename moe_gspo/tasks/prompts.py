@@ -35,13 +35,18 @@ def check_chat_template(tok, example: Example, chat_template: str) -> None:
                           "tokenizer has one (model.init_from), or give string prompts")
 
 
-def encode_prompt(tok, example: Example, chat_template: str = "auto", template_kwargs: dict | None = None
-                  ) -> list[int]:
-    """The ids the engine is given for `example`'s prompt (see the module docstring)."""
+def encode_prompt(tok, example: Example, chat_template: str = "auto", template_kwargs: dict | None = None,
+                  system: str | None = None) -> list[int]:
+    """The ids the engine is given for `example`'s prompt (see the module docstring). `system`: text a templated
+    prompt's system message carries besides its own (the tools, for a template that ignores `tools=`)."""
     messages = _messages(example, chat_template)
     if messages is None:
         return tok.encode(example.prompt, bos=True)
     check_chat_template(tok, example, chat_template)
+    if system:
+        from moe_gspo.rollout.tools import with_system
+
+        messages = with_system(messages, system)
     try:
         return tok.apply_chat_template(messages, **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - jinja raises TemplateError and others on a template that cannot render

@@ -52,6 +52,26 @@ def template_kwargs(rollout_cfg) -> dict:
     return {**rollout_cfg.chat_template_kwargs, "tools": tool_schemas(configured_tools(rollout_cfg.tools))}
 
 
+def tool_system(tok, rollout_cfg) -> str | None:
+    """The system message text that names rollout.tools, under rollout.tool_prompt: 'system' always, 'auto' when
+    the chat template renders nothing of `tools=` (SmolLM2's, Mixtral's), 'template' never; None without tools."""
+    if not rollout_cfg.tools or rollout_cfg.tool_prompt == "template" or not hasattr(tok, "render_chat"):
+        return None
+    from moe_gspo.rollout.tools import configured_tools, template_shows_tools, tool_schemas, tool_system_message
+
+    schemas = tool_schemas(configured_tools(rollout_cfg.tools))
+    if rollout_cfg.tool_prompt == "auto" and template_shows_tools(tok, schemas):
+        return None
+    return tool_system_message(schemas)
+
+
+def prompt_ids(tok, example: Example, rollout_cfg) -> list[int]:
+    """The ids the engine is given for `example` under the rollout config: its chat template, the template's
+    keyword arguments and the tools (moe_gspo.tasks.prompts.encode_prompt)."""
+    return encode_prompt(tok, example, rollout_cfg.chat_template, template_kwargs(rollout_cfg),
+                         tool_system(tok, rollout_cfg))
+
+
 def world_size() -> int:
     """The trainer's world: the default group's size once torch.distributed is initialized (a job split into
     trainer and engine ranks initializes it on the trainer ranks alone), before that torchrun's WORLD_SIZE (1
@@ -119,7 +139,7 @@ def encode_prompts(examples: list[Example], tok, rollout_cfg, context: int) -> l
     prompt when its ids + rollout.max_new_tokens exceed the context."""
     out = []
     for i, ex in enumerate(examples):
-        ids = encode_prompt(tok, ex, rollout_cfg.chat_template, template_kwargs(rollout_cfg))
+        ids = prompt_ids(tok, ex, rollout_cfg)
         if len(ids) + rollout_cfg.max_new_tokens > context:
             raise ConfigError(f"prompt {i} ({ex.prompt[:40]!r}...) has {len(ids)} tokens; with rollout.max_new_tokens="
                               f"{rollout_cfg.max_new_tokens} it exceeds the context model.max_position_embeddings="
@@ -203,7 +223,7 @@ def check_lengths(cfg: Config, task: Task, tok) -> None:
             continue
         keep = []
         for i, ex in enumerate(rows):
-            n = len(encode_prompt(tok, ex, rc.chat_template, template_kwargs(rc)))
+            n = len(prompt_ids(tok, ex, rc))
             if n <= room:
                 keep.append(i)
             elif rc.overlong_prompts == "error":
@@ -282,4 +302,4 @@ class PromptIds:
         self.tok, self.rollout = tok, cfg.rollout
 
     def __call__(self, example: Example) -> list[int]:
-        return encode_prompt(self.tok, example, self.rollout.chat_template, template_kwargs(self.rollout))
+        return prompt_ids(self.tok, example, self.rollout)

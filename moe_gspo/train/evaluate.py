@@ -22,6 +22,7 @@ import torch.distributed as dist
 from moe_gspo.config import Config, ConfigError
 from moe_gspo.parallel.state import comm_device
 from moe_gspo.rewards import score_responses
+from moe_gspo.rollout.agent import reward_examples
 from moe_gspo.train.data import encode_prompts, hash_seed, sampling_params
 
 
@@ -42,7 +43,7 @@ def evaluate(cfg: Config, task, tok, rollouts, held_out: list, dp_rank: int, dp:
     batch = rollouts.generate(lambda d: (encode_prompts(held_out[d::dp], tok, rc, cfg.model.max_position_embeddings),
                                          sp), n)
     mine = held_out[dp_rank::dp]
-    per_response = [mine[i // n] for i in range(len(batch))]
+    per_response = reward_examples([mine[i // n] for i in range(len(batch))], batch, tok)
     texts = [tok.decode(r.tolist()) for r in batch.response_ids]
     scored = score_responses(task.reward_fn, texts, per_response, warn=False)
     r = torch.where(scored.valid, scored.rewards, torch.zeros_like(scored.rewards))

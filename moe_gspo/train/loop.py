@@ -27,7 +27,7 @@ from moe_gspo.losses import get_advantage_estimator
 from moe_gspo.model.policy import MoEPolicy
 from moe_gspo.parallel.state import ParallelInfo, max_over_ranks, trainer_group
 from moe_gspo.rollout import engine_from_config
-from moe_gspo.rollout.agent import episode_metrics
+from moe_gspo.rollout.agent import episode_metrics, reward_examples
 from moe_gspo.rollout.placement import EnginePlacement
 from moe_gspo.train.rollouts import ColocatedRollouts, Rollouts
 from moe_gspo.rewards import RewardFunctionError, score_responses
@@ -265,7 +265,7 @@ class Run:
         # sample ids from the step, not the engine's counter, so that a resumed run names samples identically
         batch = _numbered(batch, step)
         data.check_responses(batch, step)
-        per_response = [examples[i // rc.group_size] for i in range(len(batch))]
+        per_response = reward_examples([examples[i // rc.group_size] for i in range(len(batch))], batch, self.tok)
         texts = [self.tok.decode(r.tolist()) for r in batch.response_ids]
         try:
             res = score_responses(self.task.reward_fn, texts, per_response, warn=False)

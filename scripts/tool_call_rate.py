@@ -5,8 +5,9 @@ generate; counted are the responses that write <tool_call> and those whose calls
     python scripts/tool_call_rate.py data/real/smollm2-135m-instruct data/real/gsm_symbolic/test.parquet \\
         examples/tools/calculator.py:calculate --n 20 [--json out.json]
 
-The system message goes in front of the prompt's own messages, since a chat template that ignores `tools=` (as
-SmolLM2's does) shows the model nothing of them otherwise.
+The system message (moe_gspo.rollout.tools.tool_system_message, as rollout.tool_prompt gives it in training) goes in
+front of the prompt's own messages, since a chat template that ignores `tools=` (as SmolLM2's does) shows the model
+nothing of them otherwise.
 """
 
 from __future__ import annotations
@@ -31,13 +32,12 @@ def main() -> None:
     import pandas as pd
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moe_gspo.rollout.tools import load_tools, parse_tool_calls, tool_schemas
+    from moe_gspo.rollout.tools import load_tools, parse_tool_calls, tool_schemas, tool_system_message
 
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     schemas = tool_schemas(load_tools(args.tools))
-    system = ("You can call these tools. To call one, write <tool_call>{\"name\": ..., \"arguments\": {...}}"
-              "</tool_call> and stop; its result comes back in the next message. Tools: " + json.dumps(schemas))
+    system = tool_system_message(schemas)  # what training's rollout.tool_prompt puts in front of the prompt
     rows = pd.read_parquet(args.data) if args.data.endswith(".parquet") else pd.read_json(args.data, lines=True)
     out, tagged, parsed, t0 = [], 0, 0, time.perf_counter()
     for i in range(min(args.n, len(rows))):

@@ -356,3 +356,67 @@ def test_the_tool_call_rate_script_counts_calls_of_a_chat_model(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["n"] == 2 and rec["tool_call_tag"] == 0 and rec["parsed_calls"] == 0 and len(rec["responses"]) == 2
     assert "2 prompts: 0 wrote <tool_call>" in r.stdout
+
+
+def test_a_template_that_ignores_tools_gets_them_in_a_system_message(tmp_path):
+    """rollout.tool_prompt: 'auto' puts a system message that names the tools (their schema) and the call format in
+    the prompt when the chat template renders nothing of `tools=` (the ChatML fixture, like SmolLM2's), and not when
+    it does (the character tokenizer's); 'system' always, 'template' never; a prompt's own system message keeps
+    its text, the tools' after it."""
+    import json
+
+    from hf_fixtures import char_tokenizer
+
+    from moe_gspo.config import load_config
+    from moe_gspo.rollout.tools import TOOL_SYSTEM_INTRO
+    from moe_gspo.tasks.base import Example
+    from moe_gspo.tasks.tokenizer import CharTokenizer, HFTokenizer
+    from moe_gspo.train.data import prompt_ids
+
+    char_tokenizer().save_pretrained(str(tmp_path))
+    chatml, chars = HFTokenizer(str(tmp_path)), CharTokenizer()
+    ex = Example("2+3?", "5", messages=[{"role": "user", "content": "2+3?"}])
+    own = Example("2+3?", "5", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}])
+
+    def text(tok, example, mode):
+        rc = load_config(None, [f"rollout.tools=[{TOOLS}:add]", "rollout.max_turns=2",
+                                f"rollout.tool_prompt={mode}"]).rollout
+        return tok.decode(prompt_ids(tok, example, rc), skip_special=False)
+
+    shown = text(chatml, ex, "auto")
+    assert shown.startswith(f"<|im_start|>system\n{TOOL_SYSTEM_INTRO}") and '"name": "add"' in shown
+    assert json.loads(shown.split("Tools: ", 1)[1].split("<|im_end|>", 1)[0])[0]["function"]["name"] == "add"
+    assert shown.endswith("<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n")
+    assert text(chatml, own, "auto").startswith(f"<|im_start|>system\nBe brief.\n\n{TOOL_SYSTEM_INTRO}")
+    assert text(chatml, ex, "template") == "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n"
+    assert TOOL_SYSTEM_INTRO not in text(chars, ex, "auto")  # its template shows the tools itself
+    assert TOOL_SYSTEM_INTRO in text(chars, ex, "system")
+
+
+def test_a_reward_reads_the_assistant_turns_and_the_example_scores_the_last_one():
+    """Each episode's assistant turns reach the reward as extra_info["turns"] (and the column `turns`):
+    examples/rewards/final_turn_number.py scores the last turn, so an episode whose tool message holds the answer
+    but whose last turn says another number scores 0."""
+    from helpers import ROOT
+
+    from moe_gspo.rewards import load_rewards
+    from moe_gspo.rewards.score import score_responses
+    from moe_gspo.rollout.agent import reward_examples
+    from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.tasks.base import Example
+    from moe_gspo.tasks.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    fn = load_rewards(str(ROOT / "examples/rewards/final_turn_number.py") + ":compute_score")
+    ex = Example("2+3?", "5", meta={"extra_info": {"index": 7}})
+    for answer, want in (("It is 5.", 1.0), ("It is 6.", 0.0)):
+        inner, engine = episode_engine(tok, [CALL, answer])
+        batch = engine.generate([tok.apply_chat_template([{"role": "user", "content": "2+3?"}])], 1,
+                                SamplingParams(max_new_tokens=200, seed=0))
+        text = tok.decode(batch.response_ids[0].tolist())
+        assert "tool: 5" in text  # the whole episode's text holds the tool's answer either way
+        scored = reward_examples([ex], batch, tok)
+        assert scored[0].meta["turns"] == [CALL, answer] and scored[0].meta["extra_info"] == {"index": 7,
+                                                                                             "turns": [CALL, answer]}
+        assert float(score_responses(fn, [text], scored).rewards[0]) == want
+    assert ex.meta == {"extra_info": {"index": 7}}  # the data set's example is not changed

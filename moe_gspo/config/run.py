@@ -193,9 +193,6 @@ class RolloutConfig:
         if self.tools and self.max_turns < 2:
             raise ConfigError(f"rollout.tools with rollout.max_turns={self.max_turns}: a tool's result needs a turn "
                               "after the call; set rollout.max_turns >= 2")
-        if self.tools and self.engine_tp > 1:
-            raise ConfigError(f"rollout.tools with rollout.engine_tp={self.engine_tp}: every rank of a tensor-parallel "
-                              "engine would run the tools; multi-turn episodes run on engines of one rank")
         choice(self, "tool_prompt", ("auto", "system", "template"))
         if self.max_episode_tokens < 0:
             raise ConfigError(f"rollout.max_episode_tokens={self.max_episode_tokens} must be >= 0")

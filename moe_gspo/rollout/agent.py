@@ -26,6 +26,10 @@ from the next turn's prefill, which is the first forward to see it (its rows are
 token is the forward that produced it). Only the new rows of each prefill are kept: a prefix's rows are never
 taken twice.
 
+On an engine tensor-parallel over several ranks, all of which run generate() together, the tools run on its first
+rank and their results are broadcast to the others (share_tools): a tool runs once, and every rank appends the same
+ids.
+
 A tool that raises, hangs past rollout.tool_timeout_s, returns a non-string or is called malformed answers with a
 tool message saying so, and the episode goes on; each is counted in the episode's record (RolloutBatch.episodes).
 
@@ -39,12 +43,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from moe_gspo.config import UserError
 from moe_gspo.rollout import base
 from moe_gspo.rollout.base import SamplingParams
 from moe_gspo.rollout.batch import RolloutBatch
-from moe_gspo.rollout.tools import Tool, parse_tool_calls, run_tool_call, tool_schemas
+from moe_gspo.rollout.tools import Tool, ToolCall, ToolResult, parse_tool_calls, run_tool_call, tool_schemas
 
 PROBE_USER = {"role": "user", "content": "q"}
 SEED_STRIDE = 7_919  # each turn's sampler seed: the step's seed + turn x this
@@ -97,6 +102,7 @@ class MultiTurnEngine:
         self.strict_template = strict_template
         self.opening = self._render([PROBE_USER], True)  # the probe conversation up to the assistant's first turn
         self.stop_ids = set(getattr(tok, "stop_ids", ()) or (tok.eos_id,))
+        self.group, self.src = None, 0  # share_tools
 
     @classmethod
     def from_config(cls, inner, rollout_cfg, tok, tools: list[Tool]) -> MultiTurnEngine:
@@ -125,7 +131,10 @@ class MultiTurnEngine:
                                 dict(turns=1, tool_calls=0, tool_failures=0, malformed_calls=0, timeouts=0,
                                      template_mismatch=0, calls_past_max_turns=0)))
         for turn in range(1, self.max_turns + 1):
-            going = [e for e in eps if self._answer_tools(e, turn, budget)]
+            calling = [(e, *c) for e in eps if (c := self._calls(e, turn)) is not None]
+            results = self._run_calls([calls for _, calls, _ in calling])
+            going = [e for (e, calls, errors), res in zip(calling, results)
+                     if self._answer_tools(e, turn, budget, calls, errors, res)]
             if not going:
                 break
             turn_sp = dataclasses.replace(sp, seed=None if sp.seed is None else sp.seed + SEED_STRIDE * turn,
@@ -136,24 +145,52 @@ class MultiTurnEngine:
                 self._extend(e, nxt, j, turn)
         return self._batch(first, eps, routed)
 
-    def _answer_tools(self, e: _Episode, turn: int, budget: int) -> bool:
-        """Run the tool calls of the episode's last response and append the tool messages and the next generation
-        prompt as ids; False (and nothing appended) when the episode is over."""
+    def _last_turn(self, e: _Episode, turn: int) -> list[int]:
+        return [t for t, m, k in zip(e.ids, e.mask, e.turns) if m and k == turn - 1]
+
+    def _calls(self, e: _Episode, turn: int) -> tuple[list[ToolCall], list[str]] | None:
+        """The calls and malformed calls of the episode's last response; None (the episode over) when it holds none,
+        was cut off, or was the last turn allowed."""
         if e.finish != "stop" or e.done:
-            return False
-        last = [t for t, m, k in zip(e.ids, e.mask, e.turns) if m and k == turn - 1]
-        text = self.tok.decode(last, skip_special=False)
-        calls, errors = parse_tool_calls(text)
+            return None
+        calls, errors = parse_tool_calls(self.tok.decode(self._last_turn(e, turn), skip_special=False))
         if not calls and not errors:
             e.done = True
-            return False
+            return None
         if turn >= self.max_turns:
             e.record["calls_past_max_turns"] += len(calls) + len(errors)
             e.done = True
-            return False
+            return None
+        return calls, errors
+
+    def _run_calls(self, calls: list[list[ToolCall]]) -> list[list[ToolResult]]:
+        """Each episode's tool results. On an engine of several ranks (share_tools) the engine's first rank runs
+        the tools and sends the results to the others, whose episodes are the same: a tool runs once, and every
+        rank appends the same ids whatever the tool does (a clock, a timeout, a side effect)."""
+        if self.group is None or dist.get_rank() == self.src:
+            out = [[run_tool_call(c, self.tools, self.tool_timeout_s, max_chars=self.tool_output_max_chars)
+                    for c in cs] for cs in calls]
+        else:
+            out = None
+        if self.group is not None:
+            box = [out]
+            dist.broadcast_object_list(box, src=self.src, group=self.group)
+            out = box[0]
+        return out
+
+    def share_tools(self, group, src: int) -> None:
+        """Run the tools on rank `src` alone and broadcast their results over `group`, the ranks of one
+        tensor-parallel engine (all of which run generate() together); None: run them here."""
+        self.group, self.src = group, src
+
+    def _answer_tools(self, e: _Episode, turn: int, budget: int, calls: list[ToolCall], errors: list[str],
+                      answers: list[ToolResult]) -> bool:
+        """Append the tool messages of the episode's last response (`answers` to its `calls`, then its malformed
+        `errors`) and the next generation prompt as ids; False (and nothing appended) when that would pass the
+        episode's token budget."""
+        last = self._last_turn(e, turn)
         results = []
-        for call in calls:
-            res = run_tool_call(call, self.tools, self.tool_timeout_s, max_chars=self.tool_output_max_chars)
+        for call, res in zip(calls, answers):
             e.record["tool_calls"] += 1
             e.record["tool_failures"] += not res.ok
             e.record["timeouts"] += res.error == "timeout"

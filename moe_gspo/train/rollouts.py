@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from moe_gspo.rollout import RolloutEngine, SamplingParams
 from moe_gspo.rollout.batch import RolloutBatch
+from moe_gspo.rollout.agent import MultiTurnEngine
 from moe_gspo.rollout.placement import EnginePlacement
 
 PromptsOf = Callable[[int], tuple[list[list[int]], SamplingParams]]
@@ -61,6 +62,8 @@ class ColocatedRollouts(Rollouts):
 
     def __init__(self, engine: RolloutEngine, placement: EnginePlacement, engine_tp: int, dp_rank: int):
         self.engine, self.placement, self.engine_tp, self.dp_rank = engine, placement, engine_tp, dp_rank
+        if isinstance(engine, MultiTurnEngine) and placement.replica_group is not None:
+            engine.share_tools(placement.replica_group, placement.replica[0])  # the tools run on its first rank
 
     def batch(self, step: int, prompts_of: PromptsOf, n_per_prompt: int) -> tuple[RolloutBatch, dict[str, float]]:
         return self.generate(prompts_of, n_per_prompt), {}

@@ -23,10 +23,12 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from moe_gspo.config import Config, ConfigError
 from moe_gspo.model.weights import weights_of
 from moe_gspo.rollout import engine_class
+from moe_gspo.rollout.agent import MultiTurnEngine
 from moe_gspo.rollout.batch import RolloutBatch
 from moe_gspo.rollout.bridge import BatchLink, Hello, Roles, exchange
 from moe_gspo.rollout.placement import assign_engines
@@ -187,6 +189,10 @@ def serve(cfg: Config, roles: Roles) -> None:
     else:
         remote = PushedWeights(roles, cfg.model, push_dtype(cfg), bucket_bytes(cfg), version=start)
     engine = engine_from_config(cfg.rollout, remote, tokenizer=tok)
+    if tp > 1 and isinstance(engine, MultiTurnEngine):  # the tools run on each engine's first rank
+        blocks = [list(range(i, i + tp)) for i in range(0, dist.get_world_size(), tp)]
+        groups = [dist.new_group(b) for b in blocks]  # every engine rank creates every group, in order
+        engine.share_tools(groups[roles.engine_index // tp], blocks[roles.engine_index // tp][0])
     on_cuda = float(torch.device(getattr(engine, "device", "cpu")).type == "cuda")  # where it generates
     version = start
     link = BatchLink(roles)

@@ -173,15 +173,6 @@ def template_shows_tools(tok, schemas: list[dict]) -> bool:
     return tok.render_chat(probe, tools=schemas) != tok.render_chat(probe, tools=None)
 
 
-def with_system(messages: list[dict], text: str) -> list[dict]:
-    """`messages` with `text` as their system message: appended to the first message's content when that is a
-    system message, else a system message put in front."""
-    if messages and messages[0].get("role") == "system":
-        first = dict(messages[0], content=f"{messages[0].get('content') or ''}\n\n{text}")
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
 # --------------------------------------------------------------------------------------------------------- parsing
 
 

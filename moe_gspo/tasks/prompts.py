@@ -35,6 +35,15 @@ def check_chat_template(tok, example: Example, chat_template: str) -> None:
                           "tokenizer has one (model.init_from), or give string prompts")
 
 
+def with_system(messages: list[dict], text: str) -> list[dict]:
+    """`messages` with `text` as their system message: appended to the first message's content when that is a
+    system message, else a system message put in front."""
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0], content=f"{messages[0].get('content') or ''}\n\n{text}")
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
 def encode_prompt(tok, example: Example, chat_template: str = "auto", template_kwargs: dict | None = None,
                   system: str | None = None) -> list[int]:
     """The ids the engine is given for `example`'s prompt (see the module docstring). `system`: text a templated
@@ -44,8 +53,6 @@ def encode_prompt(tok, example: Example, chat_template: str = "auto", template_k
         return tok.encode(example.prompt, bos=True)
     check_chat_template(tok, example, chat_template)
     if system:
-        from moe_gspo.rollout.tools import with_system
-
         messages = with_system(messages, system)
     try:
         return tok.apply_chat_template(messages, **(template_kwargs or {}))

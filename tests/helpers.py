@@ -227,3 +227,38 @@ def trainer_logprobs_and_routing(policy, pb) -> tuple[torch.Tensor, torch.Tensor
     B, T = pb.input_ids.shape
     routing = cap.stacked().reshape(B, T, *cap.stacked().shape[1:]).sort(-1).values
     return token_logprobs_from_logits(logits, pb.input_ids), routing
+
+
+SCRIPT_L, SCRIPT_K = 2, 2  # the scripted engine's layers and experts per token
+
+
+class ScriptedEngine:
+    """A rollout engine that answers each prompt with the next scripted response (text, then eos), with log-prob
+    -0.5 per token and routes that name the position of the forward that produced them, so that alignment shows."""
+
+    def __init__(self, tok, script: list[str]):
+        self.tok, self.script, self.calls = tok, list(script), []
+
+    def generate(self, prompts, n_per_prompt=1, sampling=None):
+        from moe_gspo.rollout.batch import RolloutBatch
+
+        self.calls.append([list(p) for p in prompts])
+        text = self.script.pop(0)
+        prompt_ids, resp, routes, prompt_routes = [], [], [], []
+        for p in prompts:
+            for _ in range(n_per_prompt):
+                r = torch.tensor(self.tok.encode(text) + [self.tok.eos_id])
+                P = len(p)
+                prompt_ids.append(torch.tensor(p))
+                resp.append(r)
+                prompt_routes.append(position_routes(range(P - 1)))
+                routes.append(position_routes(range(P - 1, P - 1 + r.numel())))
+        n = len(resp)
+        return RolloutBatch(prompt_ids, resp, [torch.full((x.numel(),), -0.5) for x in resp], ["stop"] * n,
+                            torch.arange(n), torch.arange(n) // n_per_prompt, routes, prompt_routes)
+
+
+def position_routes(positions) -> torch.Tensor:
+    """(len, L, K) uint8 rows whose values are the position modulo 251."""
+    pos = torch.tensor(list(positions), dtype=torch.long)
+    return (pos % 251).to(torch.uint8)[:, None, None].expand(-1, SCRIPT_L, SCRIPT_K).clone()

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from test_multiturn import ScriptedEngine  # noqa: E402 (the tests' folder)
+from helpers import ScriptedEngine  # noqa: E402 (the tests' folder)
 
 from moe_gspo.rollout.agent import MultiTurnEngine  # noqa: E402
 from moe_gspo.rollout.base import SamplingParams  # noqa: E402

@@ -87,3 +87,42 @@ def test_gsm_symbolic_is_split_by_template_and_tests_on_the_gsm8k_originals(tmp_
         gold = r["reward_model"]["ground_truth"]
         assert reward(f"so \\boxed{{{gold}}}", Example(r["prompt"], gold)) == 1.0
     assert len(train) == 2 * len(train_t)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None or importlib.util.find_spec("pytz") is None,
+                    reason="reasoning-gym is not installed (bash scripts/get_real_model.sh)")
+def test_arithmetic_with_a_tool_demonstrates_a_call_that_computes_the_answer(tmp_path):
+    """--tool calculate: every row's `demo` is a call the rollout's parser reads, of the example calculator on the
+    row's expression, and the calculator's answer is the row's gold answer."""
+    from moe_gspo.rollout.tools import load_tools, parse_tool_calls, run_tool_call
+
+    assert prepare_real_tasks.main(["arithmetic", "--digits", "3", "--tool", "calculate", "--out", str(tmp_path),
+                                    "--train", "100", "--test", "20", "--pool", "1000"]) == 0
+    tools = load_tools([str(ROOT / "examples/tools/calculator.py") + ":calculate"])
+    for split in ("train", "test"):
+        for r in _rows(tmp_path / f"{split}.parquet"):
+            calls, errors = parse_tool_calls(r.pop("demo"))
+            _verl(r, split)
+            assert r["prompt"][0]["content"].endswith(prepare_real_tasks.TOOL_INSTRUCTION) and not errors
+            assert calls[0].arguments == {"expression": r["extra_info"]["expression"]}
+            assert run_tool_call(calls[0], tools, None).content == r["reward_model"]["ground_truth"]
+    assert json.loads((tmp_path / "split.json").read_text())["tool"] == "calculate"
+
+
+def test_the_real_model_summary_recomputes_the_registered_figures():
+    """scripts/real_model_summary.py on a hand-made metrics.jsonl: accuracies with Wilson intervals, the gain with
+    Newcombe's interval, the reward and multiturn means over each end's window, the median phase times."""
+    import real_model_summary
+    from moe_gspo.report.stats import newcombe
+
+    rows = [{"step": 0, "eval/accuracy": 0.2, "eval/prompts": 100}]
+    for s in range(1, 9):
+        rows.append({"step": s, "reward/mean": s / 10, "multiturn/tool_calls": 1.0 - s / 100, "time/train": float(s),
+                     **({"eval/accuracy": 0.5, "eval/prompts": 100} if s == 8 else {})})
+    out = real_model_summary.summary(rows, window=3)
+    g = newcombe(50, 100, 20, 100)
+    assert out["gain"]["difference"] == pytest.approx(0.3) and out["gain"]["newcombe95"] == [g.lo, g.hi]
+    assert out["gain"]["learned"] and [e["step"] for e in out["evaluations"]] == [0, 8]
+    assert out["reward_first"] == pytest.approx(0.2) and out["reward_last"] == pytest.approx(0.7)
+    assert out["multiturn"]["tool_calls"] == pytest.approx([0.98, 0.93])
+    assert out["phase_median_s"] == {"train": 4.5} and out["steps"] == 8

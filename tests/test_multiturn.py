@@ -144,7 +144,7 @@ def test_a_template_that_is_not_append_only_is_counted_or_refused():
 
 def test_without_a_tool_call_an_episode_is_the_single_turn_batch_bitwise():
     """The real hf engine on the tiny policy, with tools: no response calls one, so the episodes equal the engine's
-    own batch (ids, log-probs, routes), all tokens in the loss."""
+    own batch (ids, log-probs, routes), all tokens in the loss, and a loss's gradient from either is the same."""
     import moe_gspo
     from moe_gspo.rollout import engine_from_config
     from moe_gspo.rollout.agent import MultiTurnEngine
@@ -166,6 +166,19 @@ def test_without_a_tool_call_an_episode_is_the_single_turn_batch_bitwise():
     assert all(bool(m.all()) for m in a.loss_mask)
     pa, pb = a.to_padded(), b.to_padded()
     assert torch.equal(pa.response_mask, pb.response_mask) and torch.equal(pa.routing, pb.routing)
+    from moe_gspo.kernels import token_logprobs_from_logits
+    from moe_gspo.losses import build_policy_loss
+
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    grads = []
+    for p in (pa, pb):  # one GSPO and one GRPO loss's gradient, from each batch
+        policy.zero_grad()
+        logp = token_logprobs_from_logits(policy(p.input_ids), p.input_ids)
+        loss = sum(build_policy_loss(name)(logp, p.engine_logprobs, adv, p.response_mask)[0]
+                   for name in ("gspo", "grpo"))
+        loss.backward()
+        grads.append([q.grad.clone() for q in policy.parameters() if q.grad is not None])
+    assert grads[0] and all(torch.equal(x, y) for x, y in zip(*grads))
 
 
 def test_a_training_run_with_tools_logs_the_episodes(tmp_path):

@@ -6,6 +6,7 @@ sampler state, and `data_position` in a checkpoint is just the next step.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,12 +58,16 @@ def tool_system(tok, rollout_cfg) -> str | None:
     the chat template renders nothing of `tools=` (SmolLM2's, Mixtral's), 'template' never; None without tools."""
     if not rollout_cfg.tools or rollout_cfg.tool_prompt == "template" or not hasattr(tok, "render_chat"):
         return None
+    return _tool_system(tok, tuple(rollout_cfg.tools), rollout_cfg.tool_prompt)
+
+
+@functools.lru_cache(maxsize=8)
+def _tool_system(tok, tools: tuple[str, ...], mode: str) -> str | None:
+    """tool_system's answer, once per tokenizer and tools (the data load encodes every row)."""
     from moe_gspo.rollout.tools import configured_tools, template_shows_tools, tool_schemas, tool_system_message
 
-    schemas = tool_schemas(configured_tools(rollout_cfg.tools))
-    if rollout_cfg.tool_prompt == "auto" and template_shows_tools(tok, schemas):
-        return None
-    return tool_system_message(schemas)
+    schemas = tool_schemas(configured_tools(list(tools)))
+    return None if mode == "auto" and template_shows_tools(tok, schemas) else tool_system_message(schemas)
 
 
 def prompt_ids(tok, example: Example, rollout_cfg) -> list[int]:

@@ -233,8 +233,9 @@ SCRIPT_L, SCRIPT_K = 2, 2  # the scripted engine's layers and experts per token
 
 
 class ScriptedEngine:
-    """A rollout engine that answers each prompt with the next scripted response (text, then eos), with log-prob
-    -0.5 per token and routes that name the position of the forward that produced them, so that alignment shows."""
+    """A rollout engine that answers each prompt with the next scripted response (text, then eos; cut at the
+    sampling's max_new_tokens), with log-prob -0.5 per token and routes that name the position of the forward that
+    produced them, so that alignment shows. A script item that is a list gives each prompt its own text."""
 
     def __init__(self, tok, script: list[str]):
         self.tok, self.script, self.calls = tok, list(script), []
@@ -243,18 +244,22 @@ class ScriptedEngine:
         from moe_gspo.rollout.batch import RolloutBatch
 
         self.calls.append([list(p) for p in prompts])
-        text = self.script.pop(0)
-        prompt_ids, resp, routes, prompt_routes = [], [], [], []
-        for p in prompts:
+        texts = self.script.pop(0)
+        texts = texts if isinstance(texts, list) else [texts] * len(prompts)  # a list: one text per prompt
+        limit = sampling.max_new_tokens if sampling is not None else None
+        prompt_ids, resp, routes, prompt_routes, finish = [], [], [], [], []
+        for p, text in zip(prompts, texts):
             for _ in range(n_per_prompt):
-                r = torch.tensor(self.tok.encode(text) + [self.tok.eos_id])
+                full = self.tok.encode(text) + [self.tok.eos_id]
+                r = torch.tensor(full[:limit])
+                finish.append("length" if r.numel() < len(full) else "stop")
                 P = len(p)
                 prompt_ids.append(torch.tensor(p))
                 resp.append(r)
                 prompt_routes.append(position_routes(range(P - 1)))
                 routes.append(position_routes(range(P - 1, P - 1 + r.numel())))
         n = len(resp)
-        return RolloutBatch(prompt_ids, resp, [torch.full((x.numel(),), -0.5) for x in resp], ["stop"] * n,
+        return RolloutBatch(prompt_ids, resp, [torch.full((x.numel(),), -0.5) for x in resp], finish,
                             torch.arange(n), torch.arange(n) // n_per_prompt, routes, prompt_routes)
 
 

@@ -118,6 +118,29 @@ def test_episodes_stop_at_max_turns_and_at_their_token_budget():
     assert batch.episodes[0]["turns"] == 1 and batch.finish_reasons[0] == "length"
 
 
+def test_each_episode_samples_its_next_turn_up_to_its_own_token_budget():
+    """Episodes of one batch that have used different parts of their budget each get their own room for the next
+    turn: a long first turn cuts its own episode's second turn (finish 'length', ids and routes at the budget), not
+    its neighbour's."""
+    from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.tasks.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "go"}])
+    long_call = CALL + " " + "x" * 20
+    answer = "It is 5."
+    _, probe = episode_engine(tok, [CALL, answer])
+    short = probe.generate([prompt], 1, SamplingParams(max_new_tokens=200, seed=0)).response_ids[0].numel()
+    budget = short + 15  # the long call is 21 tokens longer: its episode has room for 3 tokens of its answer
+    _, engine = episode_engine(tok, [[CALL, long_call], answer], max_episode_tokens=budget)
+    batch = engine.generate([prompt, prompt], 1, SamplingParams(max_new_tokens=200, seed=0))
+    assert batch.finish_reasons == ["stop", "length"]
+    assert tok.decode(batch.response_ids[0].tolist()).endswith(answer)
+    assert batch.response_ids[0].numel() == short and batch.response_ids[1].numel() == budget
+    assert all(r.shape[0] == ids.numel() for r, ids in zip(batch.routed_experts, batch.response_ids))
+    assert [e["turns"] for e in batch.episodes] == [2, 2]
+
+
 def test_a_template_that_is_not_append_only_is_counted_or_refused():
     import pytest
 

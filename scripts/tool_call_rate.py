@@ -5,8 +5,8 @@ generate; counted are the responses that write <tool_call> and those whose calls
     python scripts/tool_call_rate.py data/real/smollm2-135m-instruct data/real/gsm_symbolic/test.parquet \\
         examples/tools/calculator.py:calculate --n 20 [--json out.json]
 
-The system message (moe_gspo.rollout.tools.tool_system_message, as rollout.tool_prompt gives it in training) goes in
-front of the prompt's own messages, since a chat template that ignores `tools=` (as SmolLM2's does) shows the model
+The system message (moe_gspo.rollout.tools.tool_system_message, as rollout.tool_prompt gives it in training) is added
+to the prompt's own (moe_gspo.tasks.prompts.with_system), since a chat template that ignores `tools=` (as SmolLM2's does) shows the model
 nothing of them otherwise.
 """
 
@@ -33,15 +33,16 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moe_gspo.rollout.tools import load_tools, parse_tool_calls, tool_schemas, tool_system_message
+    from moe_gspo.tasks.prompts import with_system
 
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     schemas = tool_schemas(load_tools(args.tools))
-    system = tool_system_message(schemas)  # what training's rollout.tool_prompt puts in front of the prompt
+    system = tool_system_message(schemas)  # what training's rollout.tool_prompt adds to the prompt
     rows = pd.read_parquet(args.data) if args.data.endswith(".parquet") else pd.read_json(args.data, lines=True)
     out, tagged, parsed, t0 = [], 0, 0, time.perf_counter()
     for i in range(min(args.n, len(rows))):
-        messages = [{"role": "system", "content": system}] + [dict(m) for m in rows.iloc[i]["prompt"]]
+        messages = with_system([dict(m) for m in rows.iloc[i]["prompt"]], system)
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True,
                                       tools=schemas)["input_ids"]
         with torch.no_grad():

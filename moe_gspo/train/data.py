@@ -56,7 +56,7 @@ def template_kwargs(rollout_cfg) -> dict:
 def tool_system(tok, rollout_cfg) -> str | None:
     """The system message text that names rollout.tools, under rollout.tool_prompt: 'system' always, 'auto' when
     the chat template renders nothing of `tools=` (SmolLM2's, Mixtral's), 'template' never; None without tools."""
-    if not rollout_cfg.tools or rollout_cfg.tool_prompt == "template" or not hasattr(tok, "render_chat"):
+    if not rollout_cfg.tools or rollout_cfg.tool_prompt == "template":
         return None
     return _tool_system(tok, tuple(rollout_cfg.tools), rollout_cfg.tool_prompt)
 

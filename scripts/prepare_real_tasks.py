@@ -16,8 +16,9 @@ versions), one row per problem in verl's layout:
   negative operands), asked as "Answer with just the number." and scored by the `last_number` reward. A pool of
   distinct expressions is drawn, shuffled, and cut: the test rows' expressions are never in the train rows.
   SmolLM2-135M-Instruct answers 21% of them greedily (docs/real-model.md).
-  With --tool NAME, the prompts ask to use the calculator and each row's `demo` column holds the call (Hermes/Qwen
-  format) of tool NAME on the row's expression: the demonstrations of a cold start (configs/real_smollm2_tool_cpu.yaml).
+  With --tool NAME, the prompts ask to use the calculator and each row's `demo` column holds the episode a cold
+  start teaches (configs/real_smollm2_tool_cpu.yaml): the call (Hermes/Qwen format) of tool NAME on the row's
+  expression, the tool's answer (the calculator's result, which is the gold answer) and the reply, the number.
 - gsm_symbolic: the 100 GSM-Symbolic templates split by template. Train rows are variants generated from the train
   templates (less 18 whose generator runs for minutes: SLOW_TEMPLATES); test rows are the GSM8K test originals of the other templates (and, in test_variants.parquet,
   variants of them). No template is on both sides. Prompts are the package's English instruction (the answer in
@@ -96,9 +97,13 @@ def arithmetic(args) -> tuple[dict[str, list[dict]], dict]:
     rows = {split: [verl_row("reasoning_gym/basic_arithmetic", f"{it['question']} {instruction}",
                              it["answer"], split, i, question=it["question"], expression=it["metadata"]["expression"])
                     for i, it in enumerate(items)] for split, items in (("train", train), ("test", test))}
-    if args.tool:  # the call a cold start teaches: the expression as the question writes it
+    if args.tool:  # the episode a cold start teaches: the call on the expression, the result, the answer
         for r in rows["train"] + rows["test"]:
-            r["demo"] = tool_call_text(args.tool, {"expression": r["extra_info"]["expression"]})
+            answer = r["reward_model"]["ground_truth"]
+            r["demo"] = [{"role": "assistant", "content": tool_call_text(args.tool,
+                                                                        {"expression": r["extra_info"]["expression"]})},
+                         {"role": "tool", "name": args.tool, "content": answer},
+                         {"role": "assistant", "content": answer}]
     meta = {"task": "arithmetic", "package": "reasoning-gym", "version": importlib.metadata.version("reasoning-gym"),
             "generator": "basic_arithmetic", "terms": args.terms, "digits": args.digits, "seed": args.seed,
             "distinct_expressions": len(pool), "train": len(train), "test": len(test),

@@ -74,6 +74,59 @@ def test_an_episode_is_the_chatml_templates_rendering_of_the_conversation(tmp_pa
     assert ids == tok.encode(rendered)[:-1]  # the template's own tokens, up to the final newline
 
 
+@pytest.mark.parametrize("tokenizer", ["chars", "chatml"])
+def test_a_multi_message_demonstration_is_the_episode_a_rollout_of_its_turns_holds(tmp_path, tokenizer):
+    """A cold start's demonstration of call, tool message and answer lays out the ids a rollout of the same two
+    turns holds (the agent loop's, with the real tool), and trains on exactly the rollout's loss mask."""
+    from hf_fixtures import char_tokenizer
+
+    from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.rollout.tools import load_tools, tool_schemas
+    from moe_gspo.tasks.base import Example
+    from moe_gspo.tasks.sft import demonstration_batch
+    from moe_gspo.tasks.tokenizer import CharTokenizer, HFTokenizer
+
+    if tokenizer == "chatml":
+        char_tokenizer().save_pretrained(str(tmp_path))
+    tok = HFTokenizer(str(tmp_path)) if tokenizer == "chatml" else CharTokenizer()
+    user = [{"role": "user", "content": "2+3?"}]
+    _, engine = episode_engine(tok, [CALL, "It is 5."])
+    batch = engine.generate([tok.apply_chat_template(user)], 1, SamplingParams(max_new_tokens=200, seed=0))
+    demo = [{"role": "assistant", "content": CALL}, {"role": "tool", "name": "add", "content": "5"},
+            {"role": "assistant", "content": "It is 5."}]
+    ex = Example("2+3?", "5", demonstration=demo, messages=user)
+    ids, mask = demonstration_batch([ex], tok, prompt_ids=lambda e: tok.apply_chat_template(e.messages),
+                                    tools=tool_schemas(load_tools([f"{TOOLS}:add"])))
+    pb = batch.to_padded()
+    assert ids[0].tolist() == pb.input_ids[0].tolist()
+    assert mask[0].tolist() == pb.response_mask[0].tolist()
+    assert ex.completion == "It is 5."
+
+
+@pytest.mark.parametrize("demo, needle", [
+    ([{"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"}], "message 0 is a tool message"),
+    ([{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}], "both assistant turns"),
+    ([{"role": "assistant", "content": "a"}, {"role": "tool", "content": "5"}], "ends with an assistant turn"),
+    ([{"role": "assistant", "content": "a"}, {"role": "user", "content": "5"}], "has role 'user'"),
+    ([{"role": "assistant", "content": 5}], "message 0 must be"),
+    (7, "must be a string or a list of chat messages"),
+])
+def test_a_demonstration_that_is_no_episode_is_refused_at_load_naming_its_line(tmp_path, demo, needle):
+    import json
+
+    from moe_gspo.tasks.datasets import DatasetError, load_examples
+
+    good = {"prompt": "2+3?", "answer": "5", "demo": [{"role": "assistant", "content": "5"}]}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(dict(good, demo=demo)) + "\n")
+    with pytest.raises(DatasetError, match=needle) as e:
+        load_examples(path, demonstration_field="demo")
+    assert f"{path}:2" in str(e.value) and "'demo'" in str(e.value)
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text(json.dumps(good) + "\n")
+    assert load_examples(ok, demonstration_field="demo")[0].demonstration == good["demo"]
+
+
 def test_failing_tools_and_malformed_calls_answer_with_a_tool_message_and_the_episode_goes_on():
     import time
 

@@ -92,8 +92,9 @@ def test_gsm_symbolic_is_split_by_template_and_tests_on_the_gsm8k_originals(tmp_
 @pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None or importlib.util.find_spec("pytz") is None,
                     reason="reasoning-gym is not installed (bash scripts/get_real_model.sh)")
 def test_arithmetic_with_a_tool_demonstrates_a_call_that_computes_the_answer(tmp_path):
-    """--tool calculate: every row's `demo` is a call the rollout's parser reads, of the example calculator on the
-    row's expression, and the calculator's answer is the row's gold answer."""
+    """--tool calculate: every row's `demo` is an episode: a call the rollout's parser reads, of the example
+    calculator on the row's expression, the calculator's answer as the tool's message, and the gold answer, which
+    that answer is."""
     from moe_gspo.rollout.tools import load_tools, parse_tool_calls, run_tool_call
 
     assert prepare_real_tasks.main(["arithmetic", "--digits", "3", "--tool", "calculate", "--out", str(tmp_path),
@@ -101,11 +102,15 @@ def test_arithmetic_with_a_tool_demonstrates_a_call_that_computes_the_answer(tmp
     tools = load_tools([str(ROOT / "examples/tools/calculator.py") + ":calculate"])
     for split in ("train", "test"):
         for r in _rows(tmp_path / f"{split}.parquet"):
-            calls, errors = parse_tool_calls(r.pop("demo"))
+            call, tool, reply = r.pop("demo")
+            calls, errors = parse_tool_calls(call["content"])
             _verl(r, split)
             assert r["prompt"][0]["content"].endswith(prepare_real_tasks.TOOL_INSTRUCTION) and not errors
             assert calls[0].arguments == {"expression": r["extra_info"]["expression"]}
-            assert run_tool_call(calls[0], tools, None).content == r["reward_model"]["ground_truth"]
+            gold = r["reward_model"]["ground_truth"]
+            assert run_tool_call(calls[0], tools, None).content == tool["content"] == reply["content"] == gold
+            assert (call["role"], tool["role"], tool["name"], reply["role"]) == ("assistant", "tool", "calculate",
+                                                                                "assistant")
     assert json.loads((tmp_path / "split.json").read_text())["tool"] == "calculate"
 
 

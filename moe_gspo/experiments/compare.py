@@ -126,7 +126,7 @@ def cold_start_state(cfg) -> dict:
     from moe_gspo.model.load import init_parallel, load_policy
     from moe_gspo.parallel.state import parallel_info
     from moe_gspo.tasks import task_from_config
-    from moe_gspo.train.data import PromptIds, build_tokenizer, cold_start_plan
+    from moe_gspo.train.data import PromptIds, build_tokenizer, cold_start_plan, template_kwargs
     from moe_gspo.train.optim import release_ddp, wrap_ddp
     from moe_gspo.train.step import cold_start
 
@@ -140,7 +140,8 @@ def cold_start_state(cfg) -> dict:
     if steps:
         ddp = wrap_ddp(policy, cfg.train.distributed_optimizer)
         tok = build_tokenizer(cfg)
-        cold_start(policy, ddp, cfg.train, task, tok, info.dp, info.dp_rank, prompt_ids=PromptIds(cfg, tok))
+        cold_start(policy, ddp, cfg.train, task, tok, info.dp, info.dp_rank, prompt_ids=PromptIds(cfg, tok),
+                   tools=template_kwargs(cfg.rollout).get("tools"))
         release_ddp(ddp)
     return {k: v.detach().clone().contiguous() for k, v in policy.full_megatron_state().items()}
 

@@ -14,7 +14,7 @@ starts with the shorter one plus the sampled text as the model wrote it; where i
 earlier reasoning, some templates re-space), the difference is taken after the template's own render of the
 assistant message, counted as multiturn/template_mismatch, and refused with rollout.strict_template. When the
 template renders the turn's end token itself (ChatML's <|im_end|>) and the response ended with it, it is not
-appended twice.
+appended twice (moe_gspo.tasks.prompts.turn_ids, which the cold start's multi-message demonstrations use too).
 
 Masks. RolloutBatch.loss_mask is True on the sampled tokens only: the loss, its length normalization (GSPO's
 sequence mean, GRPO's token mean), the KL term and the rollout correction all run over response_mask, which is the
@@ -50,8 +50,8 @@ from moe_gspo.rollout import base
 from moe_gspo.rollout.base import SamplingParams
 from moe_gspo.rollout.batch import RolloutBatch
 from moe_gspo.rollout.tools import Tool, ToolCall, ToolResult, parse_tool_calls, run_tool_call, tool_schemas
+from moe_gspo.tasks.prompts import turn_ids
 
-PROBE_USER = {"role": "user", "content": "q"}
 SEED_STRIDE = 7_919  # each turn's sampler seed: the step's seed + turn x this
 
 
@@ -100,7 +100,6 @@ class MultiTurnEngine:
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.tool_timeout_s, self.tool_output_max_chars = tool_timeout_s, tool_output_max_chars
         self.strict_template = strict_template
-        self.opening = self._render([PROBE_USER], True)  # the probe conversation up to the assistant's first turn
         self.stop_ids = set(getattr(tok, "stop_ids", ()) or (tok.eos_id,))
         self.group, self.src = None, 0  # share_tools
 
@@ -214,28 +213,17 @@ class MultiTurnEngine:
 
     def _tool_ids(self, last: list[int], results: list[dict], ended_with_stop: bool, e: _Episode) -> list[int]:
         """The ids that follow the turn's sampled ids: the template's rendering of the tool messages and the next
-        generation prompt (module docstring)."""
+        generation prompt (module docstring, moe_gspo.tasks.prompts.turn_ids)."""
         sampled = self.tok.decode(last[:-1] if ended_with_stop else last, skip_special=False)
-        assistant = {"role": "assistant", "content": sampled}
-        opened = self.opening + sampled
-        full = self._render([PROBE_USER, assistant, *results], True)
-        if full.startswith(opened):
-            delta = full[len(opened):]
-        else:
+        ids, rendered = turn_ids(self.tok, sampled, results, self.schemas, last[-1] if ended_with_stop else None)
+        if rendered is not None:
             e.record["template_mismatch"] += 1
             if self.strict_template:
                 raise TemplateMismatch(
                     f"rollout.strict_template: the chat template renders the assistant's turn otherwise than the "
-                    f"engine sampled it (rendered {full[len(self.opening):][:60]!r}, sampled "
-                    f"{sampled[:60]!r}); set rollout.strict_template=false to count such turns instead")
-            delta = full[len(self._render([PROBE_USER, assistant], False)):]
-        ids = self.tok.encode(delta)
-        if ended_with_stop and ids and ids[0] == last[-1]:
-            ids = ids[1:]  # the template's own end of turn, which the engine already sampled
+                    f"engine sampled it (rendered {rendered[:60]!r}, sampled {sampled[:60]!r}); set "
+                    "rollout.strict_template=false to count such turns instead")
         return ids
-
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tok.render_chat(messages, tools=self.schemas, add_generation_prompt=add_generation_prompt)
 
     def _extend(self, e: _Episode, nxt: RolloutBatch, j: int, turn: int, room: int) -> None:
         """Append turn `turn`'s response (row j of `nxt`), cut to `room` tokens (then finished by length), and, for

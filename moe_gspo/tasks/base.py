@@ -21,15 +21,19 @@ class Example:
     """Gold answer the reward compares against."""
     meta: dict = field(default_factory=dict, compare=False, hash=False)
     """Task-specific data the reward needs (countdown: numbers, target)."""
-    demonstration: str | None = None
-    """Gold completion for supervised cold start; None means `answer`."""
+    demonstration: str | list | None = field(default=None, hash=False)
+    """Gold completion for supervised cold start; None means `answer`. A list: the episode's assistant and tool
+    messages ([{"role": "assistant", ...}, {"role": "tool", ...}, ..., {"role": "assistant", ...}])."""
     messages: list | None = field(default=None, compare=False, hash=False)
     """A chat prompt as the data set holds it: [{"role": ..., "content": ...}, ...]; the tokenizer's chat template
     turns it into ids (rollout.chat_template). None: `prompt` is used as it is."""
 
     @property
     def completion(self) -> str:
-        return self.answer if self.demonstration is None else self.demonstration
+        """The demonstration's text: its last assistant turn when it is a list of messages."""
+        if self.demonstration is None:
+            return self.answer
+        return self.demonstration if isinstance(self.demonstration, str) else self.demonstration[-1]["content"]
 
 
 def in_heldout(prompt: str, fraction: float) -> bool:

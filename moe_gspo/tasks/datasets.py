@@ -7,7 +7,8 @@ Files: .jsonl (JSON lines), .json (an array of rows, or JSON lines as `datasets.
 .parquet, or a folder of .parquet shards (read in name order). Each row is an object whose prompt column is a
 non-empty string or a list of chat messages ({"role": str, "content": str}), and whose answer (a column, or a
 dotted path into one: verl's `reward_model.ground_truth`) is a string or a number. The optional demonstration
-column gives the cold start's completion. Every other column reaches the reward in `Example.meta` (verl's
+column gives the cold start's completion: a string, or for episodes with tools a list of assistant and tool messages
+(the assistant's call, the tool's answer, the assistant's reply). Every other column reaches the reward in `Example.meta` (verl's
 `data_source` and `extra_info`, TRL's extra columns). Any other shape raises DatasetError naming the file and the
 line (JSON lines, 1-based) or row (parquet and JSON arrays, 1-based). Parquet needs `pyarrow`.
 """
@@ -54,6 +55,30 @@ def _messages(prompt, where: str, field: str) -> list[dict] | None:
     return out
 
 
+def _demo_messages(demo, where: str, field: str) -> list[dict]:
+    """A multi-message demonstration: assistant turns with the tool messages between them (an assistant message,
+    then one or more tool messages and an assistant message, any number of times); DatasetError otherwise."""
+    if not isinstance(demo, (list, tuple)) or not demo:
+        raise DatasetError(f"{where}: field {field!r} must be a string or a list of chat messages, got "
+                           f"{type(demo).__name__}")
+    messages = _messages(demo, where, field)
+    roles = [m["role"] for m in messages]
+    for j, role in enumerate(roles):
+        if role not in ("assistant", "tool"):
+            raise DatasetError(f"{where}: field {field!r} message {j} has role {role!r}; a demonstration holds "
+                               "assistant and tool messages only (the prompt holds the rest)")
+        if role == "assistant" and j and roles[j - 1] == "assistant":
+            raise DatasetError(f"{where}: field {field!r} messages {j - 1} and {j} are both assistant turns; "
+                               "a tool message must answer a turn before the next one")
+        if role == "tool" and (not j or roles[j - 1] not in ("assistant", "tool")):
+            raise DatasetError(f"{where}: field {field!r} message {j} is a tool message before any assistant turn")
+    if roles[0] != "assistant" or roles[-1] != "assistant":
+        which = 0 if roles[0] != "assistant" else len(roles) - 1
+        raise DatasetError(f"{where}: field {field!r} message {which} is a {roles[which]} message; a "
+                           "demonstration starts and ends with an assistant turn")
+    return messages
+
+
 def _row_to_example(row, where: str, prompt_field: str, answer_field: str | None, demo_field: str | None
                     ) -> Example:
     if not isinstance(row, dict):
@@ -75,7 +100,7 @@ def _row_to_example(row, where: str, prompt_field: str, answer_field: str | None
     if demo_field is not None:
         demo = _lookup(row, demo_field)
         if demo is not None and not isinstance(demo, str):
-            raise DatasetError(f"{where}: field {demo_field!r} must be a string, got {type(demo).__name__}")
+            demo = _demo_messages(demo, where, demo_field)
     text = prompt if messages is None else "\n".join(f"{m['role']}: {m['content']}" for m in messages)
     meta = {k: v for k, v in row.items() if k != prompt_field}
     return Example(text, str(answer), meta, demo, messages)

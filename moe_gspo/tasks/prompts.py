@@ -5,6 +5,13 @@
 `chat_template` (rollout.chat_template): 'auto' templates chat-message prompts and encodes strings as they are
 (bos first where the tokenizer has one), 'always' wraps a string as one user message and templates it too, 'none'
 refuses chat-message prompts. The same ids feed the engine, the cold start's demonstrations and `moe-gspo rollout`.
+
+    ids, rendered = turn_ids(tok, sampled_text, [{"role": "tool", "content": "579"}], tools=schemas, end_id=eos)
+
+turn_ids gives the ids that follow an assistant turn in a multi-turn episode: the template's rendering of the tool
+messages and the next generation prompt. The rollout's agent loop (moe_gspo.rollout.agent) appends them after each
+turn that called a tool, and the cold start's multi-message demonstrations (moe_gspo.tasks.sft) put the same ids
+between their assistant turns.
 """
 
 from __future__ import annotations
@@ -87,3 +94,36 @@ def unrendered_roles(tok, roles) -> dict[str, str]:
             out[role] = "the template renders nothing of its messages"
     return out
 
+
+
+PROBE_USER = {"role": "user", "content": "q"}
+
+
+def turn_ids(tok, sampled: str, messages: list[dict], tools: list[dict] | None = None,
+             end_id: int | None = None) -> tuple[list[int], str | None]:
+    """(ids, rendered): the ids that follow an assistant turn whose text is `sampled`, and None, or, where the
+    template is not append-only for it, the template's own text of that turn.
+
+    The template renders a probe conversation (a user message, then the assistant's `sampled` text) once with and
+    once without `messages` (the turn's tool messages) and the next generation prompt, and the difference is
+    encoded. The template is append-only when the longer render starts with the probe's opening plus `sampled` as
+    the model wrote it; where it does not (Qwen3's template drops earlier reasoning, some templates re-space), the
+    difference is taken after the template's render of the assistant message, and `rendered` says how the
+    template wrote the turn. `end_id`: the end-of-turn id the turn was sampled with (ChatML's <|im_end|>), which is
+    not appended again when the template renders it; None when the turn ended otherwise. `tools`: the JSON
+    schemas the template is given (`tools=`)."""
+    def render(msgs, generation_prompt):
+        return tok.render_chat(msgs, tools=tools, add_generation_prompt=generation_prompt)
+
+    assistant = {"role": "assistant", "content": sampled}
+    opened = render([PROBE_USER], True) + sampled
+    full = render([PROBE_USER, assistant, *messages], True)
+    if full.startswith(opened):
+        delta, rendered = full[len(opened):], None
+    else:
+        delta = full[len(render([PROBE_USER, assistant], False)):]
+        rendered = full[len(render([PROBE_USER], True)):]
+    ids = tok.encode(delta)
+    if end_id is not None and ids and ids[0] == end_id:
+        ids = ids[1:]  # the template's own end of turn, which the turn already has
+    return ids, rendered

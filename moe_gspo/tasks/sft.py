@@ -6,17 +6,19 @@
 
 Works with any model object callable as `model(input_ids) -> logits (B, T, V)` (the megatron policy) or returning
 an object with `.logits` (a transformers model), with `.parameters()`. A demonstration is bos + prompt + completion
-+ eos; cross-entropy is taken on the completion and eos tokens only. Sequences are right-padded, so a causal model
++ eos; cross-entropy is taken on the completion and eos tokens only. A multi-message demonstration (assistant
+turns with tool messages between them) is laid out as the rollout's agent loop lays out an episode, and trains on
+the assistant turns alone (completion_ids). Sequences are right-padded, so a causal model
 needs no attention mask and greedy decoding reads each row's logits at its own last position.
 """
 
 from __future__ import annotations
 
-
 import torch
 
 from moe_gspo.config import ConfigError
 from moe_gspo.tasks.base import Example, Task
+from moe_gspo.tasks.prompts import turn_ids
 from moe_gspo.tasks.tokenizer import CharTokenizer
 
 
@@ -30,29 +32,61 @@ def _device(model) -> torch.device:
 
 
 def demonstration_batch(examples: list[Example], tokenizer: CharTokenizer, context: int | None = None,
-                        prompt_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        prompt_ids=None, tools: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids (B, T) int64 right-padded with pad_id, and loss_mask (B, T) bool on completion+eos tokens.
 
     context: the model's model.max_position_embeddings; a demonstration longer than that raises ConfigError naming
     it (the model's forward would fail on the whole batch, deep inside). prompt_ids: `fn(example) -> ids` of the
     prompt as the engine sees it (moe_gspo.tasks.prompts.encode_prompt: chat template included); default bos +
-    the prompt text."""
+    the prompt text. tools: the JSON schemas the chat template is given, for multi-message demonstrations."""
     seqs, masks = [], []
     for ex in examples:
         prompt = prompt_ids(ex) if prompt_ids is not None else tokenizer.encode(ex.prompt, bos=True)
-        completion = tokenizer.encode(ex.completion, eos=True)
+        completion, mask = completion_ids(ex, tokenizer, tools)
         if context is not None and len(prompt) + len(completion) > context:
             shown = repr(ex.prompt[:40]) + ("..." if len(ex.prompt) > 40 else "")
             raise ConfigError(f"cold start: demonstration {shown} has {len(prompt) + len(completion)} tokens (bos + "
                               f"prompt + completion + eos), more than the context model.max_position_embeddings="
                               f"{context}")
         seqs.append(prompt + completion)
-        masks.append([False] * len(prompt) + [True] * len(completion))
+        masks.append([False] * len(prompt) + mask)
     T = max(map(len, seqs))
     ids = torch.full((len(seqs), T), tokenizer.pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), T, dtype=torch.bool)
     for b, (s, m) in enumerate(zip(seqs, masks)):
         ids[b, :len(s)], mask[b, :len(m)] = torch.tensor(s), torch.tensor(m)
+    return ids, mask
+
+
+def completion_ids(example: Example, tokenizer, tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
+    """The ids after the prompt of `example`'s demonstration, and which of them the loss trains on.
+
+    A string: its ids and eos, all trained. A list of messages: each assistant turn's ids and eos (trained), and
+    between two turns the ids the rollout's agent loop appends after a turn that called a tool (the chat
+    template's rendering of the tool messages and the next generation prompt, moe_gspo.tasks.prompts.turn_ids;
+    not trained). So a demonstration episode is the token sequence a rollout of the same turns would hold, with the
+    same loss mask."""
+    demo = example.demonstration
+    if not isinstance(demo, list):
+        ids = tokenizer.encode(example.completion, eos=True)
+        return ids, [True] * len(ids)
+    ids: list[int] = []
+    mask: list[bool] = []
+    tool_messages: list[dict] = []
+    last = None
+    for m in demo:
+        if m["role"] == "tool":
+            tool_messages.append(m)
+            continue
+        if last is not None:
+            between, _ = turn_ids(tokenizer, last, tool_messages, tools, tokenizer.eos_id)
+            ids += between
+            mask += [False] * len(between)
+            tool_messages = []
+        turn = tokenizer.encode(m["content"], eos=True)
+        ids += turn
+        mask += [True] * len(turn)
+        last = m["content"]
     return ids, mask
 
 

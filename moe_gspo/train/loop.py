@@ -216,7 +216,7 @@ class Run:
                 _say(info, f"cold start: {steps} supervised steps on {cfg.rollout.task}")
                 cold_start(policy, ddp, cfg.train, task, tok, info.dp, info.dp_rank,
                            log=data.ColdStartLog(steps) if info.rank == 0 and cfg.logging.progress else None,
-                           prompt_ids=data.PromptIds(cfg, tok))
+                           prompt_ids=data.PromptIds(cfg, tok), tools=data.template_kwargs(cfg.rollout).get("tools"))
         # pi_ref: the weights RL starts from (restored below on resume)
         reference = policy.frozen_copy() if cfg.algorithm.kl_beta > 0 else None
         optim = Optimizer.from_config(ddp, policy, cfg.train, total_steps=cfg.train.steps * cfg.train.minibatches)

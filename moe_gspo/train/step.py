@@ -453,10 +453,12 @@ def _router_shift_ratio(old_router: OldRouterScores, cap: RoutingCapture, old_sr
     return torch.nn.functional.pad(gamma[:, :-1], (1, 0), value=1.0)
 
 
-def cold_start(policy, ddp, tc, task, tok, dp: int, dp_rank: int, log=None, prompt_ids=None) -> list[float]:
+def cold_start(policy, ddp, tc, task, tok, dp: int, dp_rank: int, log=None, prompt_ids=None,
+               tools: list[dict] | None = None) -> list[float]:
     """Supervised fine-tuning on demonstrations (train.cold_start_steps batches of train.cold_start_batch_size,
     split over data-parallel ranks) with its own megatron optimizer at the constant train.cold_start_lr. Prompts
-    are encoded by `prompt_ids(example)` (the rollout's chat template) when given."""
+    are encoded by `prompt_ids(example)` (the rollout's chat template) when given; `tools`: the schemas of
+    rollout.tools, which the template renders in multi-message demonstrations."""
     import random
 
     from moe_gspo.tasks.sft import demonstration_batch, sft_loss
@@ -470,7 +472,7 @@ def cold_start(policy, ddp, tc, task, tok, dp: int, dp_rank: int, log=None, prom
     for s in range(steps):
         ids, m = demonstration_batch([task.sample(rng, "train") for _ in range(per_rank)], tok,
                                      context=policy.model_config.max_position_embeddings,  # checked before the forward
-                                     prompt_ids=prompt_ids)
+                                     prompt_ids=prompt_ids, tools=tools)
         opt.zero_grad()
         loss = sft_loss(policy, ids, m)
         loss.backward()

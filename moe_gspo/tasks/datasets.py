@@ -7,10 +7,11 @@ Files: .jsonl (JSON lines), .json (an array of rows, or JSON lines as `datasets.
 .parquet, or a folder of .parquet shards (read in name order). Each row is an object whose prompt column is a
 non-empty string or a list of chat messages ({"role": str, "content": str}), and whose answer (a column, or a
 dotted path into one: verl's `reward_model.ground_truth`) is a string or a number. The optional demonstration
-column gives the cold start's completion: a string, or for episodes with tools a list of assistant and tool messages
-(the assistant's call, the tool's answer, the assistant's reply). Every other column reaches the reward in `Example.meta` (verl's
-`data_source` and `extra_info`, TRL's extra columns). Any other shape raises DatasetError naming the file and the
-line (JSON lines, 1-based) or row (parquet and JSON arrays, 1-based). Parquet needs `pyarrow`.
+column gives the cold start's completion: a string, or for episodes with tools a list of assistant and tool
+messages (the assistant's call, the tool's answer, the assistant's reply). Every other column reaches the reward in
+`Example.meta` (verl's `data_source` and `extra_info`, TRL's extra columns). Any other shape raises DatasetError
+naming the file and the line (JSON lines, 1-based) or row (parquet and JSON arrays, 1-based). Parquet needs
+`pyarrow`.
 """
 
 from __future__ import annotations
@@ -70,8 +71,6 @@ def _demo_messages(demo, where: str, field: str) -> list[dict]:
         if role == "assistant" and j and roles[j - 1] == "assistant":
             raise DatasetError(f"{where}: field {field!r} messages {j - 1} and {j} are both assistant turns; "
                                "a tool message must answer a turn before the next one")
-        if role == "tool" and (not j or roles[j - 1] not in ("assistant", "tool")):
-            raise DatasetError(f"{where}: field {field!r} message {j} is a tool message before any assistant turn")
     if roles[0] != "assistant" or roles[-1] != "assistant":
         which = 0 if roles[0] != "assistant" else len(roles) - 1
         raise DatasetError(f"{where}: field {field!r} message {which} is a {roles[which]} message; a "

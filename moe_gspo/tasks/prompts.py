@@ -95,7 +95,6 @@ def unrendered_roles(tok, roles) -> dict[str, str]:
     return out
 
 
-
 PROBE_USER = {"role": "user", "content": "q"}
 
 

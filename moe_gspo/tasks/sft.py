@@ -8,8 +8,8 @@ Works with any model object callable as `model(input_ids) -> logits (B, T, V)` (
 an object with `.logits` (a transformers model), with `.parameters()`. A demonstration is bos + prompt + completion
 + eos; cross-entropy is taken on the completion and eos tokens only. A multi-message demonstration (assistant
 turns with tool messages between them) is laid out as the rollout's agent loop lays out an episode, and trains on
-the assistant turns alone (completion_ids). Sequences are right-padded, so a causal model
-needs no attention mask and greedy decoding reads each row's logits at its own last position.
+the assistant turns alone (completion_ids). Sequences are right-padded, so a causal model needs no attention mask
+and greedy decoding reads each row's logits at its own last position.
 """
 
 from __future__ import annotations

@@ -115,13 +115,13 @@ def turn_ids(tok, sampled: str, messages: list[dict], tools: list[dict] | None =
         return tok.render_chat(msgs, tools=tools, add_generation_prompt=generation_prompt)
 
     assistant = {"role": "assistant", "content": sampled}
-    opened = render([PROBE_USER], True) + sampled
+    opening = render([PROBE_USER], True)
     full = render([PROBE_USER, assistant, *messages], True)
-    if full.startswith(opened):
-        delta, rendered = full[len(opened):], None
+    if full.startswith(opening + sampled):
+        delta, rendered = full[len(opening + sampled):], None
     else:
         delta = full[len(render([PROBE_USER, assistant], False)):]
-        rendered = full[len(render([PROBE_USER], True)):]
+        rendered = full[len(opening):]
     ids = tok.encode(delta)
     if end_id is not None and ids and ids[0] == end_id:
         ids = ids[1:]  # the template's own end of turn, which the turn already has

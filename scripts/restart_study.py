@@ -1,6 +1,6 @@
 """Restart collapsed runs of a `moe-gspo compare` directory from a checkpoint before their collapse, in several arms.
 
-    python scripts/restart_study.py SRC VARIANT OUT [--before 5] [--jobs 2] \
+    python scripts/restart_study.py SRC VARIANT OUT [--before 5] [--jobs 2] [--resume] \
         same= lr3=train.lr=3.3333e-5 gspo=algorithm.loss=gspo
     python scripts/restart_study.py SRC VARIANT OUT --summary
 
@@ -10,11 +10,13 @@ compare.json settings, moe_gspo/report/stats.py), the restart step is the step w
 --before (the smoothing window, so that no step inside the smoothed drop has been trained on). Each arm NAME=OVERRIDES
 (comma-separated `a.b=v`, empty for the same settings) copies the run's config.yaml, its metrics up to the restart
 step and that checkpoint into OUT/NAME/seed_<s>/ and continues it with `moe-gspo train --resume` to the run's last
-step, with the checkpoint's weights and optimizer state and the arm's overrides. --summary prints, per arm and seed,
-the restart step, the pre-collapse peak of the smoothed reward, the final reward (mean of the last final_window steps)
-and whether the restart recovered as registered: final reward at least collapse_fraction of that peak and no
-collapse after it. Beside it, apart, a stricter reading that was not registered: also the last smoothed reward at
-that level.
+step, with the checkpoint's weights and optimizer state and the arm's overrides. With --resume, a restart whose
+metrics already reach the source run's last step is kept, and any other is prepared afresh and rerun.
+
+--summary prints, per arm and seed, the restart step, the pre-collapse peak of the smoothed reward, the final reward
+(mean of the last final_window steps) and whether the restart recovered as registered: final reward at least
+collapse_fraction of that peak and no collapse after it. Beside it, apart, a stricter reading that was not
+registered: also the last smoothed reward at that level.
 """
 
 from __future__ import annotations
@@ -66,6 +68,16 @@ def prepare(src: Path, variant: str, out: Path, arm: str, seed: int, step: int) 
     return dest
 
 
+def finished(src: Path, variant: str, out: Path, arm: str, seed: int) -> bool:
+    """Whether OUT/ARM/seed_<s> holds a restart that reached the source run's last step."""
+    done = out / arm / f"seed_{seed}" / "metrics.jsonl"
+    if not done.is_file():
+        return False
+    last = json.loads((src / variant / f"seed_{seed}" / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    rows = done.read_text().splitlines()
+    return bool(rows) and json.loads(rows[-1])["step"] == last
+
+
 def restart(dest: Path, overrides: list[str]) -> int:
     cmd = [sys.executable, "-m", "moe_gspo.cli", "train", "--config", str(dest / "config.yaml"), "--out", str(dest),
            "--resume", "logging.progress=false", "logging.tensorboard=false", "train.checkpoint_every=0", *overrides]
@@ -113,6 +125,7 @@ def main() -> None:
     ap.add_argument("--before", type=int, default=5)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--summary", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="keep the restarts that reached the last step")
     a = ap.parse_args()
     if a.summary:
         summary(a.src, a.variant, a.out, a.before)
@@ -123,6 +136,9 @@ def main() -> None:
     for spec in a.arms:
         name, _, ovs = spec.partition("=")
         for s, (step, _) in points.items():
+            if a.resume and finished(a.src, a.variant, a.out, name, s):
+                print(f"{a.out / name / f'seed_{s}'}: kept (finished)", flush=True)
+                continue
             todo.append((prepare(a.src, a.variant, a.out, name, s, step), [o for o in ovs.split(",") if o]))
     with ThreadPoolExecutor(a.jobs) as pool:
         for (dest, _), rc in zip(todo, pool.map(lambda t: restart(*t), todo)):

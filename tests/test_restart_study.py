@@ -54,3 +54,24 @@ def test_recovery_is_counted_by_the_registered_rule_and_the_stricter_reading_apa
     assert rows["late_dip"].endswith("| 1/1 | 0/1 |")
     assert rows["flat"].endswith("| 1/1 | 1/1 |")
     assert rows["none"].endswith("| 0/1 | 0/1 |")
+
+
+def test_resume_keeps_only_restarts_that_reached_the_last_step(tmp_path):
+    """--resume keeps a restart whose metrics reach the source run's last step; one cut off mid-way, or never
+    started, is redone."""
+    def write(d, steps):
+        d.mkdir(parents=True)
+        d.joinpath("metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward/mean": 0.5}) + "\n"
+                                                      for i in steps))
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    write(src / "grpo" / "seed_1", range(1, 41))
+    write(out / "done" / "seed_1", range(1, 41))
+    write(out / "cut" / "seed_1", range(1, 33))
+    (out / "empty" / "seed_1").mkdir(parents=True)
+    (out / "empty" / "seed_1" / "metrics.jsonl").write_text("")
+    finished = _script().finished
+    assert finished(src, "grpo", out, "done", 1)
+    assert not finished(src, "grpo", out, "cut", 1)
+    assert not finished(src, "grpo", out, "empty", 1)
+    assert not finished(src, "grpo", out, "missing", 1)

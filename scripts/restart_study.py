@@ -16,7 +16,10 @@ metrics already reach the source run's last step is kept, and any other is prepa
 --summary prints, per arm and seed, the restart step, the pre-collapse peak of the smoothed reward, the final reward
 (mean of the last final_window steps) and whether the restart recovered as registered: final reward at least
 collapse_fraction of that peak and no collapse after it. Beside it, apart, a stricter reading that was not
-registered: also the last smoothed reward at that level.
+registered: also the last smoothed reward at that level. With --interval LEVEL it adds the interval rule: sources
+whose --control arm (the same settings) recovered are left out; each other arm's recovery rate gets its Wilson
+interval at LEVEL; irreversibility holds if every arm's upper end is below --threshold, is contradicted if any arm's
+lower end is above it, and is otherwise not settled.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_gspo.report.compare_data import read_meta
-from moe_gspo.report.stats import collapses, final_value, smooth
+from moe_gspo.report.stats import collapses, final_value, smooth, wilson
 from moe_gspo.checkpoint.store import Checkpoints
 
 
@@ -86,7 +89,35 @@ def restart(dest: Path, overrides: list[str]) -> int:
                               ).returncode
 
 
-def summary(src: Path, variant: str, out: Path, before: int) -> None:
+def interval_rule(outcomes: dict[str, dict[int, bool]], control: str, level: float,
+                  threshold: float) -> tuple[list[str], str]:
+    """(one line per arm, verdict) of the interval rule on {arm: {seed: recovered}}: sources whose control arm
+    recovered recover without any change and are left out of every rate."""
+    by_itself = {s for s, ok in outcomes.get(control, {}).items() if ok}
+    lines, uppers, lowers = [], [], []
+    for arm, seeds in sorted(outcomes.items()):
+        if arm == control:
+            continue
+        kept = [ok for s, ok in seeds.items() if s not in by_itself]
+        if not kept:
+            lines.append(f"{arm}: no sources left")
+            continue
+        lo, hi = wilson(sum(kept), len(kept), level)
+        lowers.append(lo)
+        uppers.append(hi)
+        lines.append(f"{arm}: {sum(kept)}/{len(kept)} recovered, Wilson {level:.4g} interval [{lo:.3f}, {hi:.3f}]")
+    if by_itself:
+        lines.append(f"left out, recovered in the {control} arm: seeds {sorted(by_itself)}")
+    if any(lo > threshold for lo in lowers):
+        verdict = f"contradicted: some arm's lower end is above {threshold:g}"
+    elif uppers and len(uppers) == len(outcomes) - (control in outcomes) and all(hi < threshold for hi in uppers):
+        verdict = f"holds: every arm's upper end is below {threshold:g}"
+    else:
+        verdict = "not settled"
+    return lines, verdict
+
+
+def summary(src: Path, variant: str, out: Path, before: int, rule: tuple[float, str, float] | None = None) -> None:
     _, st = read_meta(src)
     points = restart_points(src, variant, before)
     print(f"{out}: restarts of {src}/{variant}'s collapsed runs, {before} steps before the collapse began; recovered = "
@@ -95,8 +126,10 @@ def summary(src: Path, variant: str, out: Path, before: int) -> None:
           "to be at that level (not registered)")
     print("| arm | seed | restart step | pre-collapse peak (smoothed) | final reward | recovered | and last smoothed |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
+    outcomes: dict[str, dict[int, bool]] = {}
     for arm in sorted(p.name for p in out.iterdir() if p.is_dir()):
         n = hits = strict_hits = 0
+        outcomes[arm] = {}
         for s, (step, peak) in sorted(points.items()):
             d = out / arm / f"seed_{s}"
             if not (d / "metrics.jsonl").is_file():
@@ -109,11 +142,16 @@ def summary(src: Path, variant: str, out: Path, before: int) -> None:
             ok = final >= level and not after
             strict = ok and smooth(y, st.smooth_window)[-1] >= level
             n, hits, strict_hits = n + 1, hits + ok, strict_hits + strict
+            outcomes[arm][s] = ok
             print(f"| {arm} | {s} | {step} | {peak:.3f} | {final:.3f} | {'yes' if ok else 'no'} | "
                   f"{'yes' if strict else 'no'} |")
         print(f"| {arm} | all | | | | {hits}/{n} | {strict_hits}/{n} |")
     src_final = [final_value(rewards(src / variant / f"seed_{s}"), st.final_window) for s in points]
     print(f"source runs' final rewards: {np.round(src_final, 3).tolist()}")
+    if rule is not None:
+        level, control, threshold = rule
+        lines, verdict = interval_rule(outcomes, control, level, threshold)
+        print("\n".join(["interval rule (registered outcome):", *lines, f"verdict: {verdict}"]))
 
 
 def main() -> None:
@@ -126,9 +164,13 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--summary", action="store_true")
     ap.add_argument("--resume", action="store_true", help="keep the restarts that reached the last step")
+    ap.add_argument("--interval", type=float, help="--summary: the interval rule's confidence level")
+    ap.add_argument("--control", default="same", help="the arm with unchanged settings (default: same)")
+    ap.add_argument("--threshold", type=float, default=0.25, help="the interval rule's recovery rate (default 0.25)")
     a = ap.parse_args()
     if a.summary:
-        summary(a.src, a.variant, a.out, a.before)
+        summary(a.src, a.variant, a.out, a.before,
+                None if a.interval is None else (a.interval, a.control, a.threshold))
         return
     points = restart_points(a.src, a.variant, a.before)
     print(f"collapsed seeds and restart steps: {({s: p[0] for s, p in points.items()})}", flush=True)

@@ -75,3 +75,25 @@ def test_resume_keeps_only_restarts_that_reached_the_last_step(tmp_path):
     assert not finished(src, "grpo", out, "cut", 1)
     assert not finished(src, "grpo", out, "empty", 1)
     assert not finished(src, "grpo", out, "missing", 1)
+
+
+def test_the_interval_rule_on_twenty_sources():
+    """D'''s rule at 20 sources and level 1 - 0.05/3: 0 recoveries in every arm holds (Wilson upper 0.223); 10 in
+    one arm contradicts (lower 0.264); 9 settles nothing (lower 0.226). A source that recovers with unchanged
+    settings is left out of every arm's rate."""
+    rule = _script().interval_rule
+    level = 1 - 0.05 / 3
+
+    def arms(**hits):
+        return {"same": {s: False for s in range(20)},
+                **{a: {s: s < k for s in range(20)} for a, k in hits.items()}}
+
+    lines, verdict = rule(arms(lr3=0, gspo=0), "same", level, 0.25)
+    assert verdict.startswith("holds") and "0/20" in lines[0]
+    assert rule(arms(lr3=10, gspo=0), "same", level, 0.25)[1].startswith("contradicted")
+    assert rule(arms(lr3=9, gspo=0), "same", level, 0.25)[1] == "not settled"
+    # seed 0 recovered by itself: lr3's 10 recoveries become 9 of 19, which no longer contradicts
+    outcomes = arms(lr3=10, gspo=0)
+    outcomes["same"][0] = True
+    lines, verdict = rule(outcomes, "same", level, 0.25)
+    assert verdict == "not settled" and "9/19" in lines[1] and "seeds [0]" in lines[-1]

@@ -94,23 +94,19 @@ def interval_rule(outcomes: dict[str, dict[int, bool]], control: str, level: flo
     """(one line per arm, verdict) of the interval rule on {arm: {seed: recovered}}: sources whose control arm
     recovered recover without any change and are left out of every rate."""
     by_itself = {s for s, ok in outcomes.get(control, {}).items() if ok}
-    lines, uppers, lowers = [], [], []
+    lines, intervals = [], []  # one interval per arm, None where no source is left
     for arm, seeds in sorted(outcomes.items()):
         if arm == control:
             continue
         kept = [ok for s, ok in seeds.items() if s not in by_itself]
-        if not kept:
-            lines.append(f"{arm}: no sources left")
-            continue
-        lo, hi = wilson(sum(kept), len(kept), level)
-        lowers.append(lo)
-        uppers.append(hi)
-        lines.append(f"{arm}: {sum(kept)}/{len(kept)} recovered, Wilson {level:.4g} interval [{lo:.3f}, {hi:.3f}]")
+        intervals.append(wilson(sum(kept), len(kept), level) if kept else None)
+        lines.append(f"{arm}: {sum(kept)}/{len(kept)} recovered, Wilson {level:.4g} interval "
+                     f"[{intervals[-1][0]:.3f}, {intervals[-1][1]:.3f}]" if kept else f"{arm}: no sources left")
     if by_itself:
         lines.append(f"left out, recovered in the {control} arm: seeds {sorted(by_itself)}")
-    if any(lo > threshold for lo in lowers):
+    if any(iv and iv[0] > threshold for iv in intervals):
         verdict = f"contradicted: some arm's lower end is above {threshold:g}"
-    elif uppers and len(uppers) == len(outcomes) - (control in outcomes) and all(hi < threshold for hi in uppers):
+    elif intervals and all(iv and iv[1] < threshold for iv in intervals):
         verdict = f"holds: every arm's upper end is below {threshold:g}"
     else:
         verdict = "not settled"

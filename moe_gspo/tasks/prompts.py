@@ -116,9 +116,10 @@ def turn_ids(tok, sampled: str, messages: list[dict], tools: list[dict] | None =
 
     assistant = {"role": "assistant", "content": sampled}
     opening = render([PROBE_USER], True)
+    opened = opening + sampled
     full = render([PROBE_USER, assistant, *messages], True)
-    if full.startswith(opening + sampled):
-        delta, rendered = full[len(opening + sampled):], None
+    if full.startswith(opened):
+        delta, rendered = full[len(opened):], None
     else:
         delta = full[len(render([PROBE_USER, assistant], False)):]
         rendered = full[len(opening):]
